@@ -1,0 +1,1 @@
+"""Shared algorithm implementations (torch only): DDP, DiLoCo, Pier, GASLoC, pipelines."""

@@ -1,0 +1,207 @@
+"""The Strategy interface every algorithm implements, and the registry of strategies.
+
+The training loop (`bench/train.py`, exercised by `commbench run configs/ddp-tiny.yaml`)
+knows only this interface: it never branches on an algorithm's name. A strategy is built
+from its own config dataclass and a `TrainSetup` (model, communicator, optimizer factory,
+...), and the loop calls `train_step`, `eval_model`, `state_dict`/`load_state_dict`.
+
+Data-parallel strategies subclass `DataParallelStrategy`, whose step is
+forward/backward -> `after_backward` -> clip -> inner optimizer step -> `after_inner_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from algorithms.comm import Communicator
+
+# name -> "module:Class". Imported lazily so `commbench --help` stays fast and a broken
+# optional backend cannot break the others.
+STRATEGIES: dict[str, str] = {
+    "ddp": "algorithms.ddp:DDP",
+}
+
+
+@dataclass
+class StrategyConfig:
+    """Fields common to every strategy; each strategy subclasses this with its own knobs."""
+
+    name: str = "ddp"
+    """Which algorithm runs: one of the registered strategy names."""
+
+
+@dataclass
+class StepStats:
+    """What one `train_step` reports to the loop (all values local to this rank)."""
+
+    loss: float
+    """Mean training loss of this rank's batch."""
+    tokens: int
+    """Tokens this rank consumed in the step."""
+    comm_s: float = 0.0
+    """Exposed (non-overlapped) communication seconds in the step."""
+    extras: dict[str, float] = field(default_factory=dict)
+    """Algorithm-specific scalars (outer round, pseudo-gradient norm, ...)."""
+
+
+@dataclass
+class TrainSetup:
+    """Everything the harness hands a strategy. Plain objects; no harness imports."""
+
+    model: nn.Module
+    """The full model on this rank's device; `model(x, y)` returns (logits, loss)."""
+    comm: Communicator
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    """Builds the inner optimizer for a module (param groups and hyper-parameters)."""
+    total_steps: int
+    grad_clip: float = 0.0
+    """Max global gradient norm; 0 disables clipping."""
+    group_size: int = 1
+    """Ranks per data-parallel replica (hierarchical strategies); 1 = flat."""
+    rank_batch_size: int = 1
+    """Sequences per rank per step (all microbatches together)."""
+    num_microbatches: int = 1
+    """Gradient-accumulation microbatches per step (pipelines: microbatches per minibatch)."""
+    autocast: Callable[[], object] | None = None
+    """Context-manager factory for mixed precision around forward passes."""
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy.name must be one of {sorted(STRATEGIES)}, got {name!r}")
+    module_name, class_name = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def config_class(name: str) -> type[StrategyConfig]:
+    return strategy_class(name).Config
+
+
+class Strategy:
+    """Base of every strategy. Subclasses set `Config` and implement the methods below."""
+
+    Config: type[StrategyConfig] = StrategyConfig
+
+    def __init__(self, config: StrategyConfig, setup: TrainSetup):
+        self.config = config
+        self.setup = setup
+        self.comm = setup.comm
+
+    def data_shard(self) -> tuple[int, int]:
+        """(shard index, number of shards) of the training stream this rank reads."""
+        return self.comm.rank, self.comm.world_size
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
+        raise NotImplementedError
+
+    def set_lr(self, lr: float) -> None:
+        raise NotImplementedError
+
+    def eval_model(self) -> nn.Module:
+        """The weights that count for validation and downstream evaluation."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release process groups or engines; called once at the end of the run."""
+
+
+def _microbatches(batch: tuple[torch.Tensor, torch.Tensor], n: int):
+    x, y = batch
+    if x.shape[0] % n:
+        raise ValueError(
+            f"parallel.num_microbatches ({n}) must divide the per-rank batch ({x.shape[0]})"
+        )
+    return zip(x.chunk(n), y.chunk(n), strict=True)
+
+
+class DataParallelStrategy(Strategy):
+    """A step of forward/backward over microbatches, then the inner optimizer step.
+
+    Subclasses hook communication in at `after_backward` (gradient all-reduce) and
+    `after_inner_step` (outer synchronisation, gossip), and may wrap the model
+    (`self.train_model`, e.g. in torch DDP) in `__init__`.
+    """
+
+    def __init__(self, config: StrategyConfig, setup: TrainSetup):
+        super().__init__(config, setup)
+        self.model = setup.model
+        self.train_model: nn.Module = setup.model
+        self.optimizer = setup.make_optimizer(self.model)
+        self.step_index = 0
+        self.backward_end = 0.0
+        """Host time the last backward pass returned (for exposed-communication timing)."""
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+
+    def no_sync(self):
+        """Context that skips gradient communication for non-final microbatches."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batch) -> tuple[float, int]:
+        n = self.setup.num_microbatches
+        total_loss = 0.0
+        tokens = 0
+        autocast = self.setup.autocast
+        for i, (x, y) in enumerate(_microbatches(batch, n)):
+            sync_context = self.no_sync() if i < n - 1 else contextlib.nullcontext()
+            with sync_context:
+                with autocast() if autocast else contextlib.nullcontext():
+                    _, loss = self.train_model(x, y)
+                (loss / n).backward()
+                self.backward_end = time.perf_counter()
+            total_loss += loss.item() / n
+            tokens += y.numel()
+        return total_loss, tokens
+
+    def after_backward(self) -> float:
+        """Gradient communication; returns its exposed seconds."""
+        return 0.0
+
+    def after_inner_step(self) -> tuple[float, dict[str, float]]:
+        """Communication after the optimizer step; returns (exposed seconds, extras)."""
+        return 0.0, {}
+
+    def clip_gradients(self) -> None:
+        if self.setup.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.setup.grad_clip)
+
+    def train_step(self, batch) -> StepStats:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, tokens = self.forward_backward(batch)
+        comm_s = self.after_backward()
+        self.clip_gradients()
+        self.optimizer.step()
+        self.step_index += 1
+        outer_s, extras = self.after_inner_step()
+        return StepStats(loss=loss, tokens=tokens, comm_s=comm_s + outer_s, extras=extras)
+
+    def eval_model(self) -> nn.Module:
+        return self.model
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step_index": self.step_index,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_index = state["step_index"]
+

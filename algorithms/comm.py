@@ -1,0 +1,306 @@
+"""The Communicator, the algorithms' only path to the network, and the CommLedger it feeds.
+
+Exercised by `pytest tests/test_comm.py` (2 and 4 gloo ranks). Every op goes through
+torch.distributed (gloo on CPU, NCCL on GPU); nothing here re-implements a collective.
+Each op appends one `CommRecord` to the ledger: the loop's step, the current phase, the
+op, the group size, the peers, the logical bytes and the measured wall time.
+
+Conventions:
+- `nbytes` is the logical payload of this rank: `numel * element_size` of the tensor it
+  reduces, broadcasts, contributes to a gather, sends or receives; for `exchange` the sum
+  of the tensors it sends. Wire bytes (e.g. a ring's 2(n-1)/n factor) are the network
+  model's business (bench/network.py), not the ledger's.
+- `peers`: for point-to-point ops the other ranks (sorted); for collectives the group's
+  ranks when the op runs on a subgroup, None when it runs on the whole world.
+- `tier`: "intra" if every rank involved lives on this rank's node (node = rank //
+  ranks_per_node), else "inter". `ranks_per_node=None` means one rank per node, i.e. every
+  process stands for a machine (the emulation view).
+- `seconds` is wall time, device-synchronised on CUDA before and after, and includes time
+  spent waiting for slower peers and any emulation sleep.
+- `barrier()` is not recorded: it carries no payload and the harness uses it for
+  alignment; a straggler's wait shows up in the next real op's seconds anyway.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One communication op as seen by one rank."""
+
+    step: int
+    phase: str
+    op: str
+    group_size: int
+    peers: tuple[int, ...] | None
+    nbytes: int
+    seconds: float
+    tier: str
+
+
+class CommLedger:
+    """Every CommRecord of one rank, in order."""
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def add(self, record: CommRecord) -> None:
+        self.records.append(record)
+
+    def since(self, index: int) -> list[CommRecord]:
+        """Records added after `len(ledger)` was `index` (one step's records, say)."""
+        return self.records[index:]
+
+    def totals(self, phases: Iterable[str] | None = None, start: int = 0) -> tuple[int, float]:
+        """(bytes, seconds) summed over records from `start`, optionally only these phases."""
+        keep = None if phases is None else set(phases)
+        nbytes, seconds = 0, 0.0
+        for r in self.records[start:]:
+            if keep is None or r.phase in keep:
+                nbytes += r.nbytes
+                seconds += r.seconds
+        return nbytes, seconds
+
+    def aggregate(self) -> list[dict]:
+        """Rows grouped by (phase, op, tier, group_size), in order of first appearance."""
+        rows: dict[tuple, dict] = {}
+        for r in self.records:
+            key = (r.phase, r.op, r.tier, r.group_size)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = dict(phase=r.phase, op=r.op, tier=r.tier,
+                                       group_size=r.group_size, count=0, bytes=0, seconds=0.0)
+            row["count"] += 1
+            row["bytes"] += r.nbytes
+            row["seconds"] += r.seconds
+        return list(rows.values())
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group: its global ranks (sorted) and the torch ProcessGroup handle."""
+
+    ranks: tuple[int, ...]
+    pg: object
+
+
+class Communicator:
+    """Wraps the already-initialised default process group; records every op in the ledger.
+
+    `delay(record) -> seconds` is the optional emulation policy (bench.network.delay_policy):
+    an op that finishes faster than the modelled time sleeps for the remainder, so the op
+    takes at least that long and the recorded seconds include the sleep.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        ledger: CommLedger | None = None,
+        delay: Callable[[CommRecord], float] | None = None,
+        ranks_per_node: int | None = None,
+    ) -> None:
+        if ranks_per_node is not None and ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1 or None, got {ranks_per_node!r}")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.delay = delay
+        self.ranks_per_node = ranks_per_node or 1
+        self.step = 0
+        self._phase = "train"
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Tag the records made inside the block with phase `name` (default phase: train)."""
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    @property
+    def current_phase(self) -> str:
+        return self._phase
+
+    def group_ranks(self, group: Group | None) -> tuple[int, ...]:
+        return tuple(range(self.world_size)) if group is None else group.ranks
+
+    def tier(self, ranks: Iterable[int]) -> str:
+        node = self.rank // self.ranks_per_node
+        same = all(r // self.ranks_per_node == node for r in ranks)
+        return "intra" if same else "inter"
+
+    def record(self, op: str, nbytes: int, seconds: float, group: Group | None = None,
+               peers: Sequence[int] | None = None, started: float | None = None) -> CommRecord:
+        """Append a record for traffic timed elsewhere (e.g. a DDP comm hook).
+
+        With `started` (the op's `time.perf_counter()` launch time) the emulation delay
+        applies too: the caller is held until the op has taken its modelled time.
+        """
+        rec = self._make_record(op, nbytes, seconds, group, peers)
+        if self.delay is not None and started is not None:
+            remaining = self.delay(rec) - seconds
+            if remaining > 0:
+                time.sleep(remaining)
+                rec = self._make_record(op, nbytes, time.perf_counter() - started, group, peers)
+        self.ledger.add(rec)
+        return rec
+
+    def _make_record(self, op, nbytes, seconds, group, peers) -> CommRecord:
+        if peers is not None:
+            peers = tuple(sorted(peers))
+            involved, size = peers, len(peers) + 1
+        else:
+            involved = self.group_ranks(group)
+            size = len(involved)
+            peers = None if group is None else involved
+        return CommRecord(step=self.step, phase=self._phase, op=op, group_size=size,
+                          peers=peers, nbytes=int(nbytes), seconds=float(seconds),
+                          tier=self.tier(involved))
+
+    @contextmanager
+    def _timed(self, op: str, nbytes: int, group: Group | None = None,
+               peers: Sequence[int] | None = None) -> Iterator[None]:
+        """Time the block (device-synchronised), apply the emulation delay, record it."""
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        elapsed = time.perf_counter() - start
+        rec = self._make_record(op, nbytes, elapsed, group, peers)
+        if self.delay is not None:
+            remaining = self.delay(rec) - elapsed
+            if remaining > 0:
+                time.sleep(remaining)
+                rec = self._make_record(op, nbytes, time.perf_counter() - start, group, peers)
+        self.ledger.add(rec)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _pg(self, group: Group | None):
+        if group is None:
+            return None
+        if self.rank not in group.ranks:
+            raise ValueError(f"rank {self.rank} is not in group {group.ranks}")
+        return group.pg
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg",
+                   group: Group | None = None) -> torch.Tensor:
+        """In place: sum or mean of `tensor` over the group; returns `tensor`."""
+        if op not in ("avg", "sum"):
+            raise ValueError(f"all_reduce op must be 'avg' or 'sum', got {op!r}")
+        if op == "avg" and not tensor.is_floating_point():
+            raise TypeError(f"all_reduce op='avg' needs a floating tensor, got {tensor.dtype}")
+        pg = self._pg(group)
+        size = len(self.group_ranks(group))
+        # gloo has no ReduceOp.AVG: sum, then divide.
+        native_avg = op == "avg" and dist.get_backend(pg) == "nccl"
+        reduce_op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+        with self._timed("all_reduce", _nbytes(tensor), group):
+            dist.all_reduce(tensor, op=reduce_op, group=pg)
+            if op == "avg" and not native_avg:
+                tensor.div_(size)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group | None = None) -> torch.Tensor:
+        """In place: `tensor` on every rank of the group becomes global rank `src`'s."""
+        pg = self._pg(group)
+        if src not in self.group_ranks(group):
+            raise ValueError(f"broadcast src must be in {self.group_ranks(group)}, got {src}")
+        with self._timed("broadcast", _nbytes(tensor), group):
+            dist.broadcast(tensor, src=src, group=pg)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Group | None = None) -> list[torch.Tensor]:
+        """Every group member's `tensor` (same shape everywhere), in group-rank order."""
+        pg = self._pg(group)
+        out = [torch.empty_like(tensor) for _ in self.group_ranks(group)]
+        with self._timed("all_gather", _nbytes(tensor), group):
+            dist.all_gather(out, tensor.contiguous(), group=pg)
+        return out
+
+    def barrier(self, group: Group | None = None) -> None:
+        """Wait for every rank of the group; not recorded (see the module docstring)."""
+        dist.barrier(group=self._pg(group))
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """A subgroup of global `ranks`.
+
+        Collective over the WORLD: every rank must call `new_group` for every subgroup, in
+        the same order, even ranks that are not members (torch.distributed's rule).
+        """
+        members = tuple(sorted(set(ranks)))
+        if not members or members[0] < 0 or members[-1] >= self.world_size:
+            raise ValueError(f"group ranks must be in [0, {self.world_size}), got {list(ranks)}")
+        return Group(ranks=members, pg=dist.new_group(list(members)))
+
+    def split(self, partition: Sequence[Sequence[int]]) -> Group:
+        """Create one group per block of `partition` (on every rank); return this rank's."""
+        flat = [r for block in partition for r in block]
+        if len(flat) != len(set(flat)):
+            raise ValueError(f"partition blocks must be disjoint, got {list(map(list, partition))}")
+        mine = None
+        for block in partition:
+            group = self.new_group(block)
+            if self.rank in group.ranks:
+                mine = group
+        if mine is None:
+            raise ValueError(f"rank {self.rank} is in no block of {list(map(list, partition))}")
+        return mine
+
+    # ------------------------------------------------------------------ point to point
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        with self._timed("send", _nbytes(tensor), peers=(dst,)):
+            dist.send(tensor.contiguous(), dst=dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into `tensor` (recorded with the received payload's bytes)."""
+        with self._timed("recv", _nbytes(tensor), peers=(src,)):
+            dist.recv(tensor, src=src)
+        return tensor
+
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+        """Batched isend/irecv: send `sends[peer]` to each peer, receive into `recvs[peer]`.
+
+        Each pair of peers must call it with matching shapes. Recorded as ONE record whose
+        peers are all ranks sent to or received from and whose bytes are the bytes sent.
+        """
+        peers = set(sends) | set(recvs)
+        if not peers:
+            return
+        if self.rank in peers:
+            raise ValueError(f"exchange peers must not include this rank {self.rank}")
+        ops = [dist.P2POp(dist.isend, t.contiguous(), p) for p, t in sorted(sends.items())]
+        ops += [dist.P2POp(dist.irecv, t, p) for p, t in sorted(recvs.items())]
+        nbytes = sum(_nbytes(t) for t in sends.values())
+        with self._timed("exchange", nbytes, peers=peers):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,1 @@
+"""The commbench harness: config, model, data, training loop, launch, sweeps, reports."""

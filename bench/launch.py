@@ -1,0 +1,138 @@
+"""Launch one training run: torchrun on this machine, or one node of a multi-node run.
+
+`commbench run configs/ddp-tiny.yaml` validates the config, creates the run directory,
+writes config.yaml, starts `torchrun ... -m bench.train RUN_DIR`, shows a live progress
+line, and leaves summary.json with status ok, diverged or failed (with the error text).
+A rank that crashes makes torchrun stop the others; a rank stuck in a collective fails
+after `parallel.timeout_s`; either way the run ends with status failed, never a hang.
+
+Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
+`commbench run CONFIG --run-dir SHARED_DIR` once per node; torchrun's c10d rendezvous
+assigns node ranks. The run directory must be on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from bench import records
+from bench.config import Config, check_output_dir, config_hash, to_yaml
+
+
+def new_run_dir(cfg: Config) -> Path:
+    """results/NAME-HASH, with -2, -3... appended rather than overwrite an earlier record."""
+    out = check_output_dir(cfg.run.output_dir)
+    base = out / f"{cfg.run.name}-{config_hash(cfg)}"
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def torchrun_command(cfg: Config, run_dir: Path) -> list[str]:
+    nnodes = cfg.launch.nnodes
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           f"--nproc-per-node={cfg.parallel.world_size // nnodes}"]
+    if nnodes == 1 and cfg.launch.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if cfg.launch.rdzv_endpoint is None:
+            raise ValueError("launch.rdzv_endpoint (host:port) is required when launch.nnodes > 1")
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={cfg.launch.rdzv_endpoint}",
+                f"--rdzv-id={config_hash(cfg)}"]
+    cmd += list(cfg.launch.torchrun_args)
+    return cmd + ["-m", "bench.train", str(run_dir)]
+
+
+def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
+               resume: bool = False) -> dict:
+    """Train one run into `run_dir` (a new directory when None); returns summary.json."""
+    run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    for stale in (run_dir / "logs").glob("error-rank*.txt"):
+        stale.unlink()
+    records.write_text(run_dir / "config.yaml", to_yaml(cfg))
+    summary = records.update_summary(run_dir, {
+        "status": "running", "run_name": cfg.run.name, "config_hash": config_hash(cfg),
+        "strategy": cfg.strategy.name, "world_size": cfg.parallel.world_size,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+    env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if resume:
+        env["COMMBENCH_RESUME"] = "1"
+    started = time.perf_counter()
+    log_path = run_dir / "logs" / "torchrun.log"
+    rc, tail = _run_torchrun(torchrun_command(cfg, run_dir), env, log_path, progress)
+    summary = records.read_summary(run_dir) or {}
+    if rc != 0 or summary.get("status") == "running":
+        summary = records.update_summary(run_dir, {
+            "status": "failed", "error": _error_text(run_dir, rc, tail),
+            "launcher_wall_s": time.perf_counter() - started,
+        })
+    else:
+        wall = time.perf_counter() - started
+        summary = records.update_summary(run_dir, {"launcher_wall_s": wall})
+    if summary["status"] == "ok" and cfg.eval.suite:
+        summary = _self_evaluate(cfg, run_dir)
+    return {**summary, "run_dir": str(run_dir)}
+
+
+def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
+    tail: deque[str] = deque(maxlen=40)
+    interactive = progress and sys.stderr.isatty()
+    with open(log_path, "a") as log:
+        log.write(" ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                text=True, bufsize=1)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if line.startswith("PROGRESS "):
+                    if progress:
+                        text = line[len("PROGRESS "):].rstrip()
+                        print(f"\r{text}\033[K" if interactive else text, end="" if interactive
+                              else "\n", file=sys.stderr, flush=True)
+                else:
+                    tail.append(line.rstrip())
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            tail.append("interrupted by the user (KeyboardInterrupt)")
+            rc = -2
+        finally:
+            if interactive:
+                print(file=sys.stderr)
+    return rc, list(tail)
+
+
+def _error_text(run_dir: Path, rc: int, tail: list[str]) -> str:
+    errors = sorted((run_dir / "logs").glob("error-rank*.txt"))
+    if errors:
+        first = errors[0]
+        lines = first.read_text().strip().splitlines()
+        return f"{first.stem}: {lines[-1] if lines else 'unknown error'}\n" + "\n".join(lines[-15:])
+    return f"torchrun exited with code {rc}\n" + "\n".join(tail[-15:])
+
+
+def _self_evaluate(cfg: Config, run_dir: Path) -> dict:
+    from eval.runner import evaluate_run
+
+    try:
+        evaluate_run(run_dir, suite=cfg.eval.suite, tasks=cfg.eval.tasks or None,
+                     limit=cfg.eval.limit, batch_size=cfg.eval.batch_size)
+    except Exception as err:  # the training record stays valid; say what went wrong
+        return records.update_summary(run_dir, {"eval_error": f"{type(err).__name__}: {err}"})
+    return records.read_summary(run_dir)

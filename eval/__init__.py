@@ -1,0 +1,1 @@
+"""lm-eval integration: the model adapter, the evaluation suites, the runner and HF export."""

@@ -1,0 +1,155 @@
+"""Evaluate a finished run with lm-eval: `commbench eval RUN_DIR --suite smoke|paper`.
+
+`evaluate_run` checks everything a user can get wrong (run directory, checkpoint,
+config, suite, task names, datasets available) before evaluating, then writes
+RUN_DIR/eval.json atomically and puts the key numbers into summary.json under `eval`
+(`{"task/metric": value}`). Results of earlier evaluations of other tasks are kept, so
+smoke and paper results of one run live side by side; a failure writes nothing.
+
+eval.json:
+    lm_eval_version, evaluated_at, last (what the latest call ran),
+    tasks: {task: {suite, version, num_fewshot, num_samples, limit, lm_eval_version,
+                   step, evaluated_at, metrics: {metric: {value, stderr}}}},
+    summary: {"task/metric": value}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+from bench.records import read_json, update_summary, write_json
+from eval.lm import CommbenchLM, checkpoint_path
+from eval.suites import get_suite, load_tasks, select_tasks
+
+
+def _read_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: unreadable YAML ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a mapping of config sections")
+    return config
+
+
+def _number(value) -> float | None:
+    """A metric as a JSON-safe float (None for lm-eval's "N/A" and non-finite values)."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _task_records(results: dict) -> dict[str, dict]:
+    """lm-eval's results -> {task: {version, num_fewshot, num_samples, metrics}}.
+    A metric is named by lm-eval's metric name, suffixed with ",filter" unless the
+    filter is "none"."""
+    records = {}
+    for task, row in results["results"].items():
+        metrics = {}
+        for key, value in row.items():
+            if "," not in key:
+                continue
+            metric, filter_name = key.split(",", 1)
+            if metric.endswith("_stderr"):
+                continue
+            name = metric if filter_name == "none" else key
+            stderr = row.get(f"{metric}_stderr,{filter_name}")
+            metrics[name] = {"value": _number(value), "stderr": _number(stderr)}
+        samples = results.get("n-samples", {}).get(task, {})
+        records[task] = {
+            "version": results.get("versions", {}).get(task),
+            "num_fewshot": results.get("n-shot", {}).get(task),
+            "num_samples": samples.get("effective"),
+            "metrics": metrics,
+        }
+    return records
+
+
+def evaluate_run(
+    run_dir: str | Path,
+    suite: str = "smoke",
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    batch_size: int = 16,
+    device: str = "cpu",
+    bootstrap_iters: int | None = None,
+) -> dict:
+    """Run the suite's tasks (or `tasks`) on the run's evaluation model; returns the new
+    eval.json content. `limit` caps examples per task; `bootstrap_iters` overrides the
+    suite's resamples for bootstrapped standard errors."""
+    from lm_eval import simple_evaluate
+
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        # lm-eval returns no results on other local ranks: evaluate in one process.
+        raise ValueError("evaluate_run must be called on local rank 0 only")
+    run_dir = Path(run_dir)
+    checkpoint = checkpoint_path(run_dir)
+    config = _read_config(run_dir)
+    spec = get_suite(suite)
+    names = select_tasks(spec, tasks)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"eval.limit must be an integer >= 1 or null, got {limit!r}")
+    eval_path = run_dir / "eval.json"
+    previous = read_json(eval_path) if eval_path.exists() else {}
+    lm = CommbenchLM.from_run(run_dir, batch_size=batch_size, device=device)
+    manager, task_objects = load_tasks(spec, names, config.get("data") or {})
+
+    start = time.perf_counter()
+    results = simple_evaluate(
+        model=lm,
+        tasks=task_objects,
+        task_manager=manager,
+        limit=limit,
+        batch_size=batch_size,
+        device=device,
+        bootstrap_iters=spec.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,
+        log_samples=False,
+    )
+    seconds = time.perf_counter() - start
+
+    version = metadata.version("lm_eval")
+    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    tasks_out = dict(previous.get("tasks", {}))
+    for task, record in _task_records(results).items():
+        tasks_out[task] = {
+            "suite": suite,
+            **record,
+            "limit": limit,
+            "lm_eval_version": version,
+            "step": lm.info.get("step"),
+            "evaluated_at": now,
+        }
+    summary = {
+        f"{task}/{metric}": value["value"]
+        for task, record in sorted(tasks_out.items())
+        for metric, value in record["metrics"].items()
+    }
+    out = {
+        "lm_eval_version": version,
+        "evaluated_at": now,
+        "last": {
+            "suite": suite,
+            "tasks": names,
+            "limit": limit,
+            "batch_size": batch_size,
+            "device": device,
+            "checkpoint": str(checkpoint.relative_to(run_dir)),
+            "seconds": round(seconds, 3),
+        },
+        "tasks": tasks_out,
+        "summary": summary,
+    }
+    write_json(eval_path, out)
+    update_summary(run_dir, {"eval": summary})
+    return out

