@@ -64,8 +64,7 @@ def make_ddp(model, comm, group=None, bucket_cap_mb: float = 25.0):
     device_ids = [model_device(model).index] if model_device(model).type == "cuda" else None
     pg = group.pg if group is not None else None
     ddp_model = DistributedDataParallel(
-        model, device_ids=device_ids, process_group=pg, bucket_cap_mb=bucket_cap_mb,
-        broadcast_buffers=False,
+        model, device_ids=device_ids, process_group=pg, bucket_cap_mb=bucket_cap_mb
     )
     timer = _BucketTimer(comm, group)
     ddp_model.register_comm_hook(state=None, hook=timer.hook)

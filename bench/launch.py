@@ -119,11 +119,17 @@ def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
 
 
 def _error_text(run_dir: Path, rc: int, tail: list[str]) -> str:
-    errors = sorted((run_dir / "logs").glob("error-rank*.txt"))
+    # The first rank to fail is the cause; the others usually fail on the broken collective.
+    errors = sorted((run_dir / "logs").glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
     if errors:
         first = errors[0]
         lines = first.read_text().strip().splitlines()
-        return f"{first.stem}: {lines[-1] if lines else 'unknown error'}\n" + "\n".join(lines[-15:])
+        rank = first.stem.removeprefix("error-")
+        text = f"{rank}: {lines[-1] if lines else 'unknown error'}"
+        if len(errors) > 1:
+            others = ", ".join(p.stem.removeprefix("error-") for p in errors[1:])
+            text += f" (then {others} failed too)"
+        return text + "\n" + "\n".join(lines[-15:])
     return f"torchrun exited with code {rc}\n" + "\n".join(tail[-15:])
 
 

@@ -35,7 +35,7 @@ from bench.model import GPT, autocast_context, configure_optimizer_groups, gpt_c
 from bench.network import delay_policy, get_profile, project
 
 TRAIN_PHASES = ("train", "inner", "outer", "gossip")
-"""Ledger phases counted as training traffic (evaluation averaging is not)."""
+"""Ledger phases counted as training traffic (evaluation and metrics traffic is not)."""
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -154,10 +154,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    @torch.no_grad()
-    def validate(self) -> float:
+    def validate(self) -> tuple[float, dict[str, float]]:
+        """Validation loss of the strategy's eval model, and of its extra eval models."""
         with self.comm.phase("eval"):
             model = self.strategy.eval_model()
+            extra = self.strategy.extra_eval_models()
+        return self.val_loss(model), {name: self.val_loss(m) for name, m in extra.items()}
+
+    @torch.no_grad()
+    def val_loss(self, model: torch.nn.Module) -> float:
         was_training = model.training
         model.eval()
         total, count = 0.0, 0
@@ -182,10 +187,14 @@ class Trainer:
         target = state.get("target", None)
         window = _Window()
         status, last_val = "ok", state.get("last_val")
+        extra_val = state.get("extra_val", {})
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
 
+        fault = _fault_injection(rank)
         for step in range(start_step, cfg.run.steps):
             self.comm.step = step
+            if fault is not None and step == fault[0]:
+                _inject(fault[1], rank, step)
             self.strategy.set_lr(lr_at(step, cfg))
             x, y = (t.to(self.device, non_blocking=True) for t in self.stream.batch(step))
             first_record = len(self.ledger.records)
@@ -207,6 +216,8 @@ class Trainer:
             last = step == cfg.run.steps - 1
             if (step + 1) % cfg.run.log_every == 0 or last:
                 row = window.flush(self.device, self.world)
+                with self.comm.phase("metrics"):
+                    row.update(self.strategy.metrics())
                 row.update(step=step + 1, tokens=tokens, elapsed_s=elapsed,
                            lr=lr_at(step, cfg))
                 nonfinite = row.pop("nonfinite")
@@ -218,11 +229,12 @@ class Trainer:
                     status = "diverged"
                     break
             if (cfg.run.val_every and (step + 1) % cfg.run.val_every == 0) or last:
-                last_val = self.validate()
+                last_val, extra_val = self.validate()
                 best_val = min(best_val, last_val)
                 if rank == 0:
                     records.append_jsonl(metrics, {"step": step + 1, "tokens": tokens,
-                                                   "elapsed_s": elapsed, "val_loss": last_val})
+                                                   "elapsed_s": elapsed, "val_loss": last_val,
+                                                   **_prefixed("val_loss_", extra_val)})
                 if (cfg.run.target_loss is not None and target is None
                         and last_val <= cfg.run.target_loss):
                     target = {"time_to_target_s": elapsed, "tokens_to_target": tokens}
@@ -232,11 +244,13 @@ class Trainer:
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and not last:
                 self.save_state(step + 1, {"elapsed": elapsed, "tokens": tokens,
                                            "totals": totals, "best_val": best_val,
-                                           "target": target, "last_val": last_val})
+                                           "target": target, "last_val": last_val,
+                                           "extra_val": extra_val})
 
         if status == "ok" and cfg.checkpoint.final:
             self.save_eval_model(cfg.run.steps)
-        return self.summarise(status, elapsed, tokens, totals, last_val, best_val, target)
+        return self.summarise(status, elapsed, tokens, totals, last_val, best_val, target,
+                              extra_val)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -283,7 +297,8 @@ class Trainer:
 
     # -------------------------------------------------------------------- summary
 
-    def summarise(self, status, elapsed, tokens, totals, last_val, best_val, target) -> dict:
+    def summarise(self, status, elapsed, tokens, totals, last_val, best_val, target,
+                  extra_val=None) -> dict:
         cfg = self.cfg
         steps = max(1, totals["steps"])
         train = [r for r in self.ledger.records if r.phase in TRAIN_PHASES]
@@ -331,6 +346,7 @@ class Trainer:
             "comm_bytes_total": int(sums[0]),
             "comm_bytes_per_rank": int(sums[0]) // self.world,
             "final_val_loss": last_val,
+            **_prefixed("final_val_loss_", extra_val or {}),
             "best_val_loss": best_val if math.isfinite(best_val) else None,
             "target_loss": cfg.run.target_loss,
             **(target or {"time_to_target_s": None, "tokens_to_target": None}),
@@ -384,6 +400,10 @@ class _Window:
         return row
 
 
+def _prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
+    return {prefix + name: value for name, value in values.items()}
+
+
 def _json_line(row: dict) -> str:
     import json
 
@@ -395,6 +415,25 @@ def _progress_line(row: dict, steps: int) -> str:
     tps = row["tokens"] / row["elapsed_s"] if row["elapsed_s"] else 0.0
     return (f"PROGRESS step {row['step']}/{steps} loss {row['loss']:.4f} "
             f"tok/s {tps:,.0f} comm {share:.0%}")
+
+
+def _fault_injection(rank: int) -> tuple[int, str] | None:
+    """COMMBENCH_FAULT="RANK:STEP:crash|hang" makes one rank fail on purpose.
+
+    Used by the tests (and handy on a cluster) to check that a dead or stuck rank ends
+    the run with status failed and its error text, within the process-group timeout.
+    """
+    spec = os.environ.get("COMMBENCH_FAULT")
+    if not spec:
+        return None
+    fault_rank, step, mode = spec.split(":")
+    return (int(step), mode) if int(fault_rank) == rank else None
+
+
+def _inject(mode: str, rank: int, step: int) -> None:
+    if mode == "hang":
+        time.sleep(10**6)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step} (COMMBENCH_FAULT)")
 
 
 def _peak_flops(device: torch.device) -> float | None:
