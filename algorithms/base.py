@@ -26,6 +26,8 @@ from algorithms.comm import Communicator
 # optional backend cannot break the others.
 STRATEGIES: dict[str, str] = {
     "ddp": "algorithms.ddp:DDP",
+    "gasloc": "algorithms.gasloc:GASLoC",
+    "gossip": "algorithms.gasloc:Gossip",
 }
 
 
@@ -107,6 +109,24 @@ class Strategy:
     def eval_model(self) -> nn.Module:
         """The weights that count for validation and downstream evaluation."""
         raise NotImplementedError
+
+    def extra_eval_models(self) -> dict[str, nn.Module]:
+        """Further weights to validate besides `eval_model()`, by name (e.g. one worker's own).
+
+        Called on every rank right after `eval_model()`, inside comm.phase("eval"); every
+        rank returns the same names holding the same weights. The loop logs each one's
+        validation loss as `val_loss_NAME` (and `final_val_loss_NAME` in the summary).
+        """
+        return {}
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars that take communication to compute (e.g. a consensus distance).
+
+        Called on every rank whenever the loop writes a metrics row: outside the timed
+        steps, inside comm.phase("metrics") (not training traffic); rank 0's values are
+        logged in the row.
+        """
+        return {}
 
     def state_dict(self) -> dict:
         raise NotImplementedError

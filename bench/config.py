@@ -196,8 +196,16 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, path)
+        alternatives = [a for a in args if a is not type(None)]
+        errors = []
+        for alternative in alternatives:  # e.g. int | list[int]: the first that fits
+            try:
+                return _coerce(value, alternative, path)
+            except ValueError as err:
+                errors.append(str(err))
+        if len(errors) == 1:
+            raise ValueError(errors[0])
+        raise ValueError(" Or: ".join(errors))
     if origin is Literal:
         if value not in args:
             raise _fail(path, value, f"one of {list(args)}")

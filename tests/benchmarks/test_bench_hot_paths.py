@@ -14,11 +14,11 @@ from torch.nn.parallel import DistributedDataParallel
 from algorithms.base import TrainSetup
 from algorithms.comm import CommLedger, CommRecord, Communicator
 from algorithms.ddp import DDP, DDPConfig
+from bench.config import load_config
 from bench.data import BatchStream
 from bench.model import GPT, gpt_config
 from bench.network import get_profile, project
 from bench.train import make_optimizer_factory
-from bench.config import load_config
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.bench
