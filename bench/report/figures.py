@@ -1,0 +1,203 @@
+"""Report figures (matplotlib, Agg canvas: no display, no global pyplot state).
+
+Each function takes the loaded tables and returns a Figure, or None when there is
+nothing to draw. Curves are the mean over seeds at each logged step, with the min-max
+range over seeds shaded when there are several.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, PercentFormatter
+
+_COLORS = ["#222222", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+           "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
+
+
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def colors(labels: list[str]) -> dict[str, str]:
+    return {label: _COLORS[i % len(_COLORS)] for i, label in enumerate(labels)}
+
+
+def _curves(steps: pd.DataFrame, column: str) -> dict[str, pd.DataFrame]:
+    """label -> per-step mean over seeds of tokens, elapsed_s, fraction and `column`."""
+    rows = steps[steps[column].notna()] if column in steps else steps.iloc[0:0]
+    out = {}
+    for label, part in rows.groupby("label", sort=False):
+        agg = part.groupby("step").agg(
+            tokens=("tokens", "mean"), elapsed_s=("elapsed_s", "mean"),
+            fraction=("fraction", "mean"), value=(column, "mean"), low=(column, "min"),
+            high=(column, "max"), seeds=(column, "count"))
+        out[label] = agg.reset_index()
+    return out
+
+
+def _prepare(runs: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Steps of the ok runs, with `fraction` = tokens / the run's total tokens."""
+    ok = runs[runs["status"] == "ok"]
+    part = steps[steps["run_id"].isin(ok["run_id"])].copy()
+    total = dict(zip(ok["run_id"], ok["total_tokens"], strict=True))
+    part["fraction"] = part["tokens"] / part["run_id"].map(total).astype(float)
+    return part
+
+
+def _plot_curves(ax, curves_train, curves_val, x_of, palette) -> None:
+    for label, curve in curves_train.items():
+        # light smoothing on long curves only: a window of 1/25 of the points, centred
+        window = max(1, len(curve) // 25)
+        y = curve["value"].rolling(window, min_periods=1, center=True).mean()
+        ax.plot(x_of(label, curve), y, color=palette[label], alpha=0.35, linewidth=1)
+    for label, curve in curves_val.items():
+        x = x_of(label, curve)
+        ax.plot(x, curve["value"], color=palette[label], marker="o", markersize=3,
+                linewidth=1.8, label=label)
+        if (curve["seeds"] > 1).any():
+            ax.fill_between(x, curve["low"], curve["high"], color=palette[label], alpha=0.15,
+                            linewidth=0)
+
+
+def _finish_axes(ax, xlabel: str, target: float | None, x_formatter=None) -> None:
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+    if x_formatter is not None:
+        ax.xaxis.set_major_formatter(x_formatter)
+    if target is not None and np.isfinite(target):
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+
+
+def loss_vs_tokens(runs, steps, palette, target: float | None) -> Figure | None:
+    part = _prepare(runs, steps)
+    train, val = _curves(part, "loss"), _curves(part, "val_loss")
+    if not train and not val:
+        return None
+    fig = _figure(7.5, 4.5)
+    ax = fig.add_subplot()
+    _plot_curves(ax, train, val, lambda _l, c: c["tokens"], palette)
+    _finish_axes(ax, "tokens (global)", target, EngFormatter())
+    ax.set_ylabel("loss")
+    ax.set_title("Validation loss (markers) and training loss (faint) vs tokens")
+    _limit_y(ax, val, train)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def loss_vs_time(runs, steps, palette, target: float | None,
+                 profiles: list[str]) -> Figure | None:
+    """Measured wall-clock, then the projected clock of each network profile."""
+    part = _prepare(runs, steps)
+    train, val = _curves(part, "loss"), _curves(part, "val_loss")
+    if not train and not val:
+        return None
+    ok = runs[runs["status"] == "ok"]
+    clocks = ["measured", *profiles]
+    ncols = min(3, len(clocks))
+    nrows = math.ceil(len(clocks) / ncols)
+    fig = _figure(4.2 * ncols, 3.4 * nrows + 0.4)
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True).ravel()
+    for ax, clock in zip(axes, clocks, strict=False):
+        if clock == "measured":
+            def x_of(_label, curve):
+                return curve["elapsed_s"]
+        else:
+            column = f"proj.{clock}.total_s"
+            totals = ok.groupby("label")[column].mean() if column in ok else pd.Series()
+
+            def x_of(label, curve, totals=totals):
+                return curve["fraction"] * totals.get(label, math.nan)
+        _plot_curves(ax, train, val, x_of, palette)
+        _finish_axes(ax, "seconds" if clock == "measured" else "projected seconds", target)
+        ax.set_title(clock if clock == "measured" else f"projected: {clock}", fontsize=10)
+        _limit_y(ax, val, train)
+    for ax in axes[len(clocks):]:
+        ax.set_visible(False)
+    axes[0].set_ylabel("loss")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Loss vs time: measured here, and projected onto each network profile "
+                 "(markers: validation, faint: training)")
+    return fig
+
+
+def _limit_y(ax, val, train) -> None:
+    """Clip the initial loss spike so that the end of training stays readable."""
+    values = [c["value"].to_numpy() for c in (*val.values(), *train.values())]
+    values = np.concatenate(values) if values else np.array([])
+    values = values[np.isfinite(values)]
+    if len(values) > 30:
+        low, high = values.min(), np.quantile(values, 0.95)
+        pad = 0.05 * (high - low) if high > low else 0.1
+        ax.set_ylim(low - pad, high + pad)
+
+
+def _grouped_bars(ax, table: pd.DataFrame, columns: list[str], names: list[str],
+                  palette_bars: list[str]) -> None:
+    n = len(columns)
+    width = 0.8 / max(n, 1)
+    x = np.arange(len(table))
+    for i, (column, name) in enumerate(zip(columns, names, strict=True)):
+        ax.bar(x + (i - (n - 1) / 2) * width, table[column].to_numpy(dtype=float), width,
+               label=name, color=palette_bars[i % len(palette_bars)])
+    ax.set_xticks(x, table["label"], rotation=20, ha="right", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+_CLOCK_COLORS = ["#222222", "#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd"]
+
+
+def throughput(comm: pd.DataFrame, profiles: list[str]) -> Figure | None:
+    if comm.empty:
+        return None
+    clocks = ["measured", *[p for p in profiles if f"throughput.{p}" in comm]]
+    fig = _figure(max(6.0, 1.2 * len(comm) * len(clocks) / 3 + 3), 4.2)
+    ax = fig.add_subplot()
+    _grouped_bars(ax, comm, [f"throughput.{c}" for c in clocks],
+                  ["measured" if c == "measured" else f"projected: {c}" for c in clocks],
+                  _CLOCK_COLORS)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(EngFormatter())
+    ax.set_ylabel("tokens / s (log scale)")
+    ax.set_title("Throughput: measured here, and projected per network profile")
+    ax.legend(fontsize=7, ncols=2)
+    return fig
+
+
+def communication(comm: pd.DataFrame, profiles: list[str],
+                  palette: dict[str, str]) -> Figure | None:
+    if comm.empty:
+        return None
+    fig = _figure(13, 4.2)
+    ax_bytes, ax_secs, ax_share = fig.subplots(1, 3)
+    x = np.arange(len(comm))
+    ax_bytes.bar(x, comm["comm_bytes_total"].to_numpy(dtype=float),
+                 color=[palette.get(label, "#777777") for label in comm["label"]])
+    ax_bytes.set_xticks(x, comm["label"], rotation=20, ha="right", fontsize=8)
+    ax_bytes.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    ax_bytes.set_title("Bytes communicated (whole run)", fontsize=10)
+    ax_bytes.grid(axis="y", alpha=0.3)
+
+    sec_clocks = [p for p in profiles if f"comm_s.{p}" in comm]
+    _grouped_bars(ax_secs, comm, ["comm_s_total", *[f"comm_s.{p}" for p in sec_clocks]],
+                  ["measured (exposed)", *sec_clocks], _CLOCK_COLORS)
+    if (comm[["comm_s_total", *[f"comm_s.{p}" for p in sec_clocks]]] > 0).any().any():
+        ax_secs.set_yscale("log")
+    ax_secs.set_ylabel("seconds")
+    ax_secs.set_title("Communication seconds (whole run)", fontsize=10)
+    ax_secs.legend(fontsize=7)
+
+    share_clocks = ["measured", *[p for p in profiles if f"comm_share.{p}" in comm]]
+    _grouped_bars(ax_share, comm, [f"comm_share.{c}" for c in share_clocks], share_clocks,
+                  _CLOCK_COLORS)
+    ax_share.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax_share.set_ylim(0, 1)
+    ax_share.set_title("Communication share of the step", fontsize=10)
+    ax_share.legend(fontsize=7)
+    return fig

@@ -1,0 +1,246 @@
+"""Read run records under a results directory into two pandas tables.
+
+`load_results("results/quickstart")` finds every run directory (one holding config.yaml
+or summary.json; folders named `_*` or `.*`, such as a sweep's `_retired/`, are skipped),
+reads its files and returns `Results(runs, steps, warnings)`:
+
+- `runs`: one row per run. Identity (run_id = the run directory relative to results_dir,
+  config_hash, sweep, variant, label, group, seed, strategy), `status` (ok, failed,
+  diverged, or partial for a run killed midway: config.yaml without summary.json, or
+  summary status running), summary totals, `proj.PROFILE.KEY` projected columns, and
+  `eval.TASK/METRIC` columns.
+- `steps`: one row per logged metrics row (training rows carry `loss`, validation rows
+  `val_loss`), tagged with the run's identity columns.
+
+Runs are grouped for comparison by their config minus the seed: the `label` a sweep
+recorded in sweep.json (variant name plus grid point), else the run name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+IDENTITY = ["run_id", "sweep", "variant", "label", "group", "seed", "strategy", "status"]
+SUMMARY_NUMBERS = [
+    "num_params", "world_size", "steps", "total_tokens", "wall_s", "throughput_tokens_per_s",
+    "compute_s_total", "comm_s_total", "comm_bytes_total", "final_val_loss", "best_val_loss",
+]
+# Config keys that say where things go or which repetition it is: not what is compared.
+_NOT_COMPARED = (("run", "seed"), ("run", "output_dir"), ("data", "cache_dir"), ("launch",))
+
+
+@dataclass
+class Results:
+    runs: pd.DataFrame
+    steps: pd.DataFrame
+    profiles: list[str]
+    """Network profiles the runs were projected onto, in first-seen order."""
+    sweep_targets: dict[str, float] = field(default_factory=dict)
+    """target_loss set by each sweep's spec, by sweep name."""
+    warnings: list[str] = field(default_factory=list)
+
+
+def find_run_dirs(results_dir: Path) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(results_dir):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
+        if "config.yaml" in filenames or "summary.json" in filenames:
+            found.append(Path(dirpath))
+            dirnames[:] = []  # logs/ and checkpoints/ of a run are not runs
+    return found
+
+
+def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
+    """metrics.jsonl rows; a torn last line (killed run) is skipped with a warning."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            what = "a truncated last line" if i == len(lines) - 1 else f"corrupt line {i + 1}"
+            warnings.append(f"{path}: skipped {what}")
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path, warnings: list[str]) -> Any:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError) as err:
+        warnings.append(f"{path}: unreadable ({err}); treated as missing")
+        return None
+
+
+def _read_config(path: Path, warnings: list[str]) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        warnings.append(f"{path}: not valid YAML ({err})")
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _compared_config_key(config: dict) -> str:
+    data = json.loads(json.dumps(config, default=str))
+    for path in _NOT_COMPARED:
+        node = data
+        for part in path[:-1]:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+
+
+def _flatten_eval(data: Any) -> dict[str, float]:
+    """Flat {"task/metric": value} from summary["eval"] or an lm-eval-style eval.json."""
+    if not isinstance(data, dict):
+        return {}
+    if isinstance(data.get("summary"), dict):
+        return _flatten_eval(data["summary"])
+    if isinstance(data.get("results"), dict):
+        data = data["results"]
+    flat: dict[str, float] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            for metric, v in value.items():
+                name = str(metric).split(",")[0]  # lm-eval's "acc,none" filter suffix
+                if "stderr" in name or not _is_number(v):
+                    continue
+                flat[f"{key}/{name}"] = float(v)
+        elif _is_number(value) and "stderr" not in str(key):
+            flat[str(key)] = float(value)
+    return flat
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _nearest_sweep(run_dir: Path, root: Path, cache: dict, warnings: list[str]) -> dict | None:
+    for parent in [run_dir.parent, *run_dir.parent.parents]:
+        if parent not in cache:
+            cache[parent] = _read_json(parent / "sweep.json", warnings)
+        if cache[parent] is not None:
+            return cache[parent]
+        if parent == root or root not in parent.parents:
+            return None
+    return None
+
+
+def _status(summary: dict | None) -> str:
+    if not summary or summary.get("status") not in ("ok", "failed", "diverged"):
+        return "partial"
+    if summary.get("interrupted"):
+        return "partial"
+    return summary["status"]
+
+
+def load_results(results_dir: str | os.PathLike) -> Results:
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise ValueError(f"results directory not found: {str(root)!r}")
+    run_dirs = find_run_dirs(root)
+    if not run_dirs:
+        raise ValueError(f"no run records under {str(root)!r} (a run directory holds "
+                         "config.yaml and summary.json; run `commbench run` or `commbench sweep`)")
+    warnings: list[str] = []
+    sweeps: dict[Path, Any] = {}
+    sweep_targets: dict[str, float] = {}
+    profiles: list[str] = []
+    run_rows, step_rows = [], []
+    for run_dir in run_dirs:
+        config = _read_config(run_dir / "config.yaml", warnings)
+        summary = _read_json(run_dir / "summary.json", warnings)
+        summary = summary if isinstance(summary, dict) else None
+        metrics = read_metrics(run_dir / "metrics.jsonl", warnings)
+        run_cfg = config.get("run", {}) if isinstance(config.get("run"), dict) else {}
+        match = re.search(r"([0-9a-f]{12})$", run_dir.name)
+        config_hash = (summary or {}).get("config_hash") or (match.group(1) if match else None)
+
+        sweep = _nearest_sweep(run_dir, root, sweeps, warnings)
+        entry = None
+        if sweep:
+            entries = sweep.get("runs", {})
+            entry = entries.get(config_hash) or next(
+                (e for e in entries.values() if e.get("dir") == run_dir.name), None)
+            if sweep.get("target_loss") is not None:
+                sweep_targets[sweep.get("name", "")] = float(sweep["target_loss"])
+        run_name = (summary or {}).get("run_name") or run_cfg.get("name") or run_dir.name
+        strategy = (summary or {}).get("strategy") or (config.get("strategy") or {}).get("name")
+        row: dict[str, Any] = {
+            "run_id": str(run_dir.relative_to(root)) if run_dir != root else run_dir.name,
+            "sweep": sweep.get("name", "") if sweep else "",
+            "variant": entry["variant"] if entry else run_name,
+            "label": entry["label"] if entry else run_name,
+            "group": (f"{sweep.get('name', '')}/{entry['label']}" if entry
+                      else f"{run_name}#{_compared_config_key(config)}"),
+            "point": json.dumps(entry.get("point", {}), sort_keys=True) if entry else "{}",
+            "seed": run_cfg.get("seed", (entry or {}).get("seed")),
+            "strategy": strategy or "unknown",
+            "status": _status(summary),
+            "config_hash": config_hash,
+            "error": (summary or {}).get("error") or (summary or {}).get("eval_error"),
+            "steps_planned": run_cfg.get("steps"),
+        }
+        for key in SUMMARY_NUMBERS:
+            value = (summary or {}).get(key)
+            row[key] = float(value) if _is_number(value) else math.nan
+        train = [m for m in metrics if "loss" in m]
+        row["steps_done"] = max((m.get("step", 0) for m in metrics), default=0)
+        if math.isnan(row["total_tokens"]) and metrics:
+            row["total_tokens"] = float(max(m.get("tokens", 0) for m in metrics))
+        row["last_train_loss"] = float(train[-1]["loss"]) if train else math.nan
+        for profile, values in ((summary or {}).get("projected") or {}).items():
+            if profile not in profiles:
+                profiles.append(profile)
+            for key, value in (values or {}).items():
+                if _is_number(value):
+                    row[f"proj.{profile}.{key}"] = float(value)
+        evals = _flatten_eval((summary or {}).get("eval"))
+        if not evals:
+            evals = _flatten_eval(_read_json(run_dir / "eval.json", warnings))
+        for key, value in evals.items():
+            row[f"eval.{key}"] = value
+        run_rows.append(row)
+        for m in metrics:
+            step_rows.append({**{k: row[k] for k in IDENTITY}, **m})
+
+    runs = pd.DataFrame(run_rows)
+    # The same label from two sweeps, or two unrelated runs with one name: keep them apart.
+    labels = runs.groupby("label")["group"].nunique()
+    clash = runs["label"].isin(labels[labels > 1].index)
+    runs.loc[clash, "label"] = [
+        f"{s}/{lab}" if s else f"{lab}#{g.rsplit('#', 1)[-1]}"
+        for s, lab, g in zip(runs.loc[clash, "sweep"], runs.loc[clash, "label"],
+                             runs.loc[clash, "group"], strict=True)
+    ]
+    steps = pd.DataFrame(step_rows, columns=None if step_rows else IDENTITY)
+    if len(steps):
+        steps["label"] = steps["run_id"].map(dict(zip(runs["run_id"], runs["label"], strict=True)))
+    runs["_baseline_first"] = runs["strategy"] != "ddp"
+    runs = runs.sort_values(["sweep", "_baseline_first", "label", "seed", "run_id"],
+                            kind="stable").drop(columns="_baseline_first").reset_index(drop=True)
+    return Results(runs=runs, steps=steps, profiles=profiles, sweep_targets=sweep_targets,
+                   warnings=warnings)

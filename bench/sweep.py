@@ -1,0 +1,1001 @@
+"""Sweeps: a YAML spec expands into runs, each trained once, resumable, then reported.
+
+    commbench sweep configs/quickstart.yaml --dry-run     # list the runs, launch nothing
+    commbench sweep configs/quickstart.yaml               # run the missing ones, then report
+
+A spec names a base run config and what varies around it:
+
+    name: h-sweep                  # the sweep directory is OUTPUT_DIR/NAME (default: file stem)
+    base: ../ddp-tiny.yaml         # run config, relative to this file; or an inline mapping
+    set: {run.steps: 200}          # dotted overrides applied to the base for every run
+    grid:                          # cartesian product over dotted keys
+      optim.lr: [1.0e-3, 3.0e-3]
+    zip:                           # lists advanced together (a list of such mappings allowed)
+      data.batch_size: [8, 16]
+      optim.warmup_steps: [10, 20]
+    seeds: [0, 1, 2]               # run.seed values (default: the base's seed)
+    variants:                      # named algorithms; run.name is set to the variant name
+      ddp: {strategy.name: ddp}
+      diloco-H10: {strategy.name: diloco, strategy.inner_steps: 10}
+    target_loss: 3.2               # for the report (default: DDP's final validation loss)
+    output_dir: results            # relative to the working directory
+    report_dir: reports/h-sweep    # default reports/NAME
+    executor: {name: local, max_parallel: 1}
+
+Runs = seeds x grid x zip x variants. Each key is set in one place only (set, one grid axis,
+one zip group, the variants, or seeds). When a run's `strategy.name` differs from the
+base's, the base's other `strategy.*` knobs are dropped: they belong to another algorithm.
+
+Identity and resume. A run's id is `config_hash` of its resolved config; its record is
+OUTPUT_DIR/NAME/RUN_NAME-ID/ (RUN_NAME = the variant name). Re-running a sweep skips runs
+recorded ok or diverged (a diverged run is a result, not an accident), keeps failed runs
+with their error unless `--retry-failed`, and re-runs partial ones (killed midway). A record
+that is re-run is moved to NAME/_retired/ first, never deleted. One failing run never
+stops the sweep. One sweep process at a time per sweep directory (NAME/.sweep.lock).
+NAME/sweep.json maps each run id to its variant, seed and grid point; the report reads
+it. Renaming a variant changes run.name, hence the id: that run is trained again.
+
+Executors. `local` runs one run at a time, or `max_parallel` at once. `slurm` submits one
+job per run, or one job array (`array: true`, throttled by `max_parallel`), through
+submitit, and waits for them, polling every `poll_s` seconds; each job trains its run
+with torchrun inside the allocation. A cluster example (also configs/sweeps/slurm-example.yaml):
+
+    executor:
+      name: slurm
+      array: true
+      max_parallel: 8              # jobs of the array running at once
+      partition: gpu
+      timeout_min: 240
+      nodes: 1
+      tasks_per_node: 1            # one task: the launcher; torchrun starts the ranks
+      gpus_per_node: 8
+      cpus_per_task: 64
+      mem_gb: 400
+      sbatch: {account: my-project, qos: normal}   # any further #SBATCH options
+      setup: ["source .venv/bin/activate"]         # shell lines before the job starts
+
+Job ids are kept in NAME/_slurm/jobs.json: a re-run while jobs are still queued or running
+waits for them instead of submitting duplicates. `cluster: local` (submitit's local
+executor) runs the same path on this machine; the tests use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+import typing
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench import records
+from bench.config import Config, config_hash, from_dict, load_raw, set_value, to_dict, to_yaml
+
+Runner = Callable[..., dict]
+"""`runner(cfg, run_dir, progress=bool) -> summary dict`, default bench.launch.run_config."""
+
+SPEC_KEYS = ("name", "description", "base", "set", "grid", "zip", "seeds", "variants",
+             "target_loss", "output_dir", "report_dir", "executor")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+DONE_STATUSES = ("ok", "diverged")
+
+
+@dataclass
+class ExecutorSpec:
+    name: str = "local"
+    """local (this machine) or slurm (submitit)."""
+    max_parallel: int | None = None
+    """local: runs at once (default 1); slurm: array jobs running at once (default unlimited)."""
+    cluster: str = "slurm"
+    """slurm; or local, submitit's local executor (tests, or a workstation without Slurm)."""
+    array: bool = True
+    """slurm: submit one job array (true) or one job per run (false)."""
+    poll_s: float = 30.0
+    """slurm: seconds between checks of the jobs' state."""
+    partition: str | None = None
+    """slurm partition."""
+    timeout_min: int = 60
+    """Wall-clock limit of each job, minutes."""
+    nodes: int = 1
+    """Nodes per job (multi-node runs also need launch.nnodes and launch.rdzv_endpoint)."""
+    tasks_per_node: int = 1
+    """Tasks per node; 1 = the launcher, which starts the ranks with torchrun."""
+    gpus_per_node: int | None = None
+    """GPUs per node."""
+    cpus_per_task: int | None = None
+    """CPU cores per task."""
+    mem_gb: float | None = None
+    """Memory per node, GB."""
+    sbatch: dict = field(default_factory=dict)
+    """Further #SBATCH options, e.g. {account: proj, qos: high, constraint: a100}."""
+    setup: list = field(default_factory=list)
+    """Shell lines run in the job before the run starts (module load, venv activation)."""
+
+
+@dataclass
+class SweepRun:
+    """One run of a sweep: its resolved config and where it came from."""
+
+    run_id: str
+    """config_hash of the resolved config: the identity resume keys on."""
+    variant: str
+    seed: int
+    point: dict[str, Any]
+    """The grid and zip values of this run (dotted key -> value)."""
+    overrides: dict[str, Any]
+    """Every dotted override applied to the base (set, point, variant, seed)."""
+    label: str
+    """Variant name plus the grid point: the comparison group shown by the report."""
+    config: Config
+
+    @property
+    def dir_name(self) -> str:
+        return f"{self.config.run.name}-{self.run_id}"
+
+
+@dataclass
+class SweepSpec:
+    name: str
+    path: Path
+    base: dict
+    """The raw base config (file contents or the inline mapping)."""
+    set: dict[str, Any]
+    grid: dict[str, list]
+    zip: list[dict[str, list]]
+    seeds: list[int] | None
+    variants: dict[str, dict[str, Any]]
+    target_loss: float | None
+    output_dir: Path
+    report_dir: Path
+    executor: ExecutorSpec
+    description: str = ""
+    runs: list[SweepRun] = field(default_factory=list)
+
+    @property
+    def sweep_dir(self) -> Path:
+        return self.output_dir / self.name
+
+
+@dataclass
+class RunOutcome:
+    run: SweepRun
+    run_dir: Path
+    status: str
+    """ok, failed, diverged, partial (killed), or new (dry run: not started)."""
+    launched: bool
+    """Whether this invocation trained it (False: skipped, already recorded)."""
+    error: str | None = None
+
+
+@dataclass
+class SweepResult:
+    name: str
+    sweep_dir: Path
+    outcomes: list[RunOutcome]
+    report: Path | None = None
+    dry_run: bool = False
+
+    def count(self, status: str) -> int:
+        return sum(o.status == status for o in self.outcomes)
+
+    @property
+    def num_launched(self) -> int:
+        return sum(o.launched for o in self.outcomes)
+
+    @property
+    def ok(self) -> bool:
+        """True when no run failed (diverged runs are results; partial only in dry runs)."""
+        return not any(o.status == "failed" for o in self.outcomes)
+
+
+# ------------------------------------------------------------------------------ spec
+
+
+def _check_key(key: Any, where: str) -> str:
+    if not isinstance(key, str) or not all(p.strip() for p in key.split(".")):
+        raise ValueError(f"{where}: keys must be dotted config paths like run.steps, got {key!r}")
+    return ".".join(p.strip() for p in key.split("."))
+
+
+def _dotted_mapping(data: Any, where: str) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping of dotted keys to values, got {data!r}")
+    return {_check_key(k, where): v for k, v in data.items()}
+
+
+def _axes(data: Any, where: str) -> dict[str, list]:
+    axes = _dotted_mapping(data, where)
+    if not axes:
+        raise ValueError(f"{where} is empty: give at least one axis (key: [values]) or remove it")
+    for key, values in axes.items():
+        if not isinstance(values, list):
+            raise ValueError(f"{where}.{key} must be a list of values, got {values!r}")
+        if not values:
+            raise ValueError(f"{where}.{key} has no values: give at least one")
+    return axes
+
+
+def _unknown_key(key: Any, valid, where: str) -> ValueError:
+    hint = difflib.get_close_matches(str(key), list(valid), n=1)
+    maybe = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return ValueError(f"unknown key {where}{key!r}{maybe}; valid keys: {list(valid)}")
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_type_ok(value, t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        tp = (int, float)
+    return isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
+
+
+def _parse_executor(data: Any) -> ExecutorSpec:
+    if data is None:
+        return ExecutorSpec()
+    if isinstance(data, str):
+        data = {"name": data}
+    if not isinstance(data, dict):
+        raise ValueError(f"executor must be a mapping (e.g. {{name: local}}), got {data!r}")
+    hints = typing.get_type_hints(ExecutorSpec)
+    for key, value in data.items():
+        if key not in hints:
+            raise _unknown_key(key, hints, "executor.")
+        if not _type_ok(value, hints[key]):
+            raise ValueError(f"executor.{key} must be of type {hints[key]}, got {value!r}")
+    spec = ExecutorSpec(**data)
+    _check_executor(spec)
+    return spec
+
+
+def _check_executor(spec: ExecutorSpec) -> None:
+    if spec.name not in ("local", "slurm"):
+        raise ValueError(f"executor.name must be 'local' or 'slurm', got {spec.name!r}")
+    if spec.cluster not in ("slurm", "local"):
+        raise ValueError(f"executor.cluster must be 'slurm' or 'local', got {spec.cluster!r}")
+    if spec.max_parallel is not None and spec.max_parallel < 1:
+        raise ValueError(f"executor.max_parallel must be >= 1, got {spec.max_parallel}")
+    if spec.poll_s <= 0:
+        raise ValueError(f"executor.poll_s must be > 0, got {spec.poll_s}")
+
+
+def load_spec(path: str | os.PathLike) -> SweepSpec:
+    """Read and check a sweep spec, and resolve every run's config (nothing is launched).
+
+    Raises ValueError naming the spec, the key and what is valid: unknown keys, empty or
+    malformed axes, a key set in two places, zip lists of different lengths, a base config
+    that does not exist, or a run whose config is invalid (unknown strategy, bad value).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"sweep spec not found: {str(path)!r}")
+    raw = load_raw(path)
+    try:
+        return _parse_spec(raw, path)
+    except ValueError as err:
+        raise ValueError(f"sweep spec {str(path)!r}: {err}") from None
+
+
+def _parse_spec(raw: dict, path: Path) -> SweepSpec:
+    for key in raw:
+        if key not in SPEC_KEYS:
+            raise _unknown_key(key, SPEC_KEYS, "")
+    name = raw.get("name", path.stem)
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"name must be letters, digits, '.', '_' or '-', got {name!r}")
+
+    base = raw.get("base")
+    if base is None:
+        base_data = {}
+    elif isinstance(base, str):
+        base_path = path.parent / base
+        if not base_path.is_file():
+            raise ValueError(f"base config {base!r} not found (looked for {str(base_path)!r}; "
+                             "a path is relative to the spec's folder)")
+        base_data = load_raw(base_path)
+    elif isinstance(base, dict):
+        base_data = copy.deepcopy(base)
+    else:
+        raise ValueError(f"base must be a config path or an inline mapping, got {base!r}")
+
+    common = _dotted_mapping(raw.get("set"), "set")
+    grid = _axes(raw["grid"], "grid") if "grid" in raw else {}
+    zip_raw = raw.get("zip")
+    zip_groups = []
+    if zip_raw is not None:
+        groups = zip_raw if isinstance(zip_raw, list) else [zip_raw]
+        if not groups:
+            raise ValueError("zip is empty: give a mapping of key: [values] or remove it")
+        for i, group in enumerate(groups):
+            where = "zip" if len(groups) == 1 and not isinstance(zip_raw, list) else f"zip[{i}]"
+            axes = _axes(group, where)
+            lengths = {k: len(v) for k, v in axes.items()}
+            if len(set(lengths.values())) > 1:
+                raise ValueError(f"{where}: lists advanced together must have the same length, "
+                                 f"got {lengths}")
+            zip_groups.append(axes)
+
+    seeds = raw.get("seeds")
+    if seeds is not None:
+        if (not isinstance(seeds, list) or not seeds
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+            raise ValueError(f"seeds must be a non-empty list of integers, got {seeds!r}")
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds has duplicates: {seeds}")
+
+    variants_raw = raw.get("variants")
+    if variants_raw is None:
+        variants = {}
+    elif not isinstance(variants_raw, dict) or not variants_raw:
+        raise ValueError("variants must be a non-empty mapping of name -> dotted overrides, "
+                         f"got {variants_raw!r}")
+    else:
+        variants = {}
+        for vname, overrides in variants_raw.items():
+            if not isinstance(vname, str) or not _NAME_RE.match(vname):
+                raise ValueError(f"variant name must be letters, digits, '.', '_' or '-' "
+                                 f"(it names directories), got {vname!r}")
+            variants[vname] = _dotted_mapping(overrides, f"variants.{vname}")
+
+    _check_axes_disjoint(common, grid, zip_groups, variants, seeds)
+
+    target = raw.get("target_loss")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float)):
+        raise ValueError(f"target_loss must be a number, got {target!r}")
+    output_dir = raw.get("output_dir", "results")
+    report_dir = raw.get("report_dir", str(Path("reports") / name))
+    for key, value in (("output_dir", output_dir), ("report_dir", report_dir)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{key} must be a directory path, got {value!r}")
+    description = raw.get("description", "")
+    spec = SweepSpec(
+        name=name, path=path, base=base_data, set=common, grid=grid, zip=zip_groups,
+        seeds=seeds, variants=variants,
+        target_loss=float(target) if target is not None else None,
+        output_dir=Path(output_dir), report_dir=Path(report_dir),
+        executor=_parse_executor(raw.get("executor")),
+        description=str(description or ""),
+    )
+    spec.runs = expand(spec)
+    return spec
+
+
+def _check_axes_disjoint(common, grid, zip_groups, variants, seeds) -> None:
+    """A key set in two places is ambiguous: say which places."""
+    sources: list[tuple[str, str]] = [(k, "set") for k in common]
+    sources += [(k, "grid") for k in grid]
+    for i, group in enumerate(zip_groups):
+        sources += [(k, f"zip[{i}]" if len(zip_groups) > 1 else "zip") for k in group]
+    variant_keys = {k for overrides in variants.values() for k in overrides}
+    sources += [(k, "variants") for k in sorted(variant_keys)]
+    if seeds is not None:
+        sources.append(("run.seed", "seeds"))
+    for (k1, s1), (k2, s2) in itertools.combinations(sources, 2):
+        if k1 == k2 or k1.startswith(k2 + ".") or k2.startswith(k1 + "."):
+            same = f"{k1!r}" if k1 == k2 else f"{k1!r} and {k2!r}"
+            raise ValueError(f"{same} is set twice: in {s1} and in {s2}; set each key in one place")
+
+
+def _points(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Grid points: the cartesian product of the grid axes and the zip groups."""
+    factors: list[list[dict[str, Any]]] = [
+        [{key: value} for value in values] for key, values in spec.grid.items()
+    ]
+    for group in spec.zip:
+        keys = list(group)
+        rows = zip(*group.values(), strict=True)
+        factors.append([dict(zip(keys, vals, strict=True)) for vals in rows])
+    points = []
+    for combo in itertools.product(*factors):
+        point: dict[str, Any] = {}
+        for part in combo:
+            point.update(part)
+        points.append(point)
+    return points
+
+
+def _short_keys(keys: list[str]) -> dict[str, str]:
+    """Last component of each dotted key, or the full key where the short ones collide."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: s if last.count(s) == 1 else k for k, s in zip(keys, last, strict=True)}
+
+
+def _format_value(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
+def expand(spec: SweepSpec) -> list[SweepRun]:
+    """Every run of the spec, seeds outermost so that a partial sweep is comparable early."""
+    base_strategy = spec.set.get("strategy.name",
+                                 (spec.base.get("strategy") or {}).get("name", "ddp"))
+    variants = spec.variants or {None: {}}
+    seeds = spec.seeds if spec.seeds is not None else [None]
+    points = _points(spec)
+    short = _short_keys(list(spec.grid) + [k for g in spec.zip for k in g])
+    runs: list[SweepRun] = []
+    seen: dict[str, str] = {}
+    for seed in seeds:
+        for point in points:
+            for vname, voverrides in variants.items():
+                data = copy.deepcopy(spec.base)
+                changes = {**point, **voverrides}
+                if (changes.get("strategy.name", base_strategy) != base_strategy
+                        and isinstance(data.get("strategy"), dict)):
+                    data["strategy"] = {}  # the base's knobs belong to another algorithm
+                overrides = {**spec.set, **({"run.name": vname} if vname is not None else {}),
+                             **changes, **({"run.seed": seed} if seed is not None else {})}
+                for key, value in overrides.items():
+                    set_value(data, key, value)
+                set_value(data, "run.output_dir", str(spec.sweep_dir))
+                where = _describe(vname, point, seed)
+                try:
+                    cfg = from_dict(data)
+                except ValueError as err:
+                    raise ValueError(f"run {where}: {err}") from None
+                run_id = config_hash(cfg)
+                if run_id in seen:
+                    raise ValueError(f"runs {seen[run_id]} and {where} resolve to the same "
+                                     f"config ({run_id}); make the variants differ")
+                seen[run_id] = where
+                name = vname if vname is not None else cfg.run.name
+                suffix = " ".join(f"{short[k]}={_format_value(v)}" for k, v in point.items())
+                runs.append(SweepRun(
+                    run_id=run_id, variant=name, seed=cfg.run.seed, point=point,
+                    overrides=overrides, label=f"{name} {suffix}".strip(), config=cfg,
+                ))
+    return runs
+
+
+def _describe(variant: str | None, point: dict, seed: int | None) -> str:
+    parts = [f"variant {variant!r}"] if variant is not None else []
+    parts += [f"{k}={_format_value(v)}" for k, v in point.items()]
+    if seed is not None:
+        parts.append(f"seed {seed}")
+    return "(" + ", ".join(parts) + ")" if parts else "(base)"
+
+
+# ---------------------------------------------------------------------------- records
+
+
+def run_status(run_dir: Path) -> str:
+    """ok, failed or diverged from summary.json; partial if killed midway; new if absent."""
+    if not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists():
+        return "new"
+    try:
+        summary = records.read_summary(run_dir)
+    except ValueError:
+        return "partial"  # a torn summary: the run was killed while writing it
+    if not summary or summary.get("status") not in ("ok", "failed", "diverged"):
+        return "partial"
+    if summary.get("interrupted"):
+        return "partial"
+    return summary["status"]
+
+
+def find_run_dir(sweep_dir: Path, run: SweepRun) -> Path:
+    """The run's record, keyed on the hash (any NAME-HASH directory), else the new path."""
+    expected = sweep_dir / run.dir_name
+    if expected.exists():
+        return expected
+    matches = sorted(p for p in sweep_dir.glob(f"*{run.run_id}")
+                     if p.is_dir() and (p.name == run.run_id or p.name.endswith("-" + run.run_id)))
+    return matches[0] if matches else expected
+
+
+def retire(run_dir: Path, sweep_dir: Path) -> Path:
+    """Move a record aside to SWEEP/_retired/NAME.N (never deleted)."""
+    retired = sweep_dir / "_retired"
+    retired.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while (retired / f"{run_dir.name}.{n}").exists():
+        n += 1
+    dest = retired / f"{run_dir.name}.{n}"
+    shutil.move(str(run_dir), str(dest))
+    return dest
+
+
+@contextlib.contextmanager
+def _sweep_lock(sweep_dir: Path):
+    """One sweep process per sweep directory: a second one would retire the first's runs."""
+    path = sweep_dir / ".sweep.lock"
+    me = f"{socket.gethostname()} {os.getpid()}"
+    try:
+        host, pid = path.read_text().split()
+    except (OSError, ValueError):
+        host, pid = None, "0"
+    if host is not None and (host != socket.gethostname() or _alive(int(pid))):
+        raise ValueError(f"sweep directory {str(sweep_dir)!r} is in use by process {pid} on "
+                         f"{host} (another `commbench sweep` of this spec). Wait for it, or "
+                         f"delete {path} if that process is gone.")
+    records.write_text(path, me)
+    try:
+        yield
+    finally:
+        if path.exists() and path.read_text() == me:
+            path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_sweep_json(spec: SweepSpec, run_dirs: dict[str, Path]) -> None:
+    path = spec.sweep_dir / "sweep.json"
+    old = records.read_json(path) if path.exists() else {}
+    entries = dict(old.get("runs", {}))
+    for run in spec.runs:
+        entries[run.run_id] = {
+            "dir": run_dirs[run.run_id].name, "variant": run.variant, "seed": run.seed,
+            "label": run.label, "point": run.point, "overrides": run.overrides,
+            "strategy": run.config.strategy.name,
+        }
+    records.write_json(path, {
+        "name": spec.name,
+        "spec": str(spec.path),
+        "description": spec.description,
+        "target_loss": spec.target_loss,
+        "axes": {"grid": list(spec.grid), "zip": [list(g) for g in spec.zip],
+                 "seeds": spec.seeds, "variants": list(spec.variants)},
+        "runs": entries,
+    })
+
+
+def _record_failure(cfg: Config, run_dir: Path, error: BaseException | str) -> dict:
+    """A run that raised instead of returning a summary: keep a record with the error."""
+    if isinstance(error, BaseException):
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        headline = f"{type(error).__name__}: {error}"
+        error = f"{headline}\n{text}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.yaml").exists():
+        records.write_text(run_dir / "config.yaml", to_yaml(cfg))
+    return records.update_summary(run_dir, {
+        "status": "failed", "error": str(error), "run_name": cfg.run.name,
+        "config_hash": config_hash(cfg), "strategy": cfg.strategy.name,
+        "world_size": cfg.parallel.world_size,
+    })
+
+
+def _default_runner() -> Runner:
+    from bench.launch import run_config
+
+    return run_config
+
+
+def execute_run(cfg: Config, run_dir: Path, runner: Runner | None = None,
+                progress: bool = False) -> dict:
+    """Train one run; never raises for a run's own failure (records status failed)."""
+    runner = runner or _default_runner()
+    try:
+        summary = runner(cfg, run_dir, progress=progress)
+    except Exception as err:
+        summary = _record_failure(cfg, run_dir, err)
+    return summary
+
+
+def _slurm_job(config_data: dict, run_dir: str, runner: Runner | None) -> dict:
+    """Entry point inside a submitit job (pickled by reference: keep it at module level)."""
+    return execute_run(from_dict(config_data), Path(run_dir), runner, progress=False)
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _RunLine:
+    """One running run's line: steps done, loss and tokens/s, read from its metrics.jsonl."""
+
+    def __init__(self, run: SweepRun, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+        self.offset = 0
+        self.bar = tqdm(total=run.config.run.steps, desc=f"  {run.label} seed={run.seed}",
+                        unit="step", leave=False, dynamic_ncols=True)
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written waits
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            step, loss = row.get("step"), row.get("loss")
+            if not isinstance(step, int) or not isinstance(loss, float) or step <= self.bar.n:
+                continue
+            self.bar.update(step - self.bar.n)
+            elapsed = row.get("elapsed_s") or 0
+            speed = f"  {row.get('tokens', 0) / elapsed:,.0f} tok/s" if elapsed else ""
+            self.bar.set_postfix_str(f"loss {loss:.4f}{speed}", refresh=False)
+        self.bar.refresh()
+
+
+class _Progress:
+    """The sweep-level bar (done / failed / remaining, ETA) above one line per running run.
+
+    On a terminal, tqdm draws both and each run's line follows its metrics.jsonl (so runs
+    train with their own progress printing off). Elsewhere (logs, CI, batch jobs) there
+    are no bars: one line per run start and end, and the runs print their own progress."""
+
+    def __init__(self, name: str, outcomes: list[RunOutcome], num_todo: int):
+        self.total = len(outcomes)
+        self.ok = sum(o.status in DONE_STATUSES for o in outcomes if not o.launched)
+        self.failed = sum(o.status == "failed" for o in outcomes if not o.launched)
+        self.started = 0
+        self.num_todo = num_todo
+        self.lock = threading.RLock()
+        self.bar = tqdm(total=self.total, initial=self.total - num_todo, unit="run",
+                        desc=f"sweep {name}", position=0, dynamic_ncols=True, disable=None)
+        self.live = not self.bar.disable
+        """Bars are drawn: runs should not print their own progress."""
+        self.lines: dict[str, _RunLine] = {}
+        self.stop = threading.Event()
+        self._postfix()
+        if self.live:
+            self.poller = threading.Thread(target=self._poll, daemon=True)
+            self.poller.start()
+
+    def _postfix(self) -> None:
+        left = self.total - self.ok - self.failed
+        self.bar.set_postfix_str(f"done={self.ok} failed={self.failed} remaining={left}")
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.5):
+            with self.lock:
+                for line in self.lines.values():
+                    line.poll()
+
+    def start(self, run: SweepRun, run_dir: Path) -> None:
+        with self.lock:
+            self.started += 1
+            tqdm.write(f"[{self.started}/{self.num_todo}] {run.label} seed={run.seed}: "
+                       f"training -> {run_dir}", file=sys.stderr)
+            if self.live:
+                self.lines[run.run_id] = _RunLine(run, run_dir)
+
+    def finish(self, run: SweepRun, summary: dict) -> None:
+        status = summary.get("status", "failed")
+        with self.lock:
+            line = self.lines.pop(run.run_id, None)
+            if line is not None:
+                line.bar.close()
+            if status == "failed":
+                self.failed += 1
+            else:
+                self.ok += 1
+            val = summary.get("final_val_loss")
+            detail = f"final val loss {val:.4f}" if isinstance(val, float) else ""
+            if status == "failed":
+                detail = (summary.get("error") or "").strip().splitlines()[:1]
+                detail = detail[0] if detail else "no error text"
+            tqdm.write(f"  {run.label} seed={run.seed}: {status} {detail}".rstrip(),
+                       file=sys.stderr)
+            self._postfix()
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.stop.set()
+        with self.lock:
+            for line in self.lines.values():
+                line.bar.close()
+            self.lines.clear()
+        self.bar.close()
+
+
+# --------------------------------------------------------------------------- execution
+
+
+class _InterruptFlag:
+    """Remembers a Ctrl-C even when the run's launcher catches the KeyboardInterrupt."""
+
+    def __init__(self):
+        self.set = False
+        self.installed = False
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            self.previous = previous
+
+            def handler(signum, frame):
+                self.set = True
+                if callable(previous):
+                    previous(signum, frame)
+                else:
+                    raise KeyboardInterrupt
+
+            signal.signal(signal.SIGINT, handler)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.installed:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _mark_interrupted(run_dir: Path) -> None:
+    """A run stopped by the user is partial (trained again on re-run), not failed."""
+    summary = records.read_summary(run_dir) if (run_dir / "summary.json").exists() else None
+    if summary is not None and summary.get("status") not in ("ok", "diverged"):
+        records.update_summary(run_dir, {"interrupted": True})
+
+
+def _run_local(todo: list[tuple[SweepRun, Path]], runner: Runner | None, max_parallel: int,
+               progress: _Progress) -> dict[str, dict]:
+    summaries: dict[str, dict] = {}
+    with _InterruptFlag() as flag:
+        try:
+            if max_parallel <= 1:
+                for run, run_dir in todo:
+                    progress.start(run, run_dir)
+                    summary = execute_run(run.config, run_dir, runner,
+                                          progress=not progress.live)
+                    if flag.set:
+                        raise KeyboardInterrupt
+                    summaries[run.run_id] = summary
+                    progress.finish(run, summary)
+            else:
+                def work(run: SweepRun, run_dir: Path) -> dict:
+                    progress.start(run, run_dir)
+                    return execute_run(run.config, run_dir, runner, progress=False)
+
+                pool = ThreadPoolExecutor(max_workers=max_parallel)
+                try:
+                    futures = {pool.submit(work, run, run_dir): run for run, run_dir in todo}
+                    for future in as_completed(futures):
+                        if flag.set:
+                            raise KeyboardInterrupt
+                        run = futures[future]
+                        summaries[run.run_id] = future.result()
+                        progress.finish(run, summaries[run.run_id])
+                finally:  # on Ctrl-C, runs not started yet are not started
+                    pool.shutdown(wait=True, cancel_futures=True)
+        except KeyboardInterrupt:
+            for run, run_dir in todo:
+                if run.run_id not in summaries:
+                    _mark_interrupted(run_dir)
+            raise
+    return summaries
+
+
+_ACTIVE_SLURM_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING",
+                        "SUSPENDED", "RESIZING")
+
+
+def _slurm_executor(spec: SweepSpec, folder: Path):
+    import submitit
+
+    ex = spec.executor
+    try:
+        executor = submitit.AutoExecutor(folder=str(folder / "%j"), cluster=ex.cluster)
+    except RuntimeError as err:  # no srun/sbatch here
+        raise ValueError(f"executor slurm: {err} Run the sweep on a Slurm login node, or set "
+                         "executor.cluster: local (or --executor local) to run here.") from None
+    params: dict[str, Any] = {
+        "name": f"commbench-{spec.name}", "timeout_min": ex.timeout_min, "nodes": ex.nodes,
+        "tasks_per_node": ex.tasks_per_node, "gpus_per_node": ex.gpus_per_node,
+        "cpus_per_task": ex.cpus_per_task, "mem_gb": ex.mem_gb,
+        "slurm_partition": ex.partition, "slurm_additional_parameters": ex.sbatch or None,
+        "slurm_setup": ex.setup or None, "local_setup": ex.setup or None,
+    }
+    if ex.max_parallel:
+        params["slurm_array_parallelism"] = ex.max_parallel
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    return executor
+
+
+def _load_jobs(folder: Path) -> dict[str, str]:
+    path = folder / "jobs.json"
+    return records.read_json(path) if path.exists() else {}
+
+
+def _still_active_slurm_jobs(spec: SweepSpec, folder: Path, run_ids: set[str]) -> dict:
+    """Jobs of an earlier invocation still queued or running, by run id (real Slurm only)."""
+    if spec.executor.cluster != "slurm":
+        return {}
+    import submitit
+
+    active = {}
+    for run_id, job_id in _load_jobs(folder).items():
+        if run_id not in run_ids:
+            continue
+        job = submitit.SlurmJob(folder=str(folder / "%j"), job_id=str(job_id))
+        if job.state.split()[0] in _ACTIVE_SLURM_STATES:
+            active[run_id] = job
+    return active
+
+
+def _run_slurm(spec: SweepSpec, executor, todo: list[tuple[SweepRun, Path]],
+               runner: Runner | None, progress: _Progress, active: dict) -> dict[str, dict]:
+    folder = spec.sweep_dir / "_slurm"
+    by_id = {run.run_id: (run, run_dir) for run, run_dir in todo}
+    to_submit = [(r, d) for r, d in todo if r.run_id not in active]
+    args = [(to_dict(r.config), str(d), runner) for r, d in to_submit]
+    if spec.executor.array and len(args) > 1:
+        with executor.batch():
+            jobs = [executor.submit(_slurm_job, *a) for a in args]
+    else:
+        jobs = []
+        for a, (run, _) in zip(args, to_submit, strict=True):
+            executor.update_parameters(name=f"commbench-{spec.name}-{run.dir_name}")
+            jobs.append(executor.submit(_slurm_job, *a))
+    pending = dict(active)
+    pending.update({run.run_id: job for (run, _), job in zip(to_submit, jobs, strict=True)})
+    ids = _load_jobs(folder)
+    ids.update({run_id: job.job_id for run_id, job in pending.items()})
+    records.write_json(folder / "jobs.json", ids)
+    for run_id, job in pending.items():
+        run, run_dir = by_id[run_id]
+        progress.start(run, run_dir)
+        tqdm.write(f"  job {job.job_id}", file=sys.stderr)
+
+    summaries: dict[str, dict] = {}
+    try:
+        while pending:
+            for run_id, job in list(pending.items()):
+                if not job.done():
+                    continue
+                run, run_dir = by_id[run_id]
+                try:
+                    summary = job.result()
+                except Exception as err:  # killed, timed out, or crashed outside the run
+                    summary = records.read_summary(run_dir) or {}
+                    if summary.get("status") not in ("ok", "diverged", "failed"):
+                        summary = _record_failure(
+                            run.config, run_dir, f"slurm job {job.job_id} ended without a "
+                            f"result ({job.state}): {err}")
+                summaries[run_id] = summary
+                progress.finish(run, summary)
+                del pending[run_id]
+            if pending:
+                time.sleep(spec.executor.poll_s)
+    except KeyboardInterrupt:
+        tqdm.write(f"stopped waiting; {len(pending)} job(s) keep running. Re-run the sweep to "
+                   "wait for them and report.", file=sys.stderr)
+        raise
+    return summaries
+
+
+def _launch(spec: SweepSpec, outcomes: list[RunOutcome], todo: list[tuple[SweepRun, Path]],
+            runner: Runner | None) -> None:
+    """Move old records of the runs to redo aside, train them, update `outcomes`."""
+    sweep_dir = spec.sweep_dir
+    active, slurm = {}, None
+    if spec.executor.name == "slurm" and todo:
+        slurm = _slurm_executor(spec, sweep_dir / "_slurm")  # fails here, before any change
+        active = _still_active_slurm_jobs(spec, sweep_dir / "_slurm", {r.run_id for r, _ in todo})
+    launch_dirs: dict[str, Path] = {}
+    for run, run_dir in todo:
+        if run.run_id in active:  # a job of an earlier invocation still runs: wait for it
+            launch_dirs[run.run_id] = run_dir
+            continue
+        if run_dir.exists():
+            moved = retire(run_dir, sweep_dir)
+            tqdm.write(f"moved the earlier record of {run.label} seed={run.seed} to {moved}",
+                       file=sys.stderr)
+        launch_dirs[run.run_id] = sweep_dir / run.dir_name
+    todo = [(run, launch_dirs[run.run_id]) for run, _ in todo]
+    for outcome in outcomes:
+        if outcome.run.run_id in launch_dirs:
+            outcome.launched = True
+            outcome.run_dir = launch_dirs[outcome.run.run_id]
+    _write_sweep_json(spec, {o.run.run_id: o.run_dir for o in outcomes})
+
+    progress = _Progress(spec.name, outcomes, len(todo))
+    try:
+        if not todo:
+            summaries = {}
+        elif spec.executor.name == "local":
+            summaries = _run_local(todo, runner, spec.executor.max_parallel or 1, progress)
+        else:
+            summaries = _run_slurm(spec, slurm, todo, runner, progress, active)
+    finally:
+        progress.close()
+    for outcome in outcomes:
+        summary = summaries.get(outcome.run.run_id)
+        if summary is not None:
+            outcome.status = summary.get("status", "failed")
+            outcome.error = summary.get("error")
+
+
+def run_sweep(spec_path: str | os.PathLike, *, dry_run: bool = False, retry_failed: bool = False,
+              executor: str | None = None, max_parallel: int | None = None, report: bool = True,
+              runner: Runner | None = None) -> SweepResult:
+    """Run the runs of a sweep that are not recorded yet, then build the report.
+
+    `executor` ('local' or 'slurm') and `max_parallel` override the spec. `runner`
+    replaces bench.launch.run_config (tests pass a fake). Prints the report path.
+    """
+    spec = load_spec(spec_path)
+    if executor is not None:
+        spec.executor.name = executor
+    if max_parallel is not None:
+        spec.executor.max_parallel = max_parallel
+    _check_executor(spec.executor)
+    sweep_dir = spec.sweep_dir
+
+    outcomes: list[RunOutcome] = []
+    todo: list[tuple[SweepRun, Path]] = []
+    for run in spec.runs:
+        run_dir = find_run_dir(sweep_dir, run)
+        status = run_status(run_dir)
+        summary = records.read_summary(run_dir) if status == "failed" else None
+        outcome = RunOutcome(run, run_dir, status, launched=False,
+                             error=(summary or {}).get("error"))
+        outcomes.append(outcome)
+        if status == "new" or status == "partial" or (status == "failed" and retry_failed):
+            todo.append((run, run_dir))
+
+    if dry_run:
+        _print_plan(spec, outcomes, {r.run_id for r, _ in todo})
+        return SweepResult(spec.name, sweep_dir, outcomes, dry_run=True)
+
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with _sweep_lock(sweep_dir):
+        _launch(spec, outcomes, todo, runner)
+
+    result = SweepResult(spec.name, sweep_dir, outcomes)
+    skipped = len(outcomes) - result.num_launched
+    print(f"sweep {spec.name}: {result.count('ok')} ok, {result.count('failed')} failed, "
+          f"{result.count('diverged')} diverged ({result.num_launched} trained now, {skipped} "
+          f"already recorded) in {sweep_dir}")
+    if result.count("failed"):
+        print("failed runs keep their record; re-run them with --retry-failed")
+    if report:
+        from bench.report import build_report
+
+        try:
+            # the spec's target_loss reaches the report through sweep.json
+            result.report = build_report(sweep_dir, spec.report_dir)
+        except ValueError as err:
+            print(f"no report: {err}")
+        else:
+            print(f"report: {result.report}")
+    return result
+
+
+def _print_plan(spec: SweepSpec, outcomes: list[RunOutcome], todo: set[str]) -> None:
+    rows = []
+    for i, o in enumerate(outcomes, 1):
+        action = "run" if o.run.run_id in todo else "skip"
+        if o.status == "failed" and o.run.run_id not in todo:
+            action = "skip (failed; --retry-failed)"
+        shown = {k: v for k, v in o.run.overrides.items() if k not in ("run.name", "run.seed")}
+        text = " ".join(f"{k}={_format_value(v)}" for k, v in shown.items())
+        rows.append((str(i), o.run.run_id, o.run.variant, str(o.run.seed), o.status, action, text))
+    header = ("#", "run id", "variant", "seed", "state", "action", "overrides")
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header) - 1)]
+    print(f"sweep {spec.name}: {len(outcomes)} runs, {len(todo)} to run, into {spec.sweep_dir} "
+          f"(executor {spec.executor.name})")
+    for row in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])

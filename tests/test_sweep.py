@@ -1,0 +1,443 @@
+"""Sweep specs, run identity, resume, failure isolation and executors, with a fake runner.
+
+The fake runner (`fake_runner`, module level so that submitit jobs can import it) writes
+the files a real run writes (config.yaml, metrics.jsonl, summary.json) in milliseconds.
+Environment variables steer it, so they reach submitit's job processes too:
+FAKE_RUNNER_LOG (append one line per training), FAKE_RUNNER_FAIL (comma-separated run
+names that end with status failed) and FAKE_RUNNER_RAISE (run names whose launcher raises).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from algorithms.base import STRATEGIES, DataParallelStrategy, StrategyConfig
+from bench import records
+from bench.config import config_hash, to_yaml
+from bench.sweep import load_spec, run_status, run_sweep
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parent
+
+BASE = {
+    "run": {"name": "base", "steps": 40, "log_every": 10, "val_every": 20},
+    "model": {"preset": "tiny", "seq_len": 32},
+    "data": {"corpus": "embedded", "batch_size": 4},
+    "parallel": {"world_size": 2},
+    "strategy": {"name": "ddp", "backend": "torch"},
+}
+
+
+# ------------------------------------------------------------------------- fake runner
+
+
+def _names(var: str) -> set[str]:
+    return {n for n in os.environ.get(var, "").split(",") if n}
+
+
+def fake_runner(cfg, run_dir, progress=True) -> dict:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records.write_text(run_dir / "config.yaml", to_yaml(cfg))
+    if os.environ.get("FAKE_RUNNER_LOG"):
+        with open(os.environ["FAKE_RUNNER_LOG"], "a") as f:
+            f.write(f"{cfg.run.name} {cfg.run.seed}\n")
+    head = {"run_name": cfg.run.name, "config_hash": config_hash(cfg),
+            "strategy": cfg.strategy.name, "world_size": cfg.parallel.world_size}
+    if cfg.run.name in _names("FAKE_RUNNER_RAISE"):
+        raise RuntimeError("launcher crashed")
+    if cfg.run.name in _names("FAKE_RUNNER_FAIL"):
+        summary = {**head, "status": "failed", "error": "RuntimeError: boom at step 3"}
+        records.write_json(run_dir / "summary.json", summary)
+        return summary
+    speed = 1.0 if cfg.strategy.name == "ddp" else 2.0
+    tokens_per_step = 100
+    for step in range(10, cfg.run.steps + 1, 10):
+        row = {"step": step, "tokens": step * tokens_per_step, "elapsed_s": step / speed,
+               "loss": 5.0 - step / 20 + 0.01 * cfg.run.seed, "lr": 1e-3}
+        records.append_jsonl(run_dir / "metrics.jsonl", row)
+        if step % 20 == 0:
+            records.append_jsonl(run_dir / "metrics.jsonl", {**row, "val_loss": row["loss"]})
+    steps = cfg.run.steps
+    summary = {**head, "status": "ok", "steps": steps, "total_tokens": steps * tokens_per_step,
+               "wall_s": steps / speed, "final_val_loss": 5.0 - steps / 20,
+               "throughput_tokens_per_s": tokens_per_step * speed}
+    records.write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def hanging_runner(cfg, run_dir, progress=True) -> dict:
+    """Trains like fake_runner, but the third run hangs after starting (to be killed)."""
+    log = Path(os.environ["FAKE_RUNNER_LOG"])
+    if log.exists() and len(log.read_text().splitlines()) == 2:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True)
+        records.write_text(run_dir / "config.yaml", to_yaml(cfg))
+        records.write_json(run_dir / "summary.json", {"status": "running"})
+        (run_dir / "metrics.jsonl").write_text('{"step": 10, "loss": 4.5}\n{"step": 2')
+        time.sleep(600)
+    return fake_runner(cfg, run_dir, progress)
+
+
+def _trained(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    log = tmp_path / "trained.log"
+    monkeypatch.setenv("FAKE_RUNNER_LOG", str(log))
+    monkeypatch.delenv("FAKE_RUNNER_FAIL", raising=False)
+    monkeypatch.delenv("FAKE_RUNNER_RAISE", raising=False)
+    # submitit's job processes import this module by name, and `bench` from the repo
+    paths = [str(TESTS_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    return log
+
+
+def write_spec(tmp_path: Path, body: dict, name: str = "spec.yaml") -> Path:
+    body = {"output_dir": str(tmp_path / "results"), "report_dir": str(tmp_path / "report"),
+            **body}
+    if "base" not in body:
+        (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
+        body["base"] = "base.yaml"
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+# A second strategy with its own knobs, so that these tests do not depend on which
+# algorithms are registered yet.
+@dataclass
+class ToyConfig(StrategyConfig):
+    name: str = "toy"
+    inner_steps: int = 10
+    """Local steps between synchronisations."""
+
+
+class Toy(DataParallelStrategy):
+    Config = ToyConfig
+
+
+@pytest.fixture
+def toy_strategy(monkeypatch):
+    monkeypatch.setitem(STRATEGIES, "toy", f"{__name__}:Toy")
+
+
+TWO_VARIANTS = {"ddp": {"strategy.name": "ddp"},
+                "toy-H5": {"strategy.name": "toy", "strategy.inner_steps": 5}}
+
+
+# ---------------------------------------------------------------------------- expansion
+
+
+def test_grid_zip_seeds_and_variants_expand_to_their_product(tmp_path, toy_strategy):
+    spec = load_spec(write_spec(tmp_path, {
+        "name": "expand",
+        "grid": {"optim.lr": [1e-3, 3e-3]},
+        "zip": {"data.batch_size": [4, 8], "optim.warmup_steps": [5, 10]},
+        "seeds": [0, 1],
+        "variants": TWO_VARIANTS,
+    }))
+    runs = spec.runs
+    assert len(runs) == 2 * 2 * 2 * 2
+    assert len({r.run_id for r in runs}) == len(runs)
+    assert [r.seed for r in runs] == [0] * 8 + [1] * 8  # seeds outermost
+    zipped = {(r.config.data.batch_size, r.config.optim.warmup_steps) for r in runs}
+    assert zipped == {(4, 5), (8, 10)}
+    toy = [r for r in runs if r.variant == "toy-H5"]
+    assert all(r.config.strategy.name == "toy" and r.config.strategy.inner_steps == 5
+               for r in toy)
+    assert all(r.config.run.name == r.variant for r in runs)
+    assert runs[1].label == "toy-H5 lr=0.001 batch_size=4 warmup_steps=5"
+    assert all(r.config.run.steps == 40 for r in runs)  # the base file's value
+    assert spec.sweep_dir == tmp_path / "results" / "expand"
+
+
+def test_switching_strategy_drops_the_base_strategy_knobs(tmp_path, toy_strategy):
+    # the base sets strategy.backend, which the toy strategy does not have
+    spec = load_spec(write_spec(tmp_path, {"variants": TWO_VARIANTS}))
+    ddp, toy = spec.runs
+    assert ddp.config.strategy.backend == "torch"
+    assert not hasattr(toy.config.strategy, "backend")
+
+
+def test_inline_base_set_and_default_name(tmp_path):
+    spec = load_spec(write_spec(tmp_path, {"base": BASE, "set": {"run.steps": 7}},
+                                name="my-sweep.yaml"))
+    (run,) = spec.runs
+    assert spec.name == "my-sweep"
+    assert run.config.run.steps == 7 and run.config.run.name == "base"
+    assert run.dir_name == f"base-{run.run_id}"
+
+
+def test_run_ids_are_stable_across_processes(tmp_path, env):
+    path = write_spec(tmp_path, {"grid": {"optim.lr": [1e-3, 2e-3]}, "seeds": [0, 1],
+                                 "variants": {"a": {"optim.weight_decay": 0.0},
+                                              "b": {"optim.weight_decay": 0.1}}})
+    here = [(r.run_id, r.variant, r.seed) for r in load_spec(path).runs]
+    code = ("import json, sys; from bench.sweep import load_spec; "
+            "print(json.dumps([(r.run_id, r.variant, r.seed) "
+            "for r in load_spec(sys.argv[1]).runs]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert [tuple(r) for r in json.loads(out.stdout)] == here
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"gird": {"optim.lr": [1]}}, "unknown key 'gird' (did you mean 'grid'?)"),
+    ({"grid": {}}, "grid is empty"),
+    ({"grid": {"optim.lr": []}}, "grid.optim.lr has no values"),
+    ({"grid": {"optim.lr": 0.1}}, "grid.optim.lr must be a list of values"),
+    ({"grid": {"optim.lr": [1e-3]}, "zip": {"optim.lr": [1e-3]}},
+     "'optim.lr' is set twice: in grid and in zip"),
+    ({"grid": {"optim": [{"lr": 1e-3}]}, "variants": {"x": {"optim.lr": 1e-3}}},
+     "'optim' and 'optim.lr' is set twice"),
+    ({"seeds": [0], "grid": {"run.seed": [1, 2]}}, "'run.seed' is set twice"),
+    ({"zip": {"optim.lr": [1e-3, 2e-3], "optim.warmup_steps": [1]}},
+     "must have the same length"),
+    ({"variants": {"pier": {"strategy.name": "nosuch"}}},
+     "run (variant 'pier'): strategy.name must be one of"),
+    ({"variants": {"x": {"optim.lrr": 1.0}}}, "unknown config key 'optim.lrr'"),
+    ({"base": "missing.yaml"}, "base config 'missing.yaml' not found"),
+    ({"seeds": 3}, "seeds must be a non-empty list of integers"),
+    ({"variants": {"a b": {}}}, "variant name must be"),
+    ({"executor": {"name": "slurm", "partiton": "gpu"}},
+     "unknown key executor.'partiton' (did you mean 'partition'?)"),
+    ({"executor": {"name": "kubernetes"}}, "executor.name must be 'local' or 'slurm'"),
+    ({"executor": {"max_parallel": "2"}}, "executor.max_parallel must be of type"),
+    ({"variants": {"a": {}, "b": {"run.name": "a"}}}, "resolve to the same config"),
+])
+def test_bad_specs_fail_with_a_clear_message(tmp_path, body, message):
+    with pytest.raises(ValueError) as err:
+        load_spec(write_spec(tmp_path, body))
+    assert message in str(err.value)
+    assert "spec.yaml" in str(err.value)
+
+
+SHIPPED_SPECS = [REPO / "configs" / "quickstart.yaml",
+                 *sorted((REPO / "configs" / "sweeps").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("path", SHIPPED_SPECS, ids=lambda p: p.name)
+def test_shipped_sweep_specs_are_valid(path):
+    names = {v.get("strategy.name") for v in yaml.safe_load(path.read_text())["variants"].values()}
+    missing = names - set(STRATEGIES)
+    if missing:
+        pytest.skip(f"strategies not registered yet: {sorted(missing)}")
+    spec = load_spec(path)
+    assert spec.runs and len({r.run_id for r in spec.runs}) == len(spec.runs)
+
+
+def test_missing_spec_file(tmp_path):
+    with pytest.raises(ValueError, match="sweep spec not found"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+# ------------------------------------------------------------------- running and resume
+
+
+def test_dry_run_lists_runs_and_launches_nothing(tmp_path, env, capsys):
+    path = write_spec(tmp_path, {"name": "dry", "seeds": [0, 1],
+                                 "variants": {"a": {"optim.lr": 1e-3}, "b": {"optim.lr": 2e-3}}})
+    result = run_sweep(path, dry_run=True, runner=fake_runner)
+    out = capsys.readouterr().out
+    assert result.dry_run and len(result.outcomes) == 4
+    assert all(o.status == "new" for o in result.outcomes)
+    for outcome in result.outcomes:
+        assert outcome.run.run_id in out
+    assert "optim.lr=0.002" in out
+    assert not _trained(env)
+    assert not (tmp_path / "results").exists()
+
+
+def test_sweep_runs_all_then_rerun_does_no_training_and_is_fast(tmp_path, env):
+    path = write_spec(tmp_path, {"name": "s", "seeds": [0, 1],
+                                 "variants": {"a": {"optim.lr": 1e-3}, "b": {"optim.lr": 2e-3}}})
+    result = run_sweep(path, runner=fake_runner, report=False)
+    assert result.ok and result.count("ok") == 4 and result.num_launched == 4
+    assert len(_trained(env)) == 4
+    sweep = json.loads((tmp_path / "results" / "s" / "sweep.json").read_text())
+    for outcome in result.outcomes:
+        assert outcome.run_dir.name == f"{outcome.run.variant}-{outcome.run.run_id}"
+        entry = sweep["runs"][outcome.run.run_id]
+        assert (entry["variant"], entry["seed"]) == (outcome.run.variant, outcome.run.seed)
+
+    start = time.perf_counter()
+    again = run_sweep(path, runner=fake_runner, report=False)
+    assert time.perf_counter() - start < 5
+    assert again.num_launched == 0 and again.count("ok") == 4
+    assert len(_trained(env)) == 4
+
+
+def test_one_failing_run_does_not_stop_the_sweep(tmp_path, env, monkeypatch):
+    monkeypatch.setenv("FAKE_RUNNER_FAIL", "bad")
+    monkeypatch.setenv("FAKE_RUNNER_RAISE", "crash")
+    path = write_spec(tmp_path, {"name": "f", "variants": {
+        "bad": {"optim.lr": 1e-3}, "crash": {"optim.lr": 2e-3}, "good": {"optim.lr": 3e-3}}})
+    result = run_sweep(path, runner=fake_runner, report=False)
+    status = {o.run.variant: o.status for o in result.outcomes}
+    assert status == {"bad": "failed", "crash": "failed", "good": "ok"}
+    assert not result.ok
+    crash = next(o for o in result.outcomes if o.run.variant == "crash")
+    summary = records.read_summary(crash.run_dir)
+    assert summary["status"] == "failed" and "launcher crashed" in summary["error"]
+    assert (crash.run_dir / "config.yaml").exists()
+
+    # failed runs are kept: a plain re-run trains nothing
+    again = run_sweep(path, runner=fake_runner, report=False)
+    assert again.num_launched == 0 and again.count("failed") == 2
+
+    # --retry-failed moves the old records aside and trains them again
+    monkeypatch.setenv("FAKE_RUNNER_FAIL", "")
+    monkeypatch.setenv("FAKE_RUNNER_RAISE", "")
+    retried = run_sweep(path, runner=fake_runner, report=False, retry_failed=True)
+    assert retried.ok and retried.num_launched == 2
+    retired = sorted(p.name for p in (tmp_path / "results" / "f" / "_retired").iterdir())
+    assert retired == sorted(f"{o.run_dir.name}.1" for o in retried.outcomes
+                             if o.run.variant in ("bad", "crash"))
+    old = records.read_summary(tmp_path / "results" / "f" / "_retired" / retired[0])
+    assert old["status"] == "failed"
+
+
+def test_resume_after_a_killed_sweep_completes_only_the_missing_runs(tmp_path, env):
+    path = write_spec(tmp_path, {"name": "k", "seeds": [0, 1],
+                                 "variants": {"a": {"optim.lr": 1e-3}, "b": {"optim.lr": 2e-3}}})
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(TESTS_DIR)!r}, {str(REPO)!r}]
+        import test_sweep
+        from bench.sweep import run_sweep
+        run_sweep({str(path)!r}, runner=test_sweep.hanging_runner, report=False)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    sweep_dir = tmp_path / "results" / "k"
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(sweep_dir.glob("*/metrics.jsonl"))) < 3:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(_trained(env)) == 2
+    states = sorted(run_status(d) for d in sweep_dir.iterdir() if d.is_dir())
+    assert states == ["ok", "ok", "partial"]
+
+    result = run_sweep(path, runner=fake_runner, report=False)
+    assert result.ok and result.count("ok") == 4 and result.num_launched == 2
+    assert len(_trained(env)) == 4  # the killed run and the one never started
+    (killed,) = (sweep_dir / "_retired").iterdir()
+    assert (killed / "config.yaml").exists()  # moved aside, never deleted
+
+
+def test_ctrl_c_stops_the_sweep_and_leaves_the_run_to_redo(tmp_path, env):
+    def swallowing_runner(cfg, run_dir, progress=True):
+        # like bench.launch.run_config: catches KeyboardInterrupt, records status failed
+        fake_runner(cfg, run_dir, progress)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            return records.update_summary(run_dir, {"status": "failed",
+                                                    "error": "interrupted by the user"})
+        raise AssertionError("no SIGINT")
+
+    path = write_spec(tmp_path, {"name": "c", "variants": {"a": {"optim.lr": 1e-3},
+                                                           "b": {"optim.lr": 2e-3}}})
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(path, runner=swallowing_runner, report=False)
+    assert len(_trained(env)) == 1  # the sweep stopped after the interrupted run
+    result = run_sweep(path, runner=fake_runner, report=False)
+    assert result.ok and result.num_launched == 2
+
+
+def test_a_second_sweep_process_on_the_same_directory_is_refused(tmp_path, env):
+    path = write_spec(tmp_path, {"name": "l"})
+    lock = tmp_path / "results" / "l" / ".sweep.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}")  # a live process holds it
+    with pytest.raises(ValueError, match="in use by process"):
+        run_sweep(path, runner=fake_runner, report=False)
+    assert not _trained(env)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    lock.write_text(f"{socket.gethostname()} {dead}")  # left behind by a killed sweep
+    assert run_sweep(path, runner=fake_runner, report=False).ok
+    assert not lock.exists()
+
+
+def test_local_executor_runs_several_at_once(tmp_path, env):
+    path = write_spec(tmp_path, {"name": "p", "seeds": [0, 1, 2],
+                                 "executor": {"name": "local", "max_parallel": 2}})
+    result = run_sweep(path, runner=fake_runner, report=False)
+    assert result.ok and result.count("ok") == 3
+
+
+def test_slurm_path_with_submitits_local_executor(tmp_path, env, monkeypatch):
+    monkeypatch.setenv("FAKE_RUNNER_FAIL", "b")
+    path = write_spec(tmp_path, {"name": "slurm", "variants": {"a": {"optim.lr": 1e-3},
+                                                               "b": {"optim.lr": 2e-3}},
+                                 "executor": {"name": "slurm", "cluster": "local",
+                                              "array": True, "poll_s": 0.2,
+                                              "timeout_min": 5}})
+    result = run_sweep(path, runner=fake_runner, report=False)  # one array of 2 jobs
+    status = {o.run.variant: o.status for o in result.outcomes}
+    assert status == {"a": "ok", "b": "failed"}
+    jobs_path = tmp_path / "results" / "slurm" / "_slurm" / "jobs.json"
+    first_jobs = json.loads(jobs_path.read_text())
+    assert set(first_jobs) == {o.run.run_id for o in result.outcomes}
+
+    monkeypatch.setenv("FAKE_RUNNER_FAIL", "")
+    retried = run_sweep(path, runner=fake_runner, report=False, retry_failed=True)  # 1 job
+    assert retried.ok and retried.num_launched == 1
+    b_id = next(o.run.run_id for o in retried.outcomes if o.run.variant == "b")
+    assert json.loads(jobs_path.read_text())[b_id] != first_jobs[b_id]
+    assert run_sweep(path, runner=fake_runner, report=False).num_launched == 0
+
+
+def test_executor_override_and_report_at_the_end(tmp_path, env, capsys):
+    path = write_spec(tmp_path, {"name": "r", "variants": {"ddp": {"optim.lr": 1e-3},
+                                                           "ddp-b": {"optim.lr": 2e-3}},
+                                 "executor": {"name": "slurm"}})
+    result = run_sweep(path, runner=fake_runner, executor="local", max_parallel=1)
+    assert result.ok
+    assert result.report == tmp_path / "report" / "report.html" and result.report.exists()
+    assert f"report: {result.report}" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_real_two_run_sweep_end_to_end(tmp_path):
+    """Two seeds of DDP on 2 gloo ranks with the real launcher, then the report."""
+    base = {**BASE, "run": {"name": "tiny", "steps": 12, "log_every": 4, "val_every": 6,
+                            "val_batches": 2},
+            "model": {"preset": "tiny", "seq_len": 32, "n_layer": 1}}
+    path = write_spec(tmp_path, {"name": "e2e", "base": base, "seeds": [0, 1],
+                                 "variants": {"ddp": {"strategy.name": "ddp"}}})
+    result = run_sweep(path)
+    assert result.ok, [o.error for o in result.outcomes]
+    assert result.count("ok") == 2
+    for outcome in result.outcomes:
+        assert records.read_summary(outcome.run_dir)["config_hash"] == outcome.run.run_id
+    html = result.report.read_text()
+    assert "ddp" in html and html.count("data:image/png;base64") == 4
+    start = time.perf_counter()
+    assert run_sweep(path, report=False).num_launched == 0
+    assert time.perf_counter() - start < 10
