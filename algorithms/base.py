@@ -26,6 +26,8 @@ from algorithms.comm import Communicator
 # optional backend cannot break the others.
 STRATEGIES: dict[str, str] = {
     "ddp": "algorithms.ddp:DDP",
+    "diloco": "algorithms.diloco:DiLoCo",
+    "pier": "algorithms.pier:Pier",
     "gasloc": "algorithms.gasloc:GASLoC",
     "gossip": "algorithms.gasloc:Gossip",
 }

@@ -1,0 +1,169 @@
+"""DiLoCo: H local inner steps per replica, then one outer optimizer step on the average.
+
+Run it with `commbench run configs/diloco-tiny.yaml`; tests: `pytest tests/test_diloco.py`.
+The math is ALGORITHMS.md's DiLoCo section; the outer pieces live in algorithms/outer.py.
+
+Layout: `parallel.group_size` ranks form one replica and all-reduce gradients inside it
+every step with torch DDP (ledger phase "inner"); the `world_size / group_size` replicas
+talk only at outer steps, one all-reduce of |θ| in the wire dtype across the ranks with the
+same position in their groups (phase "outer"). The communicator records each op's tier,
+so the network model prices intra-group and cross-group traffic on their own links.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from algorithms.base import DataParallelStrategy, StepStats, StrategyConfig, TrainSetup
+from algorithms.ddp import make_ddp, model_device
+from algorithms.outer import OuterOptimizer, RoundStats, replica_groups
+
+
+@dataclass
+class DiLoCoConfig(StrategyConfig):
+    name: str = "diloco"
+    """DiLoCo (arXiv 2311.08105): local inner steps, outer Nesterov step every H steps."""
+    inner_steps: int = 500
+    """H, inner steps per outer round (paper: 500; scale with the run: 10..100 for short
+    runs). A last, shorter round closes at the final step so no inner work is lost."""
+    outer_lr: float = 0.7
+    """Outer learning rate η."""
+    outer_momentum: float = 0.9
+    """Outer momentum μ (sgd), or Adam's beta1 (adam)."""
+    nesterov: bool = True
+    """Nesterov momentum in the outer SGD step (PyTorch's SGD(nesterov=True) form)."""
+    outer_optimizer: Literal["sgd", "adam"] = "sgd"
+    """Outer optimizer applied to the global θ with the pseudo-gradient as its gradient."""
+    outer_beta2: float = 0.999
+    """Adam's beta2 for outer_optimizer=adam."""
+    outer_grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Dtype of the pseudo-gradient on the wire (bf16/fp16 halve the outer bytes)."""
+    offload_outer: bool = False
+    """Keep the global θ and the outer optimizer state in CPU memory (large models)."""
+    bucket_cap_mb: float = 25.0
+    """Bucket size in MiB of the intra-group DDP gradient all-reduce (group_size > 1)."""
+
+    def __post_init__(self):
+        if self.inner_steps < 1:
+            raise ValueError(f"strategy.inner_steps must be >= 1, got {self.inner_steps!r}")
+        if self.outer_lr <= 0:
+            raise ValueError(f"strategy.outer_lr must be > 0, got {self.outer_lr!r}")
+        for key in ("outer_momentum", "outer_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"strategy.{key} must be in [0, 1), got {getattr(self, key)!r}")
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"strategy.bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+
+    def check(self, world_size: int, group_size: int, num_stages: int, steps: int) -> None:
+        # group_size dividing world_size is bench.config.validate's general rule
+        if num_stages != 1:
+            raise ValueError(f"strategy {self.name} is data parallel only: parallel.num_stages "
+                             f"must be 1, got {num_stages}")
+
+
+class DiLoCo(DataParallelStrategy):
+    """DiLoCo (Douillard et al. 2023, arXiv 2311.08105), with hierarchical replica groups.
+
+    Every replica starts a round from the global θ, runs H inner optimizer steps on its
+    own shard (inner optimizer state is per replica, never synchronised, never reset), then
+    `Δ = mean_i(θ − θ_i)` is all-reduced once and `θ ← OuterOpt(θ, Δ)`; the replica
+    restarts from the new θ. The evaluated model is the global θ. Nothing is reconstructed:
+    this is the paper's algorithm; the hierarchical groups (DDP inside a replica) are the
+    paper's "replica" made of several ranks. Our one choice: when the run's steps are not
+    a multiple of H, a last, shorter round closes at the final step (no inner work is lost).
+
+    Identities (tests/test_diloco.py): outer lr 1, momentum 0 == Local SGD (parameter
+    averaging every H steps); H = 1, outer lr 1, momentum 0, inner SGD == DDP with SGD.
+    """
+
+    Config = DiLoCoConfig
+
+    def __init__(self, config: DiLoCoConfig, setup: TrainSetup):
+        super().__init__(config, setup)
+        self.group, self.cross_group, self.num_replicas = replica_groups(
+            self.comm, setup.group_size)
+        self.timer = None
+        if setup.group_size > 1:
+            self.train_model, self.timer = make_ddp(self.model, self.comm, self.group,
+                                                    config.bucket_cap_mb)
+        self.outer = OuterOptimizer(
+            self.model.parameters(), self.comm, self.cross_group, self.num_replicas,
+            kind=config.outer_optimizer, lr=config.outer_lr, momentum=config.outer_momentum,
+            nesterov=config.nesterov, beta2=config.outer_beta2,
+            wire_dtype=config.outer_grad_dtype, offload=config.offload_outer,
+        )
+        self.round = 0
+        self.in_sync = True
+        """True while the replica's weights equal the global θ (just after a round)."""
+        self._eval_copy: nn.Module | None = None
+
+    # ------------------------------------------------------------- inner steps
+
+    def no_sync(self):
+        if self.train_model is self.model:
+            return super().no_sync()
+        return self.train_model.no_sync()
+
+    def after_backward(self) -> float:
+        if self.timer is None or self.train_model is self.model:
+            return 0.0
+        if model_device(self.model).type == "cuda":
+            torch.cuda.synchronize()
+        return max(0.0, self.backward_end - self.timer.last_ready)
+
+    def train_step(self, batch) -> StepStats:
+        with self.comm.phase("inner"):
+            return super().train_step(batch)
+
+    # ------------------------------------------------------------- outer rounds
+
+    def round_ends(self) -> bool:
+        """Whether the step just taken closes an outer round (every H, and the last step)."""
+        return (self.step_index % self.config.inner_steps == 0
+                or self.step_index == self.setup.total_steps)
+
+    def outer_hyperparameters(self) -> tuple[float, float]:
+        """(outer lr, outer momentum) for the round closing now."""
+        return self.config.outer_lr, self.config.outer_momentum
+
+    def outer_step(self, lr: float, momentum: float) -> RoundStats:
+        return self.outer.step(lr, momentum)
+
+    def after_inner_step(self) -> tuple[float, dict[str, float]]:
+        self.in_sync = False
+        if not self.round_ends():
+            return 0.0, {}
+        lr, momentum = self.outer_hyperparameters()
+        stats = self.outer_step(lr, momentum)
+        self.round += 1
+        self.in_sync = True
+        return stats.seconds, {
+            "outer_round": self.round, "outer_lr": lr, "outer_momentum": momentum,
+            "pseudo_grad_norm": stats.pseudo_grad_norm, "outer_bytes": stats.nbytes,
+            "outer_s": stats.seconds,
+        }
+
+    # ------------------------------------------------------------- evaluation, state
+
+    def eval_model(self) -> nn.Module:
+        """The global θ: the replica itself right after a round, else a copy holding θ."""
+        if self.in_sync:
+            return self.model
+        if self._eval_copy is None:
+            self._eval_copy = copy.deepcopy(getattr(self.model, "_orig_mod", self.model))
+        self.outer.copy_global_to(self._eval_copy.parameters())
+        return self._eval_copy
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "outer": self.outer.state_dict(),
+                "round": self.round, "in_sync": self.in_sync}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.outer.load_state_dict(state["outer"])
+        self.round, self.in_sync = state["round"], state["in_sync"]

@@ -1,0 +1,183 @@
+"""Outer-optimizer pieces shared by the local-update strategies (DiLoCo, Pier).
+
+Exercised by `pytest tests/test_diloco.py`. Two things live here:
+
+- `replica_groups`: the hierarchical layout. `world = num_replicas * group_size`; the
+  `group_size` consecutive ranks `[r*g, (r+1)*g)` form replica `r` and run DDP inside it;
+  the ranks holding the same position `p` in every replica, `p, p+g, p+2g, ...`, form the
+  cross group over which the outer all-reduce runs (each rank reduces the full |θ|, so a
+  replica's g ranks run g all-reduces in parallel, one per position).
+- `OuterOptimizer`: the global θ, a torch optimizer on it (SGD with optional Nesterov
+  momentum, or Adam), and one outer round: `Δ = mean_i(θ − θ_i)` cast to the wire dtype
+  and all-reduced as ONE flat buffer (phase "outer"), handed to the optimizer as θ's
+  `.grad`, and the new θ copied back into the replica. In PyTorch's SGD(nesterov=True)
+  form the step is `m ← μ m + Δ; θ ← θ − η (Δ + μ m)`.
+
+The global θ lives on the model's device, or on the CPU with `offload=True` (large
+models: θ and the outer optimizer state then cost no accelerator memory, at the price of
+two host-device copies of |θ| per round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from algorithms.comm import Communicator, Group
+
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Pseudo-gradient dtypes on the wire (config value -> torch dtype)."""
+
+
+def replica_groups(comm: Communicator, group_size: int) -> tuple[Group | None, Group | None, int]:
+    """(intra group, cross group, number of replicas) for this rank.
+
+    A group is None when it is the whole world (no subgroup needed). Every rank must call
+    this in the same order (subgroup creation is collective over the world).
+    """
+    world = comm.world_size
+    if group_size < 1 or world % group_size:
+        raise ValueError(
+            f"parallel.group_size ({group_size}) must divide parallel.world_size ({world})"
+        )
+    num_replicas = world // group_size
+    intra = cross = None
+    if 1 < group_size < world:
+        intra = comm.split([range(r * group_size, (r + 1) * group_size)
+                            for r in range(num_replicas)])
+    if 1 < num_replicas < world:
+        cross = comm.split([range(p, world, group_size) for p in range(group_size)])
+    return intra, cross, num_replicas
+
+
+@dataclass
+class RoundStats:
+    """What one outer round reports (this rank's view)."""
+
+    pseudo_grad_norm: float
+    """L2 norm of the averaged pseudo-gradient Δ (as the outer optimizer sees it)."""
+    nbytes: int
+    """Logical bytes of this rank's outer all-reduce (0 when nothing was sent)."""
+    seconds: float
+    """Measured seconds of the outer all-reduce."""
+
+
+class OuterOptimizer:
+    """The global θ of a local-update strategy and its outer optimizer.
+
+    `params` are the replica's parameters θ_i (updated in place at every round). The global
+    θ starts as their copy; `kind` is "sgd" (momentum, optional Nesterov) or "adam"
+    (betas = (momentum, beta2)). The optimizer's lr and momentum are set per round, so
+    schedules (Pier) need nothing else.
+    """
+
+    def __init__(self, params, comm: Communicator, cross_group: Group | None,
+                 num_replicas: int, *, kind: str = "sgd", lr: float = 0.7,
+                 momentum: float = 0.9, nesterov: bool = True, beta2: float = 0.999,
+                 wire_dtype: str = "fp32", offload: bool = False):
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"outer wire dtype must be one of {list(WIRE_DTYPES)}, "
+                             f"got {wire_dtype!r}")
+        self.params = list(params)
+        self.comm, self.cross_group, self.num_replicas = comm, cross_group, num_replicas
+        self.wire_dtype = WIRE_DTYPES[wire_dtype]
+        self.kind = kind
+        home = torch.device("cpu") if offload else self.params[0].device
+        self.global_params = [p.detach().to(home, copy=True) for p in self.params]
+        if kind == "sgd":
+            # torch rejects nesterov without momentum; with μ = 0 the two are the same step
+            self.optimizer = torch.optim.SGD(self.global_params, lr=lr, momentum=momentum,
+                                             nesterov=nesterov and momentum > 0)
+            self.nesterov = nesterov
+        elif kind == "adam":
+            self.optimizer = torch.optim.Adam(self.global_params, lr=lr, betas=(momentum, beta2))
+        else:
+            raise ValueError(f"outer optimizer must be 'sgd' or 'adam', got {kind!r}")
+
+    # ---------------------------------------------------------------- the round
+
+    def set_hyperparameters(self, lr: float, momentum: float) -> None:
+        group = self.optimizer.param_groups[0]
+        group["lr"] = lr
+        if self.kind == "sgd":
+            group["momentum"] = momentum
+            group["nesterov"] = self.nesterov and momentum > 0
+        else:
+            group["betas"] = (momentum, group["betas"][1])
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> torch.Tensor:
+        """This replica's Δ_i = θ − θ_i, flattened into one buffer of the wire dtype."""
+        device = self.params[0].device
+        flat = torch.empty(sum(p.numel() for p in self.params), dtype=self.wire_dtype,
+                           device=device)
+        offset = 0
+        for p, g in zip(self.params, self.global_params, strict=True):
+            n = p.numel()
+            flat[offset:offset + n].copy_((g.to(device) - p).view(-1))
+            offset += n
+        return flat
+
+    @torch.no_grad()
+    def step(self, lr: float, momentum: float) -> RoundStats:
+        """One outer round: all-reduce Δ, step θ, copy θ into the replica."""
+        flat = self.pseudo_gradient()
+        nbytes, seconds = 0, 0.0
+        if self.num_replicas > 1:
+            ledger = self.comm.ledger
+            first = len(ledger)
+            with self.comm.phase("outer"):
+                self.comm.all_reduce(flat, op="avg", group=self.cross_group)
+            nbytes, seconds = ledger.totals(("outer",), start=first)
+        norm = torch.linalg.vector_norm(flat, dtype=torch.float32).item()
+        offset = 0
+        for g in self.global_params:
+            n = g.numel()
+            g.grad = flat[offset:offset + n].view_as(g).to(device=g.device, dtype=g.dtype)
+            offset += n
+        self.set_hyperparameters(lr, momentum)
+        self.optimizer.step()
+        for g in self.global_params:
+            g.grad = None
+        self.copy_global_to(self.params)
+        return RoundStats(norm, nbytes, seconds)
+
+    @torch.no_grad()
+    def accumulate_momentum(self, momentum: float) -> RoundStats:
+        """Fill the SGD momentum without stepping: `m ← μ m + Δ; θ ← θ_i` (Pier's lazy start).
+
+        Replicas are identical when this is used (DDP over all ranks), so Δ is local and
+        nothing is communicated.
+        """
+        if self.kind != "sgd":
+            raise ValueError("momentum accumulation needs the sgd outer optimizer")
+        norms = []
+        for p, g in zip(self.params, self.global_params, strict=True):
+            delta = g - p.to(g.device)
+            norms.append(torch.linalg.vector_norm(delta, dtype=torch.float32))
+            state = self.optimizer.state[g]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = delta  # torch SGD's first step: m = Δ
+            else:
+                state["momentum_buffer"].mul_(momentum).add_(delta)
+            g.copy_(p)
+        return RoundStats(torch.linalg.vector_norm(torch.stack(norms)).item(), 0, 0.0)
+
+    @torch.no_grad()
+    def copy_global_to(self, params) -> None:
+        """Copy the global θ into `params` (the replica, or an evaluation copy)."""
+        for p, g in zip(params, self.global_params, strict=True):
+            p.copy_(g)
+
+    # ---------------------------------------------------------------- state
+
+    def state_dict(self) -> dict:
+        return {"global_params": [g.detach().clone() for g in self.global_params],
+                "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for g, saved in zip(self.global_params, state["global_params"], strict=True):
+            g.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])

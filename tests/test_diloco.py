@@ -1,0 +1,287 @@
+"""DiLoCo (algorithms/diloco.py, algorithms/outer.py): identities, the outer step, ledger,
+resume, config errors. Pier's tests are in tests/test_pier.py and reuse the helpers here.
+
+Multi-process tests run the real training loop (bench.train.Trainer) or the strategy on
+real gloo process groups through tests/distributed.py, each with a timeout. Several runs
+share one launch to keep process start-up (the slow part on 2 cores) down.
+"""
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from algorithms.base import TrainSetup
+from algorithms.comm import Communicator
+from algorithms.diloco import DiLoCo, DiLoCoConfig
+from bench.config import load_config
+from bench.train import Trainer, lr_at, make_optimizer_factory
+from tests.distributed import run_distributed
+
+DILOCO_TINY = "configs/diloco-tiny.yaml"
+SMALL = ["run.log_every=1", "run.val_every=0", "run.val_batches=1", "model.seq_len=32",
+         "data.batch_size=2", "optim.warmup_steps=2", "checkpoint.final=false"]
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_same_params(a: dict, b: dict, atol=2e-6, rtol=1e-5):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=key)
+
+
+def max_change(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def make_trainer(world_size, config, overrides, run_dir) -> Trainer:
+    cfg = load_config(config, [*SMALL, f"parallel.world_size={world_size}", *overrides])
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+
+
+def train(world_size, config, overrides, run_dir) -> dict:
+    """Run the loop; return the eval model's params, the ledger rows and the summary."""
+    trainer = make_trainer(world_size, config, overrides, run_dir)
+    summary = trainer.run()
+    trainer.strategy.close()
+    ledger = [(r.phase, r.op, r.step, r.nbytes, r.group_size, r.tier)
+              for r in trainer.ledger.records]
+    return {"params": params_of(trainer.strategy.eval_model()), "ledger": ledger,
+            "summary": summary}
+
+
+def train_many(rank, world_size, runs, base_dir) -> list[dict]:
+    """Several `train` runs, one after another, in one launch: runs = [(config, overrides)]."""
+    return [train(world_size, config, overrides, Path(base_dir) / f"run{i}")
+            for i, (config, overrides) in enumerate(runs)]
+
+
+# ------------------------------------------------------------------------ identities
+
+
+def diloco_and_local_sgd(rank, world_size, overrides, run_dir):
+    """DiLoCo (outer lr 1, momentum 0) through the loop, and Local SGD in plain torch."""
+    trainer = make_trainer(world_size, DILOCO_TINY, overrides, run_dir)
+    initial = copy.deepcopy(trainer.strategy.model)
+    start = params_of(initial)
+    trainer.run()
+    diloco = params_of(trainer.strategy.eval_model())
+
+    cfg, model = trainer.cfg, initial
+    optimizer = make_optimizer_factory(cfg)(model)
+    for step in range(cfg.run.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
+        x, y = trainer.stream.batch(step)
+        optimizer.zero_grad()
+        model(x, y)[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        if (step + 1) % cfg.strategy.inner_steps == 0:  # average the replicas
+            for p in model.parameters():
+                dist.all_reduce(p.data)
+                p.data.div_(world_size)
+    return diloco, params_of(model), params_of(trainer.strategy.model), start
+
+
+@pytest.mark.timeout(150)
+def test_diloco_outer_lr_1_momentum_0_equals_local_sgd(tmp_path):
+    overrides = ["run.steps=6", "strategy.inner_steps=3", "strategy.outer_lr=1",
+                 "strategy.outer_momentum=0"]
+    results = run_distributed(diloco_and_local_sgd, 2, overrides, str(tmp_path), timeout=130)
+    for diloco, local_sgd, replica, initial in results:
+        assert_same_params(diloco, local_sgd)
+        assert_same_params(diloco, results[0][0], atol=0, rtol=0)  # one global θ
+        assert_same_params(replica, diloco, atol=0, rtol=0)  # replicas restart from θ
+        assert max_change(diloco, initial) > 1e-3  # training moved the weights
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size,group_size", [(2, 1), (4, 2)])
+def test_diloco_h1_outer_sgd_lr1_equals_ddp_with_sgd(tmp_path, world_size, group_size):
+    common = ["run.steps=4", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0",
+              f"parallel.group_size={group_size}"]
+    diloco = [*common, "strategy.inner_steps=1", "strategy.outer_lr=1",
+              "strategy.outer_momentum=0"]
+    runs = [("configs/ddp-tiny.yaml", common), (DILOCO_TINY, diloco),
+            ("configs/ddp-tiny.yaml", [*common, "run.steps=1", "optim.lr=1e-9"])]
+    results = run_distributed(train_many, world_size, runs, str(tmp_path), timeout=180)
+    for ddp, local, initial in results:
+        assert_same_params(local["params"], ddp["params"])
+        assert max_change(ddp["params"], initial["params"]) > 1e-3  # training moved them
+    phases = {row[0] for row in results[0][1]["ledger"]}
+    assert phases == ({"inner", "outer"} if group_size > 1 else {"outer"})
+
+
+# ------------------------------------------------------------------- the outer step
+
+
+class Regression(nn.Module):
+    """A linear model with the loop's `model(x, y) -> (prediction, loss)` convention."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x, y):
+        prediction = self.linear(x)
+        return prediction, ((prediction - y) ** 2).mean()
+
+
+def regression_batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def nesterov_rounds(rank, world_size, inner_steps, num_rounds, lr, mu):
+    """The strategy against the outer step restated in tensor math, round by round."""
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    comm = Communicator(rank, world_size, "cpu")
+    setup = TrainSetup(model=model, comm=comm, total_steps=inner_steps * num_rounds,
+                       make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    config = DiLoCoConfig(inner_steps=inner_steps, outer_lr=lr, outer_momentum=mu)
+    strategy = DiLoCo(config, setup)
+    inner = torch.optim.SGD(reference.parameters(), lr=0.1)
+    theta, m = flat(reference), torch.zeros_like(flat(reference))
+    errors, moved = [], []
+    for t in range(num_rounds):
+        for h in range(inner_steps):
+            step = t * inner_steps + h
+            strategy.train_step(regression_batch(rank, step))
+            inner.zero_grad()
+            reference(*regression_batch(rank, step))[1].backward()
+            inner.step()
+            if h < inner_steps - 1:  # mid-round the evaluated model is still θ
+                errors.append((flat(strategy.eval_model()) - theta).abs().max().item())
+        delta = theta - flat(reference)
+        dist.all_reduce(delta) if world_size > 1 else None
+        delta /= world_size
+        m = mu * m + delta                         # m ← μ m + Δ
+        theta = theta - lr * (delta + mu * m)      # θ ← θ − η (Δ + μ m)
+        torch.nn.utils.vector_to_parameters(theta.clone(), reference.parameters())
+        errors.append((flat(strategy.eval_model()) - theta).abs().max().item())
+        # the replica restarts from θ
+        moved.append((flat(model) - flat(strategy.eval_model())).abs().max().item())
+    return errors, moved, strategy.round
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_outer_nesterov_step_matches_tensor_math(world_size):
+    # world_size 1: a single replica still applies the outer step (identity c)
+    results = run_distributed(nesterov_rounds, world_size, 3, 2, 0.7, 0.9, timeout=80)
+    for errors, moved, rounds in results:
+        assert rounds == 2
+        assert max(errors) < 1e-6 and max(moved) == 0
+
+
+# ------------------------------------------------------------------------ ledger
+
+
+@pytest.mark.timeout(200)
+def test_ledger_outer_bytes_per_round_and_inner_bytes_tagged_apart(tmp_path):
+    common = ["run.steps=4", "strategy.inner_steps=2", "parallel.group_size=2",
+              "network.ranks_per_node=2"]  # a replica = a node: DDP intra, outer inter
+    runs = [(DILOCO_TINY, common),
+            (DILOCO_TINY, [*common, "strategy.outer_grad_dtype=bf16"]),
+            (DILOCO_TINY, [*common, "strategy.outer_grad_dtype=bf16",
+                           "strategy.outer_optimizer=adam", "strategy.outer_lr=0.01"])]
+    results = run_distributed(train_many, 4, runs, str(tmp_path), timeout=180)
+    for rank_results in results:
+        for run, wire_bytes in zip(rank_results, (4, 2, 2), strict=True):
+            num_params = run["summary"]["num_params"]
+            inner, outer = {}, {}
+            for phase, op, step, nbytes, group_size, tier in run["ledger"]:
+                assert op == "all_reduce" and group_size == 2
+                assert (phase, tier) in {("inner", "intra"), ("outer", "inter")}
+                per_step = inner if phase == "inner" else outer
+                per_step[step] = per_step.get(step, 0) + nbytes
+            assert inner == {s: num_params * 4 for s in range(4)}  # fp32 gradients
+            assert outer == {1: num_params * wire_bytes, 3: num_params * wire_bytes}
+            assert run["summary"]["comm_bytes_per_rank"] == num_params * (16 + 2 * wire_bytes)
+    rows = [r for r in _read_metrics(tmp_path / "run1") if "outer_round" in r]
+    assert [r["outer_round"] for r in rows] == [1, 2]  # rows of the round-closing steps
+    assert rows[-1]["outer_bytes"] == results[0][1]["summary"]["num_params"] * 2
+    assert rows[-1]["pseudo_grad_norm"] > 0 and rows[-1]["outer_s"] > 0
+    strategy = load_config(DILOCO_TINY).strategy
+    assert (rows[-1]["outer_lr"], rows[-1]["outer_momentum"]) == (strategy.outer_lr,
+                                                                  strategy.outer_momentum)
+
+
+def _read_metrics(run_dir):
+    from bench.records import read_jsonl
+
+    return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
+
+
+# ------------------------------------------------------------------------ resume
+
+
+def resume_matches(rank, world_size, config, overrides, run_dir):
+    """Train straight through (checkpointing on the way), then resume from the checkpoint."""
+    straight = train(world_size, config, overrides, run_dir)
+    os.environ["COMMBENCH_RESUME"] = "1"
+    try:
+        trainer = make_trainer(world_size, config, overrides, run_dir)
+        resumed_from = torch.load(trainer.state_path(), weights_only=False)["step"]
+        trainer.run()
+    finally:
+        del os.environ["COMMBENCH_RESUME"]
+    return straight["params"], params_of(trainer.strategy.eval_model()), resumed_from
+
+
+@pytest.mark.timeout(120)
+def test_diloco_resumes_mid_round_to_the_same_parameters(tmp_path):
+    # H = 4, checkpoint at step 6: mid-round, with outer momentum and inner Adam state
+    overrides = ["run.steps=8", "strategy.inner_steps=4", "checkpoint.every=6",
+                 "strategy.offload_outer=true"]
+    results = run_distributed(resume_matches, 2, DILOCO_TINY, overrides, str(tmp_path),
+                              timeout=100)
+    for straight, resumed, step in results:
+        assert step == 6
+        assert_same_params(resumed, straight, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("override,message", [
+    ("strategy.inner_steps=0", "strategy.inner_steps must be >= 1, got 0"),
+    ("strategy.outer_lr=0", "strategy.outer_lr must be > 0, got 0.0"),
+    ("strategy.outer_lr=-0.5", "strategy.outer_lr must be > 0, got -0.5"),
+    ("strategy.outer_momentum=1", "strategy.outer_momentum must be in [0, 1), got 1.0"),
+    ("strategy.outer_optimizer=lamb",
+     "strategy.outer_optimizer must be one of ['sgd', 'adam'], got 'lamb'"),
+    ("strategy.outer_grad_dtype=int8", "strategy.outer_grad_dtype must be one of"),
+    ("parallel.group_size=3",
+     "parallel.world_size (4) must be divisible by parallel.group_size (3)"),
+    ("parallel.num_stages=2", "strategy diloco is data parallel only"),
+])
+def test_bad_diloco_config_fails_before_launch(override, message):
+    with pytest.raises(ValueError) as err:
+        load_config(DILOCO_TINY, [override])
+    assert message in str(err.value)
+
+
+def test_tiny_config_matches_ddp_tiny_budget():
+    ddp, diloco = load_config("configs/ddp-tiny.yaml"), load_config(DILOCO_TINY)
+    for section in ("run", "model", "data", "optim", "parallel", "network"):
+        a, b = vars(getattr(ddp, section)).copy(), vars(getattr(diloco, section)).copy()
+        a.pop("name", None), b.pop("name", None)
+        assert a == b, section
+    assert diloco.strategy.inner_steps == 10 and ddp.parallel.world_size == 4
