@@ -134,11 +134,25 @@ def _error_text(run_dir: Path, rc: int, tail: list[str]) -> str:
 
 
 def _self_evaluate(cfg: Config, run_dir: Path) -> dict:
+    """lm-eval on the final model; its chatter goes to logs/eval.log, not the terminal."""
+    import contextlib
+    import logging
+
     from eval.runner import evaluate_run
 
-    try:
-        evaluate_run(run_dir, suite=cfg.eval.suite, tasks=cfg.eval.tasks or None,
-                     limit=cfg.eval.limit, batch_size=cfg.eval.batch_size)
-    except Exception as err:  # the training record stays valid; say what went wrong
-        return records.update_summary(run_dir, {"eval_error": f"{type(err).__name__}: {err}"})
+    log_path = run_dir / "logs" / "eval.log"
+    with open(log_path, "a") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        handler = logging.StreamHandler(log)
+        root = logging.getLogger()
+        saved = root.handlers[:]
+        root.handlers = [handler]
+        try:
+            evaluate_run(run_dir, suite=cfg.eval.suite, tasks=cfg.eval.tasks or None,
+                         limit=cfg.eval.limit, batch_size=cfg.eval.batch_size)
+        except Exception as err:  # the training record stays valid; say what went wrong
+            return records.update_summary(
+                run_dir, {"eval_error": f"{type(err).__name__}: {err} (see {log_path})"})
+        finally:
+            root.handlers = saved
     return records.read_summary(run_dir)

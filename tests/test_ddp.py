@@ -12,6 +12,7 @@ import torch
 from bench.config import load_config
 from bench.train import Trainer
 from tests.distributed import run_distributed
+from tests.helpers import assert_same_params, max_change, params_of
 
 TINY = "configs/ddp-tiny.yaml"
 
@@ -24,19 +25,13 @@ def train_and_collect(rank, world_size, overrides, run_dir):
     trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
     summary = trainer.run()
     trainer.strategy.close()
-    params = {k: v.detach().clone() for k, v in trainer.strategy.eval_model().state_dict().items()}
+    params = params_of(trainer.strategy.eval_model())
     ledger = [(r.phase, r.op, r.step, r.nbytes, r.group_size) for r in trainer.ledger.records]
     return params, ledger, summary, trainer.model_config
 
 
 COMMON = ["run.steps=4", "run.log_every=1", "run.val_every=0", "run.val_batches=1",
           "optim.warmup_steps=2", "checkpoint.final=false"]
-
-
-def assert_same_params(a: dict, b: dict, atol=2e-5, rtol=1e-4):
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=key)
 
 
 @pytest.mark.timeout(240)
@@ -55,8 +50,7 @@ def test_ddp_on_4_ranks_equals_one_process_with_4x_batch(tmp_path, backend):
     assert_same_params(multi[0][0], single)  # ... equal to the 4x-batch single process
     initial = run_distributed(train_and_collect, 1, [*COMMON, "run.steps=1", "optim.lr=1e-9"],
                               str(tmp_path / "init"), timeout=60)[0][0]
-    moved = max((single[k] - initial[k]).abs().max().item() for k in single)
-    assert moved > 1e-3  # training really changed the weights (the test can fail)
+    assert max_change(single, initial) > 1e-3  # training really changed the weights (the test can fail)
 
 
 @pytest.mark.timeout(120)

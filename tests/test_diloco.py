@@ -20,25 +20,17 @@ from algorithms.comm import Communicator
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from bench.config import load_config
 from bench.train import Trainer, lr_at, make_optimizer_factory
+from tests import helpers
 from tests.distributed import run_distributed
+from tests.helpers import max_change, params_of
 
 DILOCO_TINY = "configs/diloco-tiny.yaml"
 SMALL = ["run.log_every=1", "run.val_every=0", "run.val_batches=1", "model.seq_len=32",
          "data.batch_size=2", "optim.warmup_steps=2", "checkpoint.final=false"]
 
 
-def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
 def assert_same_params(a: dict, b: dict, atol=2e-6, rtol=1e-5):
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=key)
-
-
-def max_change(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    helpers.assert_same_params(a, b, atol=atol, rtol=rtol)
 
 
 def make_trainer(world_size, config, overrides, run_dir) -> Trainer:

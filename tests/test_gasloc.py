@@ -25,6 +25,7 @@ from bench.model import GPT, gpt_config
 from bench.records import read_jsonl
 from bench.train import TRAIN_PHASES, Trainer, lr_at, make_optimizer_factory
 from tests.distributed import run_distributed
+from tests.helpers import assert_same_params, max_change
 
 TINY = "configs/gasloc-tiny.yaml"
 # 6 steps in rounds of 2: three gossip rounds, so the outer momentum is exercised.
@@ -92,14 +93,6 @@ def reference_diloco(rank, world_size, overrides, groups, outer_lr, momentum, co
     return [w.state_dict() for w in workers], init.state_dict()
 
 
-def assert_same_params(a: dict, b: dict, atol=2e-5, rtol=1e-4):
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=key)
-
-
-def moved(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 # ------------------------------------------------------------------ identities
@@ -131,7 +124,7 @@ def test_complete_graph_equals_diloco(tmp_path, name, outer_lr, momentum):
         assert [(op, step, nbytes) for _, op, step, nbytes, _ in train] == [
             ("exchange", s, 3 * param_bytes) for s in (1, 3, 5)]
         assert {row[4] for row in train} == {tuple(r for r in range(4) if r != rank)}
-    assert moved(expected[0], init) > 1e-3  # training really changed the weights
+    assert max_change(expected[0], init) > 1e-3  # training really changed the weights
 
 
 @pytest.mark.timeout(240)
@@ -146,7 +139,7 @@ def test_no_mixing_equals_independent_runs_with_per_worker_inner_steps(tmp_path)
     for rank, (params, ledger, _) in enumerate(results):
         assert_same_params(params, expected[rank])
         assert not [row for row in ledger if row[0] in TRAIN_PHASES]
-    assert moved(results[0][0], results[1][0]) > 1e-3  # the workers really differ
+    assert max_change(results[0][0], results[1][0]) > 1e-3  # the workers really differ
 
 
 # ------------------------------------------------------------------ mixing and ledger

@@ -14,12 +14,12 @@ from algorithms.comm import Communicator
 from algorithms.pier import Pier, PierConfig, pier_schedule
 from bench.config import load_config
 from tests.distributed import run_distributed
+from tests.helpers import max_change
 from tests.test_diloco import (
     DILOCO_TINY,
     Regression,
     assert_same_params,
     flat,
-    max_change,
     regression_batch,
     resume_matches,
     train_many,

@@ -1,0 +1,21 @@
+"""Parameter comparisons shared by the identity tests."""
+
+import torch
+from torch import nn
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of a module's state, for comparing after training."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_same_params(a: dict, b: dict, atol: float = 2e-5, rtol: float = 1e-4) -> None:
+    """Same keys and, key by key, values equal to fp tolerance (0, 0 = bit-identical)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=key)
+
+
+def max_change(a: dict, b: dict) -> float:
+    """Largest absolute difference between two states: shows training really moved."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
