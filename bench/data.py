@@ -333,6 +333,7 @@ def load_corpus(
     """Token splits of `corpus`, tokenised once into `cache_dir` and memory-mapped from there.
     A prepared shard directory is read in place (its own split; `val_fraction` is ignored)."""
     tokenizer = get_tokenizer(tokenizer_name)
+    cache_dir = Path(cache_dir).expanduser()
     path = Path(corpus).expanduser()
     if corpus not in NAMED_CORPORA and (path / "meta.json").exists():
         return _read_shards(path, tokenizer_name)
@@ -342,10 +343,10 @@ def load_corpus(
     identity = "hub" if corpus == "openwebtext" else _text_sha256(pieces())[:16]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
     key = f"{slug}-{tokenizer.name}-val{val_fraction:g}-{identity}"
-    final = Path(cache_dir) / key
+    final = cache_dir / key
     if not (final / "meta.json").exists():
         # Each rank writes its own temporary directory; the first rename wins.
-        work = Path(cache_dir) / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        work = cache_dir / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             _write_shards(pieces(), work, tokenizer, _describe(corpus), val_fraction, False)
             try:

@@ -101,10 +101,10 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
 
         tokenizer = get_tokenizer(cfg.data.tokenizer)
-        cache = os.path.expanduser(cfg.data.cache_dir)
         if self.rank != 0:
             dist.barrier()  # rank 0 tokenises and caches the corpus first
-        splits = load_corpus(cfg.data.corpus, cfg.data.tokenizer, cache, cfg.data.val_fraction)
+        splits = load_corpus(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
+                             cfg.data.val_fraction)
         if self.rank == 0:
             dist.barrier()
 

@@ -237,7 +237,7 @@ def smoke_task_dir(data_cfg: dict) -> Path:
     sweep are safe, and an interrupted one leaves nothing half-written)."""
     val_tokens, tokenizer, identity = _held_out_split(data_cfg)
     key = hashlib.sha256(f"{identity}|{SMOKE_VERSION}|{SMOKE_NUM_DOCS}".encode()).hexdigest()
-    final = (Path(data_cfg["cache_dir"]) / "eval" / f"smoke-{key[:16]}").resolve()
+    final = (Path(data_cfg["cache_dir"]).expanduser() / "eval" / f"smoke-{key[:16]}").resolve()
     if not (final / "tasks").is_dir():
         work = final.with_name(f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:

@@ -287,3 +287,11 @@ def test_val_batches_short_split():
     assert x.shape == (3, 16)
     with pytest.raises(ValueError, match=r"validation split has 10 tokens.*17"):
         val_batches(TOKENS[:10], 16, 8, 4)
+
+
+def test_cache_dir_tilde_means_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    load_corpus("embedded", "byte", "~/cache")
+    assert list((tmp_path / "home" / "cache").glob("embedded-byte-*/meta.json"))
+    assert not (tmp_path / "~").exists()  # not a literal "~" directory in the cwd
