@@ -77,6 +77,11 @@ class TrainSetup:
     """Context-manager factory for mixed precision around forward passes."""
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module itself under a torch.compile wrapper (whose state keys are prefixed)."""
+    return getattr(model, "_orig_mod", model)
+
+
 def strategy_class(name: str) -> type[Strategy]:
     if name not in STRATEGIES:
         raise ValueError(f"strategy.name must be one of {sorted(STRATEGIES)}, got {name!r}")
@@ -153,8 +158,9 @@ class DataParallelStrategy(Strategy):
     """A step of forward/backward over microbatches, then the inner optimizer step.
 
     Subclasses hook communication in at `after_backward` (gradient all-reduce) and
-    `after_inner_step` (outer synchronisation, gossip), and may wrap the model
-    (`self.train_model`, e.g. in torch DDP) in `__init__`.
+    `after_inner_step` (outer synchronisation, gossip), and may wrap the model in torch
+    DDP (`self.train_model, self.timer = make_ddp(...)`, algorithms/ddp.py) in `__init__`;
+    gradient-sync skipping and exposed-communication timing then work for every subclass.
     """
 
     def __init__(self, config: StrategyConfig, setup: TrainSetup):
@@ -165,6 +171,8 @@ class DataParallelStrategy(Strategy):
         self.step_index = 0
         self.backward_end = 0.0
         """Host time the last backward pass returned (for exposed-communication timing)."""
+        self.timer = None
+        """The DDP wrapper's bucket timer while `train_model` is a DDP wrapper."""
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -172,11 +180,13 @@ class DataParallelStrategy(Strategy):
 
     def no_sync(self):
         """Context that skips gradient communication for non-final microbatches."""
-        return contextlib.nullcontext()
+        if self.timer is None:
+            return contextlib.nullcontext()
+        return self.train_model.no_sync()
 
     def forward_backward(self, batch) -> tuple[float, int]:
         n = self.setup.num_microbatches
-        total_loss = 0.0
+        losses = []
         tokens = 0
         autocast = self.setup.autocast
         for i, (x, y) in enumerate(_microbatches(batch, n)):
@@ -186,13 +196,22 @@ class DataParallelStrategy(Strategy):
                     _, loss = self.train_model(x, y)
                 (loss / n).backward()
                 self.backward_end = time.perf_counter()
-            total_loss += loss.item() / n
+            losses.append(loss.detach())
             tokens += y.numel()
-        return total_loss, tokens
+        # microbatches are equal chunks: their mean is the batch loss; one host sync a step
+        return torch.stack(losses).mean().item(), tokens
 
     def after_backward(self) -> float:
-        """Gradient communication; returns its exposed seconds."""
-        return 0.0
+        """Gradient communication; returns its exposed seconds.
+
+        With a DDP-wrapped model: the wait from the last gradient bucket being handed to
+        the network until `backward()` returned (method in algorithms/ddp.py).
+        """
+        if self.timer is None:
+            return 0.0
+        if next(self.model.parameters()).is_cuda:
+            torch.cuda.synchronize()
+        return max(0.0, self.backward_end - self.timer.last_ready)
 
     def after_inner_step(self) -> tuple[float, dict[str, float]]:
         """Communication after the optimizer step; returns (exposed seconds, extras)."""

@@ -185,14 +185,7 @@ class Communicator:
         start = time.perf_counter()
         yield
         self._sync()
-        elapsed = time.perf_counter() - start
-        rec = self._make_record(op, nbytes, elapsed, group, peers)
-        if self.delay is not None:
-            remaining = self.delay(rec) - elapsed
-            if remaining > 0:
-                time.sleep(remaining)
-                rec = self._make_record(op, nbytes, time.perf_counter() - start, group, peers)
-        self.ledger.add(rec)
+        self.record(op, nbytes, time.perf_counter() - start, group, peers, started=start)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -81,8 +81,8 @@ class _BucketTimer:
     def __init__(self, comm, group):
         self.comm = comm
         self.group = group
-        self.pg = group.pg if group is not None else None
-        self.size = len(group.ranks) if group is not None else comm.world_size
+        self.pg = None if group is None else group.pg
+        self.size = len(comm.group_ranks(group))
         self.last_ready = 0.0
 
     def hook(self, state, bucket):
@@ -121,18 +121,6 @@ class DDP(DataParallelStrategy):
             self.train_model, self.timer = make_ddp(
                 self.model, self.comm, bucket_cap_mb=config.bucket_cap_mb
             )
-
-    def no_sync(self):
-        if self.train_model is self.model:
-            return super().no_sync()
-        return self.train_model.no_sync()
-
-    def after_backward(self) -> float:
-        if self.train_model is self.model:
-            return 0.0
-        if model_device(self.model).type == "cuda":
-            torch.cuda.synchronize()
-        return max(0.0, self.backward_end - self.timer.last_ready)
 
     def train_step(self, batch) -> StepStats:
         if self.engine is None:

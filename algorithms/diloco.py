@@ -16,11 +16,10 @@ import copy
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch import nn
 
-from algorithms.base import DataParallelStrategy, StepStats, StrategyConfig, TrainSetup
-from algorithms.ddp import make_ddp, model_device
+from algorithms.base import DataParallelStrategy, StepStats, StrategyConfig, TrainSetup, unwrap
+from algorithms.ddp import make_ddp
 from algorithms.outer import OuterOptimizer, RoundStats, replica_groups
 
 
@@ -87,7 +86,6 @@ class DiLoCo(DataParallelStrategy):
         super().__init__(config, setup)
         self.group, self.cross_group, self.num_replicas = replica_groups(
             self.comm, setup.group_size)
-        self.timer = None
         if setup.group_size > 1:
             self.train_model, self.timer = make_ddp(self.model, self.comm, self.group,
                                                     config.bucket_cap_mb)
@@ -98,23 +96,9 @@ class DiLoCo(DataParallelStrategy):
             wire_dtype=config.outer_grad_dtype, offload=config.offload_outer,
         )
         self.round = 0
-        self.in_sync = True
-        """True while the replica's weights equal the global θ (just after a round)."""
         self._eval_copy: nn.Module | None = None
 
     # ------------------------------------------------------------- inner steps
-
-    def no_sync(self):
-        if self.train_model is self.model:
-            return super().no_sync()
-        return self.train_model.no_sync()
-
-    def after_backward(self) -> float:
-        if self.timer is None or self.train_model is self.model:
-            return 0.0
-        if model_device(self.model).type == "cuda":
-            torch.cuda.synchronize()
-        return max(0.0, self.backward_end - self.timer.last_ready)
 
     def train_step(self, batch) -> StepStats:
         with self.comm.phase("inner"):
@@ -127,6 +111,11 @@ class DiLoCo(DataParallelStrategy):
         return (self.step_index % self.config.inner_steps == 0
                 or self.step_index == self.setup.total_steps)
 
+    def in_sync(self) -> bool:
+        """Whether the replica's weights equal the global θ (before the first step, and
+        right after a round)."""
+        return self.round_ends()
+
     def outer_hyperparameters(self) -> tuple[float, float]:
         """(outer lr, outer momentum) for the round closing now."""
         return self.config.outer_lr, self.config.outer_momentum
@@ -135,13 +124,11 @@ class DiLoCo(DataParallelStrategy):
         return self.outer.step(lr, momentum)
 
     def after_inner_step(self) -> tuple[float, dict[str, float]]:
-        self.in_sync = False
         if not self.round_ends():
             return 0.0, {}
         lr, momentum = self.outer_hyperparameters()
         stats = self.outer_step(lr, momentum)
         self.round += 1
-        self.in_sync = True
         return stats.seconds, {
             "outer_round": self.round, "outer_lr": lr, "outer_momentum": momentum,
             "pseudo_grad_norm": stats.pseudo_grad_norm, "outer_bytes": stats.nbytes,
@@ -152,18 +139,18 @@ class DiLoCo(DataParallelStrategy):
 
     def eval_model(self) -> nn.Module:
         """The global θ: the replica itself right after a round, else a copy holding θ."""
-        if self.in_sync:
+        if self.in_sync():
             return self.model
         if self._eval_copy is None:
-            self._eval_copy = copy.deepcopy(getattr(self.model, "_orig_mod", self.model))
+            self._eval_copy = copy.deepcopy(unwrap(self.model))
         self.outer.copy_global_to(self._eval_copy.parameters())
         return self._eval_copy
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "outer": self.outer.state_dict(),
-                "round": self.round, "in_sync": self.in_sync}
+                "round": self.round}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.outer.load_state_dict(state["outer"])
-        self.round, self.in_sync = state["round"], state["in_sync"]
+        self.round = state["round"]

@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from algorithms.base import DataParallelStrategy, StepStats, StrategyConfig, TrainSetup
+from algorithms.base import DataParallelStrategy, StepStats, StrategyConfig, TrainSetup, unwrap
 from algorithms.comm import Communicator
 
 TOPOLOGIES = ("complete", "ring", "random-matching", "random-2peer")
@@ -190,7 +190,6 @@ class Gossip(DataParallelStrategy):
 
     def __init__(self, config: GossipConfig, setup: TrainSetup):
         super().__init__(config, setup)
-        config.check(self.comm.world_size, setup.group_size, 1, setup.total_steps)
         steps = config.inner_steps
         self.round_steps = max(steps) if isinstance(steps, list) else steps
         self.local_steps = steps[self.comm.rank] if isinstance(steps, list) else steps
@@ -199,7 +198,7 @@ class Gossip(DataParallelStrategy):
         """theta_i: this worker's weights at the start of the round (the last gossip result)."""
         self.round = 0
         self.last_loss = math.nan
-        base = getattr(self.model, "_orig_mod", self.model)  # torch.compile wrapper
+        base = unwrap(self.model)
         self.average_model = copy.deepcopy(base).requires_grad_(False)
         self.worker_model = copy.deepcopy(base).requires_grad_(False)
         self._consensus: tuple[int, float] | None = None

@@ -1,6 +1,6 @@
 """Pier: DiLoCo with a lazy start (DDP while the outer momentum fills) and scheduled outer steps.
 
-Run it with `commbench run configs/pier-tiny.yaml`; tests: `pytest tests/test_diloco.py`.
+Run it with `commbench run configs/pier-tiny.yaml`; tests: `pytest tests/test_pier.py`.
 The math is ALGORITHMS.md's Pier section; everything else is DiLoCo (algorithms/diloco.py).
 """
 
@@ -10,8 +10,6 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Literal
-
-from torch import nn
 
 from algorithms.base import StepStats, TrainSetup
 from algorithms.ddp import make_ddp
@@ -151,7 +149,7 @@ class Pier(DiLoCo):
 
     Round ends sit on the absolute grid of multiples of H (and the last step), as in
     DiLoCo, so a round may straddle T_w: its first steps are DDP, the rest local.
-    Identities (tests/test_diloco.py): `warmup_fraction = 0` with schedule constant is
+    Identities (tests/test_pier.py): `warmup_fraction = 0` with schedule constant is
     DiLoCo exactly; during the lazy start the parameters equal a DDP run's.
     """
 
@@ -186,7 +184,5 @@ class Pier(DiLoCo):
             return self.outer.accumulate_momentum(momentum)
         return super().outer_step(lr, momentum)
 
-    def eval_model(self) -> nn.Module:
-        if self.in_warmup():  # the DDP weights are the global model
-            return self.model
-        return super().eval_model()
+    def in_sync(self) -> bool:
+        return self.in_warmup() or super().in_sync()  # during T_w the DDP weights are θ

@@ -30,7 +30,26 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-STATUSES = ("running", "ok", "failed", "diverged")
+ENDED_STATUSES = ("ok", "failed", "diverged")
+"""How a run ended, as summary.json records it."""
+STATUSES = ("running", *ENDED_STATUSES)
+DONE_STATUSES = ("ok", "diverged")
+"""Statuses of a finished run that a re-run keeps (a diverged run is a result)."""
+
+
+def status_of(summary: dict | None) -> str:
+    """ok, failed or diverged as recorded; partial for a run killed or stopped midway.
+
+    Partial: no summary (killed before writing it), status still running (killed while
+    training), or `interrupted` (stopped with Ctrl-C: recorded failed, but trained again
+    on re-run, not kept as a failure)."""
+    if not summary or summary.get("status") not in ENDED_STATUSES or summary.get("interrupted"):
+        return "partial"
+    return summary["status"]
+
+
+_UMASK = os.umask(0o022)  # read the process umask (setting it back at once)
+os.umask(_UMASK)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
@@ -39,6 +58,7 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are ordinary files
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -82,14 +102,23 @@ def update_summary(run_dir: str | os.PathLike, updates: dict) -> dict:
     return summary
 
 
+def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
+    """Replace a JSON-lines file atomically."""
+    write_text(path, "".join(json.dumps(row, default=_jsonable) + "\n" for row in rows))
+
+
 def append_jsonl(path: str | os.PathLike, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row, default=_jsonable) + "\n")
         f.flush()
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Rows of a JSON-lines file; a torn (partially written) last line is skipped."""
+def read_jsonl(path: str | os.PathLike, skipped: list[str] | None = None) -> list[dict]:
+    """Rows of a JSON-lines file; a torn (partially written) last line is skipped.
+
+    A corrupt line elsewhere raises ValueError, unless `skipped` is given: then every
+    unreadable line, the torn last one included, is skipped and described in `skipped`
+    ("PATH: skipped a truncated last line", "PATH: skipped corrupt line N")."""
     path = Path(path)
     if not path.exists():
         return []
@@ -101,9 +130,12 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break  # a run killed mid-write
-            raise ValueError(f"{path}:{i + 1}: corrupt JSON line") from None
+            last = i == len(lines) - 1  # a run killed mid-write
+            if skipped is not None:
+                what = "a truncated last line" if last else f"corrupt line {i + 1}"
+                skipped.append(f"{path}: skipped {what}")
+            elif not last:
+                raise ValueError(f"{path}:{i + 1}: corrupt JSON line") from None
     return rows
 
 

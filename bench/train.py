@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from algorithms.base import StepStats, TrainSetup, strategy_class
+from algorithms.base import StepStats, TrainSetup, strategy_class, unwrap
 from algorithms.comm import CommLedger, Communicator
 from bench import records
 from bench.config import Config, from_dict, load_raw
@@ -203,9 +203,7 @@ class Trainer:
             stats: StepStats = self.strategy.train_step((x, y))
             _sync(self.device)
             step_s = time.perf_counter() - t0
-            step_bytes = sum(
-                r.nbytes for r in self.ledger.records[first_record:] if r.phase in TRAIN_PHASES
-            )
+            step_bytes, _ = self.ledger.totals(TRAIN_PHASES, start=first_record)
             elapsed += step_s
             tokens += self.global_batch_tokens
             totals["comm_s"] += stats.comm_s
@@ -279,14 +277,14 @@ class Trainer:
         if self.rank == 0:  # drop rows logged after the checkpoint; they will be redone
             metrics = self.run_dir / "metrics.jsonl"
             rows = [r for r in records.read_jsonl(metrics) if r["step"] <= step]
-            records.write_text(metrics, "".join(_json_line(r) for r in rows))
+            records.write_jsonl(metrics, rows)
         return step, payload["loop"]
 
     def save_eval_model(self, step: int) -> None:
         with self.comm.phase("eval"):
             model = self.strategy.eval_model()
         if self.rank == 0:
-            model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+            model = unwrap(model)
             state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             payload = {"model": state, "gpt_config": vars(self.model_config).copy(),
                        "tokenizer": self.cfg.data.tokenizer, "step": step}
@@ -326,7 +324,7 @@ class Trainer:
         dist.all_gather_object(aggregates, self.ledger.aggregate())
         if self.rank == 0:
             rows = [{"rank": r, **row} for r, agg in enumerate(aggregates) for row in agg]
-            records.write_text(self.run_dir / "comm.jsonl", "".join(map(_json_line, rows)))
+            records.write_jsonl(self.run_dir / "comm.jsonl", rows)
         summary = {
             "status": status,
             "run_name": cfg.run.name,
@@ -404,12 +402,6 @@ def _prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
     return {prefix + name: value for name, value in values.items()}
 
 
-def _json_line(row: dict) -> str:
-    import json
-
-    return json.dumps(row) + "\n"
-
-
 def _progress_line(row: dict, steps: int) -> str:
     share = row["comm_s"] / row["step_s"] if row["step_s"] else 0.0
     tps = row["tokens"] / row["elapsed_s"] if row["elapsed_s"] else 0.0
@@ -426,8 +418,11 @@ def _fault_injection(rank: int) -> tuple[int, str] | None:
     spec = os.environ.get("COMMBENCH_FAULT")
     if not spec:
         return None
-    fault_rank, step, mode = spec.split(":")
-    return (int(step), mode) if int(fault_rank) == rank else None
+    parts = spec.split(":")
+    if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()) or \
+            parts[2] not in ("crash", "hang"):
+        raise ValueError(f"COMMBENCH_FAULT must be RANK:STEP:crash|hang, got {spec!r}")
+    return (int(parts[1]), parts[2]) if int(parts[0]) == rank else None
 
 
 def _inject(mode: str, rank: int, step: int) -> None:

@@ -102,3 +102,10 @@ def test_cli_bad_input_exits_before_launch(tmp_path, capsys):
     rc = main(["run", DDP_TINY, "--set", "parallel.group_size=3", "--set", f"run.output_dir={tmp_path}"])
     assert rc == 2
     assert not list(tmp_path.glob("**/config.yaml"))  # nothing was launched or written
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = open("README.md").read()
+    ci_command = open(".ci/run").read().strip().splitlines()[-1]
+    assert ci_command.endswith(".venv/bin/pytest")  # the test command, not the main job
+    assert f"```bash\n{ci_command}\n```" in readme

@@ -168,7 +168,7 @@ def nesterov_rounds(rank, world_size, inner_steps, num_rounds, lr, mu):
         torch.nn.utils.vector_to_parameters(theta.clone(), reference.parameters())
         errors.append((flat(strategy.eval_model()) - theta).abs().max().item())
         # the replica restarts from θ
-        moved.append((flat(model) - flat(strategy.eval_model())).abs().max().item())
+        moved.append((flat(model) - theta).abs().max().item())
     return errors, moved, strategy.round
 
 
@@ -179,7 +179,7 @@ def test_outer_nesterov_step_matches_tensor_math(world_size):
     results = run_distributed(nesterov_rounds, world_size, 3, 2, 0.7, 0.9, timeout=80)
     for errors, moved, rounds in results:
         assert rounds == 2
-        assert max(errors) < 1e-6 and max(moved) == 0
+        assert max(errors) < 1e-6 and max(moved) < 1e-6
 
 
 # ------------------------------------------------------------------------ ledger

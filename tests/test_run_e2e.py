@@ -92,3 +92,13 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path):
     losses = [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert losses == [r["loss"] for r in read_jsonl(only_run_dir(tmp_path / "full") /
                                                       "metrics.jsonl") if "loss" in r]
+
+
+def test_records_are_ordinary_readable_files(tmp_path):
+    from bench.records import write_json
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    write_json(tmp_path / "summary.json", {"status": "ok"})
+    # as open() would create it (mkstemp alone makes 0600, unreadable to others)
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o666 & ~umask
