@@ -67,7 +67,7 @@ def _cmd_sweep(args) -> int:
     result = run_sweep(args.spec, dry_run=args.dry_run, retry_failed=args.retry_failed,
                        executor=args.executor, max_parallel=args.max_parallel,
                        report=not args.no_report)
-    return 0 if getattr(result, "ok", True) else 1
+    return 0 if result.ok else 1
 
 
 def _cmd_eval(args) -> int:
@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"commbench: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # what was recorded so far is on disk; no traceback
+        return 130
 
 
 if __name__ == "__main__":

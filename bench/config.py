@@ -445,15 +445,22 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def identity_dict(cfg: Config) -> dict:
-    data = to_dict(cfg)
-    for key in NON_IDENTITY_KEYS:
-        node = data
+def without_keys(data: dict, keys: tuple[str, ...]) -> dict:
+    """Remove dotted `keys` (a key or a whole section) from nested `data` in place; returns it.
+
+    A key whose section is absent is skipped."""
+    for key in keys:
+        node: Any = data
         *parents, last = key.split(".")
         for p in parents:
-            node = node[p]
-        node.pop(last, None)
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
     return data
+
+
+def identity_dict(cfg: Config) -> dict:
+    return without_keys(to_dict(cfg), NON_IDENTITY_KEYS)
 
 
 def config_hash(cfg: Config) -> str:

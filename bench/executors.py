@@ -5,7 +5,7 @@
 
 bench.sweep decides which runs to train and where their records go; this module trains
 them and shows their progress. A run that raises is recorded as failed, with its error,
-and never stops the sweep.
+and never stops the sweep; Ctrl-C does (the run in flight records itself as interrupted).
 
 `local` runs one run at a time, or `max_parallel` at once. `slurm` submits one
 job per run, or one job array (`array: true`, throttled by `max_parallel`), through
@@ -34,7 +34,6 @@ executor) runs the same path on this machine; the tests use it.
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import threading
 import time
@@ -54,10 +53,6 @@ if TYPE_CHECKING:
 
 Runner = Callable[..., dict]
 """`runner(cfg, run_dir, progress=bool) -> summary dict`, default bench.launch.run_config."""
-
-DONE_STATUSES = ("ok", "diverged")
-"""Statuses of a finished run that a re-run keeps (a diverged run is a result)."""
-
 
 # ---------------------------------------------------------------------------- one run
 
@@ -140,7 +135,7 @@ class _Progress:
 
     def __init__(self, name: str, outcomes: list[RunOutcome], num_todo: int):
         self.total = len(outcomes)
-        self.ok = sum(o.status in DONE_STATUSES for o in outcomes if not o.launched)
+        self.ok = sum(o.status in records.DONE_STATUSES for o in outcomes if not o.launched)
         self.failed = sum(o.status == "failed" for o in outcomes if not o.launched)
         self.started = 0
         self.num_todo = num_todo
@@ -206,76 +201,51 @@ class _Progress:
 # ------------------------------------------------------------------------------- local
 
 
-class _InterruptFlag:
-    """Remembers a Ctrl-C even when the run's launcher catches the KeyboardInterrupt."""
-
-    def __init__(self):
-        self.set = False
-        self.installed = False
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
-            self.previous = previous
-
-            def handler(signum, frame):
-                self.set = True
-                if callable(previous):
-                    previous(signum, frame)
-                else:
-                    raise KeyboardInterrupt
-
-            signal.signal(signal.SIGINT, handler)
-            self.installed = True
-        return self
-
-    def __exit__(self, *exc):
-        if self.installed:
-            signal.signal(signal.SIGINT, self.previous)
-
-
-def _mark_interrupted(run_dir: Path) -> None:
-    """A run stopped by the user is partial (trained again on re-run), not failed."""
-    summary = records.read_summary(run_dir) if (run_dir / "summary.json").exists() else None
-    if summary is not None and summary.get("status") not in ("ok", "diverged"):
-        records.update_summary(run_dir, {"interrupted": True})
-
-
 def _run_local(todo: list[tuple[SweepRun, Path]], runner: Runner | None, max_parallel: int,
                progress: _Progress) -> dict[str, dict]:
-    summaries: dict[str, dict] = {}
-    with _InterruptFlag() as flag:
-        try:
-            if max_parallel <= 1:
-                for run, run_dir in todo:
-                    progress.start(run, run_dir)
-                    summary = execute_run(run.config, run_dir, runner,
-                                          progress=not progress.live)
-                    if flag.set:
-                        raise KeyboardInterrupt
-                    summaries[run.run_id] = summary
-                    progress.finish(run, summary)
-            else:
-                def work(run: SweepRun, run_dir: Path) -> dict:
-                    progress.start(run, run_dir)
-                    return execute_run(run.config, run_dir, runner, progress=False)
+    """Train the runs here, one after another or `max_parallel` at once.
 
-                pool = ThreadPoolExecutor(max_workers=max_parallel)
-                try:
-                    futures = {pool.submit(work, run, run_dir): run for run, run_dir in todo}
-                    for future in as_completed(futures):
-                        if flag.set:
-                            raise KeyboardInterrupt
-                        run = futures[future]
-                        summaries[run.run_id] = future.result()
-                        progress.finish(run, summaries[run.run_id])
-                finally:  # on Ctrl-C, runs not started yet are not started
-                    pool.shutdown(wait=True, cancel_futures=True)
-        except KeyboardInterrupt:
-            for run, run_dir in todo:
-                if run.run_id not in summaries:
-                    _mark_interrupted(run_dir)
-            raise
+    Ctrl-C stops the sweep: each run in flight records itself as interrupted (partial:
+    trained again on re-run) and the KeyboardInterrupt propagates; runs not started yet
+    are not started."""
+    summaries: dict[str, dict] = {}
+    if max_parallel <= 1:
+        for run, run_dir in todo:
+            progress.start(run, run_dir)
+            summaries[run.run_id] = execute_run(run.config, run_dir, runner,
+                                                progress=not progress.live)
+            progress.finish(run, summaries[run.run_id])
+        return summaries
+
+    in_flight: dict[str, Path] = {}  # run id -> run dir, while a thread trains it
+
+    def work(run: SweepRun, run_dir: Path) -> dict:
+        in_flight[run.run_id] = run_dir
+        progress.start(run, run_dir)
+        summary = execute_run(run.config, run_dir, runner, progress=False)
+        del in_flight[run.run_id]
+        return summary
+
+    pool = ThreadPoolExecutor(max_workers=max_parallel)
+    try:
+        futures = {pool.submit(work, run, run_dir): run for run, run_dir in todo}
+        for future in as_completed(futures):
+            run = futures[future]
+            summaries[run.run_id] = future.result()
+            progress.finish(run, summaries[run.run_id])
+    except KeyboardInterrupt:
+        # Ctrl-C reaches the main thread only (and, from a terminal, every torchrun child,
+        # which then exits): let the runs in flight end, then mark the unfinished ones
+        # interrupted (partial: a re-run trains them again).
+        stopped = list(in_flight.values())
+        pool.shutdown(wait=True, cancel_futures=True)
+        for run_dir in stopped:
+            if records.status_of(records.read_summary(run_dir)) not in records.DONE_STATUSES:
+                records.update_summary(run_dir, {"status": "failed", "interrupted": True,
+                                                 "error": "interrupted by the user"})
+        raise
+    finally:  # runs not started yet are never started
+        pool.shutdown(wait=True, cancel_futures=True)
     return summaries
 
 
@@ -364,7 +334,7 @@ def _run_slurm(spec: SweepSpec, executor, todo: list[tuple[SweepRun, Path]],
                     summary = job.result()
                 except Exception as err:  # killed, timed out, or crashed outside the run
                     summary = records.read_summary(run_dir) or {}
-                    if summary.get("status") not in ("ok", "diverged", "failed"):
+                    if summary.get("status") not in records.ENDED_STATUSES:
                         summary = _record_failure(
                             run.config, run_dir, f"slurm job {job.job_id} ended without a "
                             f"result ({job.state}): {err}")

@@ -5,6 +5,8 @@ writes config.yaml, starts `torchrun ... -m bench.train RUN_DIR`, shows a live p
 line, and leaves summary.json with status ok, diverged or failed (with the error text).
 A rank that crashes makes torchrun stop the others; a rank stuck in a collective fails
 after `parallel.timeout_s`; either way the run ends with status failed, never a hang.
+Ctrl-C stops torchrun, records the run failed with `interrupted: true` (partial: a sweep
+trains it again) and re-raises the KeyboardInterrupt to the caller.
 
 Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
 `commbench run CONFIG --run-dir SHARED_DIR` once per node; torchrun's c10d rendezvous
@@ -71,7 +73,15 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
         env["COMMBENCH_RESUME"] = "1"
     started = time.perf_counter()
     log_path = run_dir / "logs" / "torchrun.log"
-    rc, tail = _run_torchrun(torchrun_command(cfg, run_dir), env, log_path, progress)
+    try:
+        rc, tail = _run_torchrun(torchrun_command(cfg, run_dir), env, log_path, progress)
+    except KeyboardInterrupt:  # torchrun is stopped: record the run, let the caller stop too
+        records.update_summary(run_dir, {
+            "status": "failed", "error": "interrupted by the user", "interrupted": True,
+            "launcher_wall_s": time.perf_counter() - started,
+        })
+        print(f"\ninterrupted; continue with: commbench run --resume {run_dir}", file=sys.stderr)
+        raise
     summary = records.read_summary(run_dir) or {}
     if rc != 0 or summary.get("status") == "running":
         summary = records.update_summary(run_dir, {
@@ -104,14 +114,14 @@ def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
                 else:
                     tail.append(line.rstrip())
             rc = proc.wait()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # stop the ranks; run_config records the run
             proc.terminate()
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            tail.append("interrupted by the user (KeyboardInterrupt)")
-            rc = -2
+            log.write("interrupted by the user (KeyboardInterrupt)\n")
+            raise
         finally:
             if interactive:
                 print(file=sys.stderr)

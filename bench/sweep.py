@@ -29,7 +29,7 @@ base's, the base's other `strategy.*` knobs are dropped: they belong to another 
 Identity and resume. A run's id is `config_hash` of its resolved config; its record is
 OUTPUT_DIR/NAME/RUN_NAME-ID/ (RUN_NAME = the variant name). Re-running a sweep skips runs
 recorded ok or diverged (a diverged run is a result, not an accident), keeps failed runs
-with their error unless `--retry-failed`, and re-runs partial ones (killed midway). A record
+with their error unless `--retry-failed`, and re-runs partial ones (killed or Ctrl-C). A record
 that is re-run is moved to NAME/_retired/ first, never deleted. One failing run never
 stops the sweep. One sweep process at a time per sweep directory (NAME/.sweep.lock).
 NAME/sweep.json maps each run id to its variant, seed and grid point; the report reads
@@ -60,7 +60,6 @@ from tqdm import tqdm
 
 from bench import records
 from bench.config import Config, config_hash, from_dict, load_raw, set_value
-from bench.executors import DONE_STATUSES as DONE_STATUSES  # re-exported (moved there)
 from bench.executors import (
     Runner,
     _Progress,
@@ -69,7 +68,6 @@ from bench.executors import (
     _slurm_executor,
     _still_active_slurm_jobs,
 )
-from bench.executors import execute_run as execute_run  # re-exported (moved there)
 
 SPEC_KEYS = ("name", "description", "base", "set", "grid", "zip", "seeds", "variants",
              "target_loss", "output_dir", "report_dir", "executor")
@@ -457,18 +455,14 @@ def _describe(variant: str | None, point: dict, seed: int | None) -> str:
 
 
 def run_status(run_dir: Path) -> str:
-    """ok, failed or diverged from summary.json; partial if killed midway; new if absent."""
+    """records.status_of the run's summary.json (partial if torn), or new if absent."""
     if not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists():
         return "new"
     try:
         summary = records.read_summary(run_dir)
     except ValueError:
         return "partial"  # a torn summary: the run was killed while writing it
-    if not summary or summary.get("status") not in ("ok", "failed", "diverged"):
-        return "partial"
-    if summary.get("interrupted"):
-        return "partial"
-    return summary["status"]
+    return records.status_of(summary)
 
 
 def find_run_dir(sweep_dir: Path, run: SweepRun) -> Path:

@@ -264,6 +264,19 @@ def test_report_from_results_with_a_failed_and_a_partial_run(tmp_path):
     assert down.loc["diloco-H10", "smoke/acc"] == pytest.approx(0.49)
     for name in ("speedup", "convergence", "communication"):
         assert (out / f"{name}.csv").exists()
+    # communication: 20% of each step is comm (0.2 s of DDP's 1 s), DDP sends 4e7 B over 40
+    # steps; a projected step is a quarter comm (comm_s = total_s / steps / 4), so over the
+    # run DDP spends 400 s / 4 on wan-1g and DiLoCo 40 s / 4
+    comm = pd.read_csv(out / "communication.csv").set_index("label")
+    assert set(comm.index) == {"ddp", "diloco-H10"}  # ok runs only
+    assert comm.loc["ddp", "comm_share.measured"] == pytest.approx(0.2)
+    assert comm.loc["ddp", "comm_bytes_per_step"] == pytest.approx(1e6)
+    assert comm.loc["ddp", "comm_share.wan-1g"] == pytest.approx(0.25)
+    assert comm.loc["ddp", "comm_s.wan-1g"] == pytest.approx(100)
+    assert comm.loc["diloco-H10", "comm_bytes_per_step"] == pytest.approx(1e5)
+    assert comm.loc["diloco-H10", "comm_s.wan-1g"] == pytest.approx(10)
+    assert comm.loc["diloco-H10", "throughput.measured"] == pytest.approx(2000)
+    assert "| ddp | ddp | 40 MB | 1 MB | 8 | 32 | 20.0% | 25.0% | 25.0% |" in md
 
 
 def test_report_says_when_a_target_is_not_reached(tmp_path):

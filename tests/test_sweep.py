@@ -9,6 +9,7 @@ names that end with status failed) and FAKE_RUNNER_RAISE (run names whose launch
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import pytest
 import yaml
 
 from algorithms.base import STRATEGIES, DataParallelStrategy, StrategyConfig
-from bench import records
+from bench import launch, records
 from bench.config import config_hash, to_yaml
 from bench.sweep import load_spec, run_status, run_sweep
 
@@ -345,25 +347,90 @@ def test_resume_after_a_killed_sweep_completes_only_the_missing_runs(tmp_path, e
     assert (killed / "config.yaml").exists()  # moved aside, never deleted
 
 
+def wait_for_ctrl_c(run_dir: Path, press=lambda: False) -> None:
+    """Block like a training run (after a Ctrl-C to this process if `press()`); on Ctrl-C,
+    do what bench.launch.run_config does: record the run as interrupted, re-raise."""
+    try:
+        if press():
+            os.kill(os.getpid(), signal.SIGINT)  # reaches the main thread only
+        for _ in range(200):
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        records.update_summary(run_dir, {"status": "failed", "error": "interrupted by the user",
+                                         "interrupted": True})
+        raise
+    raise AssertionError("no Ctrl-C reached this run")
+
+
 def test_ctrl_c_stops_the_sweep_and_leaves_the_run_to_redo(tmp_path, env):
-    def swallowing_runner(cfg, run_dir, progress=True):
-        # like bench.launch.run_config: catches KeyboardInterrupt, records status failed
+    def interrupted_runner(cfg, run_dir, progress=True):
         fake_runner(cfg, run_dir, progress)
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)
-        except KeyboardInterrupt:
-            return records.update_summary(run_dir, {"status": "failed",
-                                                    "error": "interrupted by the user"})
-        raise AssertionError("no SIGINT")
+        wait_for_ctrl_c(run_dir, press=lambda: True)
 
     path = write_spec(tmp_path, {"name": "c", "variants": {"a": {"optim.lr": 1e-3},
                                                            "b": {"optim.lr": 2e-3}}})
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(path, runner=swallowing_runner, report=False)
+        run_sweep(path, runner=interrupted_runner, report=False)
     assert len(_trained(env)) == 1  # the sweep stopped after the interrupted run
+    (run_dir,) = (d for d in (tmp_path / "results" / "c").iterdir() if d.is_dir())
+    assert run_status(run_dir) == "partial"
     result = run_sweep(path, runner=fake_runner, report=False)
     assert result.ok and result.num_launched == 2
+
+
+def test_ctrl_c_reaches_the_runs_in_flight_of_a_parallel_sweep(tmp_path, env):
+    both_running = threading.Barrier(2, timeout=10)
+
+    def interrupted_runner(cfg, run_dir, progress=True):
+        """Both runs in flight, then Ctrl-C: the main thread gets the KeyboardInterrupt,
+        and each run's torchrun, killed by the terminal's SIGINT, exits non-zero."""
+        fake_runner(cfg, run_dir, progress)
+        if both_running.wait() == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+        return records.update_summary(run_dir, {"status": "failed",
+                                                "error": "torchrun exited with code -2"})
+
+    path = write_spec(tmp_path, {"name": "pc", "seeds": [0, 1, 2],
+                                 "executor": {"name": "local", "max_parallel": 2}})
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(path, runner=interrupted_runner, report=False)
+    assert len(_trained(env)) == 2  # the third run was never started
+    sweep_dir = tmp_path / "results" / "pc"
+    assert [run_status(d) for d in sweep_dir.iterdir() if d.is_dir()] == ["partial"] * 2
+    result = run_sweep(path, runner=fake_runner, report=False)
+    assert result.ok and result.num_launched == 3
+
+
+def test_ctrl_c_in_the_real_launcher_stops_torchrun_and_records_the_run(tmp_path, env,
+                                                                        monkeypatch):
+    # bench.launch.run_config, with torchrun replaced by a child that only waits
+    marker = tmp_path / "child.pid"
+    child = [sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + '.tmp', 'w')"
+             ".write(str(os.getpid())); os.rename(sys.argv[1] + '.tmp', sys.argv[1]); "
+             "time.sleep(120)", str(marker)]
+    monkeypatch.setattr(launch, "torchrun_command", lambda cfg, run_dir: child)
+
+    def ctrl_c_once_the_child_runs():
+        deadline = time.time() + 30
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        if marker.exists():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    path = write_spec(tmp_path, {"name": "rc"})
+    threading.Thread(target=ctrl_c_once_the_child_runs, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(path, report=False)  # the default runner: run_config
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(marker.read_text()), 0)  # terminated and reaped
+    (run_dir,) = (d for d in (tmp_path / "results" / "rc").iterdir() if d.is_dir())
+    summary = records.read_summary(run_dir)
+    assert summary["status"] == "failed" and summary["interrupted"] is True
+    assert summary["error"] == "interrupted by the user"
+    assert run_status(run_dir) == "partial"
+    result = run_sweep(path, runner=fake_runner, report=False)
+    assert result.ok and result.num_launched == 1
 
 
 def test_a_second_sweep_process_on_the_same_directory_is_refused(tmp_path, env):
@@ -382,9 +449,17 @@ def test_a_second_sweep_process_on_the_same_directory_is_refused(tmp_path, env):
 
 
 def test_local_executor_runs_several_at_once(tmp_path, env):
+    both_running = threading.Barrier(2, timeout=10)  # broken unless two runs overlap
+    calls = itertools.count()
+
+    def overlapping_runner(cfg, run_dir, progress=True):
+        if next(calls) < 2:
+            both_running.wait()
+        return fake_runner(cfg, run_dir, progress)
+
     path = write_spec(tmp_path, {"name": "p", "seeds": [0, 1, 2],
                                  "executor": {"name": "local", "max_parallel": 2}})
-    result = run_sweep(path, runner=fake_runner, report=False)
+    result = run_sweep(path, runner=overlapping_runner, report=False)
     assert result.ok and result.count("ok") == 3
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench import records
 from bench.report import analysis, figures, render
 from bench.report.load import Results, load_results
 
@@ -86,9 +87,9 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     blocks = _blocks(results_dir, res, speedup, convergence, comm, evals, drawn, profiles)
     title = f"commbench report: {results_dir.resolve().name}"
-    (out_dir / "report.md").write_text(render.to_markdown(blocks, out_dir))
+    records.write_text(out_dir / "report.md", render.to_markdown(blocks, out_dir))
     html_path = out_dir / "report.html"
-    html_path.write_text(render.to_html(blocks, title))
+    records.write_text(html_path, render.to_html(blocks, title))
     return html_path
 
 

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
+
+from bench import records
+from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
 
 IDENTITY = ["run_id", "sweep", "variant", "label", "group", "seed", "strategy", "status"]
 SUMMARY_NUMBERS = [
@@ -36,7 +38,7 @@ SUMMARY_NUMBERS = [
     "compute_s_total", "comm_s_total", "comm_bytes_total", "final_val_loss", "best_val_loss",
 ]
 # Config keys that say where things go or which repetition it is: not what is compared.
-_NOT_COMPARED = (("run", "seed"), ("run", "output_dir"), ("data", "cache_dir"), ("launch",))
+_NOT_COMPARED = ("run.seed", *NON_IDENTITY_KEYS)
 
 
 @dataclass
@@ -61,32 +63,19 @@ def find_run_dirs(results_dir: Path) -> list[Path]:
 
 
 def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
-    """metrics.jsonl rows; a torn last line (killed run) is skipped with a warning."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            what = "a truncated last line" if i == len(lines) - 1 else f"corrupt line {i + 1}"
-            warnings.append(f"{path}: skipped {what}")
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    """metrics.jsonl rows; a torn last line (killed run) or a corrupt one is skipped with a
+    warning."""
+    return [row for row in records.read_jsonl(path, skipped=warnings) if isinstance(row, dict)]
 
 
 def _read_json(path: Path, warnings: list[str]) -> Any:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError) as err:
-        warnings.append(f"{path}: unreadable ({err}); treated as missing")
+        return records.read_json(path)
+    except (ValueError, OSError) as err:
+        reason = str(err).removeprefix(f"{path}: ")  # read_json's message names the file
+        warnings.append(f"{path}: unreadable ({reason}); treated as missing")
         return None
 
 
@@ -94,21 +83,14 @@ def _read_config(path: Path, warnings: list[str]) -> dict:
     if not path.exists():
         return {}
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        warnings.append(f"{path}: not valid YAML ({err})")
+        return load_raw(path)
+    except (ValueError, OSError) as err:
+        warnings.append(str(err))  # load_raw's message names the file
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _compared_config_key(config: dict) -> str:
-    data = json.loads(json.dumps(config, default=str))
-    for path in _NOT_COMPARED:
-        node = data
-        for part in path[:-1]:
-            node = node.get(part, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(path[-1], None)
+    data = without_keys(json.loads(json.dumps(config, default=str)), _NOT_COMPARED)
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
@@ -147,14 +129,6 @@ def _nearest_sweep(run_dir: Path, root: Path, cache: dict, warnings: list[str]) 
         if parent == root or root not in parent.parents:
             return None
     return None
-
-
-def _status(summary: dict | None) -> str:
-    if not summary or summary.get("status") not in ("ok", "failed", "diverged"):
-        return "partial"
-    if summary.get("interrupted"):
-        return "partial"
-    return summary["status"]
 
 
 def load_results(results_dir: str | os.PathLike) -> Results:
@@ -199,7 +173,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             "point": json.dumps(entry.get("point", {}), sort_keys=True) if entry else "{}",
             "seed": run_cfg.get("seed", (entry or {}).get("seed")),
             "strategy": strategy or "unknown",
-            "status": _status(summary),
+            "status": records.status_of(summary),
             "config_hash": config_hash,
             "error": (summary or {}).get("error") or (summary or {}).get("eval_error"),
             "steps_planned": run_cfg.get("steps"),
