@@ -51,7 +51,7 @@ class LoopState:
     step: int = 0
     """Steps done."""
     elapsed_s: float = 0.0
-    """Step-synchronised wall clock (bench/meter.py)."""
+    """Step-synchronised wall clock (the module docstring says how)."""
     tokens: int = 0
     """Tokens consumed, summed over ranks."""
     projected_s: dict[str, float] = field(default_factory=dict)
