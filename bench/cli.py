@@ -20,9 +20,22 @@ import sys
 from pathlib import Path
 
 
+def run_and_evaluate(cfg, run_dir=None, progress: bool = True, resume: bool = False) -> dict:
+    """bench.launch.run_config, then lm-eval on the final model when `cfg.eval.suite` is set
+    and the run ended ok. The runner of `commbench run` and `commbench sweep`; here because
+    only the command line imports `eval` (module level: Slurm jobs pickle it by name)."""
+    from bench.launch import run_config
+
+    summary = run_config(cfg, run_dir, progress=progress, resume=resume)
+    if summary["status"] == "ok" and cfg.eval.suite:
+        from eval.runner import self_evaluate
+
+        summary = {**self_evaluate(cfg, summary["run_dir"]), "run_dir": summary["run_dir"]}
+    return summary
+
+
 def _cmd_run(args) -> int:
     from bench.config import check_output_dir, load_config
-    from bench.launch import run_config
 
     cfg = load_config(args.config, args.set)
     check_output_dir(cfg.run.output_dir)
@@ -33,7 +46,7 @@ def _cmd_run(args) -> int:
         cfg = load_config(run_dir / "config.yaml", args.set)
     else:
         run_dir = Path(args.run_dir) if args.run_dir else None
-    summary = run_config(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
+    summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
     _print_summary(summary)
     return 0 if summary["status"] == "ok" else 1
 
@@ -66,7 +79,7 @@ def _cmd_sweep(args) -> int:
 
     result = run_sweep(args.spec, dry_run=args.dry_run, retry_failed=args.retry_failed,
                        executor=args.executor, max_parallel=args.max_parallel,
-                       report=not args.no_report)
+                       report=not args.no_report, runner=run_and_evaluate)
     return 0 if result.ok else 1
 
 
