@@ -336,13 +336,9 @@ def _check_strategy(cfg: Config) -> None:
         check(cfg)
 
 
-def preflight(cfg: Config) -> None:
-    """Checks against the machine that will train the run, before anything is launched:
-    the device and backend exist here, and the corpus has enough tokens for a window of
-    training and of validation data (tokenising it into the cache if needed)."""
+def check_device(cfg: Config) -> None:
+    """Fail unless this machine has the device and backend the config asks for."""
     import torch
-
-    from bench.data import check_corpus_size
 
     has_cuda = torch.cuda.is_available()
     if cfg.parallel.device == "cuda" and not has_cuda:
@@ -352,6 +348,15 @@ def preflight(cfg: Config) -> None:
     if cfg.parallel.backend == "nccl" and not on_cuda:
         raise _fail("parallel.backend", "nccl", "auto or gloo on this machine (nccl needs a "
                     "CUDA device)")
+
+
+def preflight(cfg: Config) -> None:
+    """Checks against the machine that will train the run, before anything is launched:
+    the device and backend exist here, and the corpus has enough tokens for a window of
+    training and of validation data (tokenising it into the cache if needed)."""
+    from bench.data import check_corpus_size
+
+    check_device(cfg)
     check_corpus_size(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
                       cfg.data.val_fraction, cfg.model.seq_len)
 

@@ -28,7 +28,8 @@ import yaml
 from algorithms.base import STRATEGIES, DataParallelStrategy, StrategyConfig
 from bench import launch, records
 from bench.config import config_hash, to_yaml
-from bench.sweep import load_spec, run_status, run_sweep
+from bench.sweep import load_spec, run_sweep
+from bench.sweep.store import record_state
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -202,7 +203,7 @@ def test_run_ids_are_stable_across_processes(tmp_path, env):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"gird": {"optim.lr": [1]}}, "unknown key 'gird' (did you mean 'grid'?)"),
+    ({"gird": {"optim.lr": [1]}}, "unknown config key 'gird' (did you mean 'grid'?)"),
     ({"grid": {}}, "grid is empty"),
     ({"grid": {"optim.lr": []}}, "grid.optim.lr has no values"),
     ({"grid": {"optim.lr": 0.1}}, "grid.optim.lr must be a list of values"),
@@ -220,9 +221,10 @@ def test_run_ids_are_stable_across_processes(tmp_path, env):
     ({"seeds": 3}, "seeds must be a non-empty list of integers"),
     ({"variants": {"a b": {}}}, "variant name must be"),
     ({"executor": {"name": "slurm", "partiton": "gpu"}},
-     "unknown key executor.'partiton' (did you mean 'partition'?)"),
-    ({"executor": {"name": "kubernetes"}}, "executor.name must be 'local' or 'slurm'"),
-    ({"executor": {"max_parallel": "2"}}, "executor.max_parallel must be of type"),
+     "unknown config key 'executor.partiton' (did you mean 'partition'?)"),
+    ({"executor": {"name": "kubernetes"}},
+     "executor.name must be one of ['local', 'slurm'], got 'kubernetes'"),
+    ({"executor": {"max_parallel": "2"}}, "executor.max_parallel must be an integer, got '2'"),
     ({"variants": {"a": {}, "b": {"run.name": "a"}}}, "resolve to the same config"),
 ])
 def test_bad_specs_fail_with_a_clear_message(tmp_path, body, message):
@@ -337,7 +339,7 @@ def test_resume_after_a_killed_sweep_completes_only_the_missing_runs(tmp_path, e
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert len(_trained(env)) == 2
-    states = sorted(run_status(d) for d in sweep_dir.iterdir() if d.is_dir())
+    states = sorted(record_state(d) for d in sweep_dir.iterdir() if d.is_dir())
     assert states == ["ok", "ok", "partial"]
 
     result = run_sweep(path, runner=fake_runner, report=False)
@@ -373,7 +375,7 @@ def test_ctrl_c_stops_the_sweep_and_leaves_the_run_to_redo(tmp_path, env):
         run_sweep(path, runner=interrupted_runner, report=False)
     assert len(_trained(env)) == 1  # the sweep stopped after the interrupted run
     (run_dir,) = (d for d in (tmp_path / "results" / "c").iterdir() if d.is_dir())
-    assert run_status(run_dir) == "partial"
+    assert record_state(run_dir) == "partial"
     result = run_sweep(path, runner=fake_runner, report=False)
     assert result.ok and result.num_launched == 2
 
@@ -397,7 +399,7 @@ def test_ctrl_c_reaches_the_runs_in_flight_of_a_parallel_sweep(tmp_path, env):
         run_sweep(path, runner=interrupted_runner, report=False)
     assert len(_trained(env)) == 2  # the third run was never started
     sweep_dir = tmp_path / "results" / "pc"
-    assert [run_status(d) for d in sweep_dir.iterdir() if d.is_dir()] == ["partial"] * 2
+    assert [record_state(d) for d in sweep_dir.iterdir() if d.is_dir()] == ["partial"] * 2
     result = run_sweep(path, runner=fake_runner, report=False)
     assert result.ok and result.num_launched == 3
 
@@ -428,7 +430,7 @@ def test_ctrl_c_in_the_real_launcher_stops_torchrun_and_records_the_run(tmp_path
     summary = records.read_summary(run_dir)
     assert summary["status"] == "failed" and summary["interrupted"] is True
     assert summary["error"] == "interrupted by the user"
-    assert run_status(run_dir) == "partial"
+    assert record_state(run_dir) == "partial"
     result = run_sweep(path, runner=fake_runner, report=False)
     assert result.ok and result.num_launched == 1
 
