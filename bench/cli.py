@@ -32,18 +32,18 @@ def _cmd_run(args) -> int:
     from bench.config import check_output_dir, load_config, preflight
     from bench.launch import run_config
 
+    if args.resume and not (Path(args.resume) / "config.yaml").exists():
+        raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml; "
+                         "give a directory written by `commbench run`)")
     cfg = load_config(args.config, args.set)
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg = load_config(run_dir / "config.yaml", args.set)
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else None
     _check_eval_tasks(cfg)
     preflight(cfg)
     check_output_dir(cfg.run.output_dir)
-    if args.resume:
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").exists():
-            raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml)")
-        cfg = load_config(run_dir / "config.yaml", args.set)
-        preflight(cfg)
-    else:
-        run_dir = Path(args.run_dir) if args.run_dir else None
     summary = run_config(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
     _print_summary(summary)
     return 0 if summary["status"] == "ok" else 1
@@ -110,9 +110,9 @@ def _check_new_dir(path: str, key: str) -> None:
 
 
 def _cmd_report(args) -> int:
+    _check_new_dir(args.output, "report -o")
     from bench.report import build_report
 
-    _check_new_dir(args.output, "report -o")
 
     print(build_report(args.results_dir, args.output, target_loss=args.target_loss))
     return 0

@@ -138,7 +138,8 @@ def set_value(data: dict, key: str, value: Any) -> None:
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ValueError(f"config key {key!r}: {'.'.join(parts[: i + 1])} is not a section")
+            raise ValueError(f"config key {key!r}: {'.'.join(parts[: i + 1])} must be a "
+                             f"section (a mapping of keys), got {child!r}")
         node = child
     node[parts[-1]] = value
 

@@ -15,6 +15,7 @@ from bench.config import (
     load_config,
     to_dict,
 )
+from tests.helpers import assert_bad_config
 
 DDP_TINY = "configs/ddp-tiny.yaml"
 
@@ -57,9 +58,7 @@ def test_overrides_are_typed():
     ],
 )
 def test_bad_values_name_key_value_and_valid_choices(override, message):
-    with pytest.raises(ValueError) as err:
-        load_config(DDP_TINY, [override])
-    assert message in str(err.value)
+    assert_bad_config(DDP_TINY, override, message)
 
 
 def test_override_syntax_errors():
