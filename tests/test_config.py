@@ -61,6 +61,13 @@ def test_bad_values_name_key_value_and_valid_choices(override, message):
     assert_bad_config(DDP_TINY, override, message)
 
 
+def test_set_strategy_name_switches_and_drops_the_old_knobs():
+    cfg = load_config(DDP_TINY, ["strategy.name=diloco", "strategy.inner_steps=5"])
+    assert cfg.strategy.name == "diloco" and cfg.strategy.inner_steps == 5
+    assert not hasattr(cfg.strategy, "backend")  # DDP's knob, from the file, is gone
+    assert load_config(DDP_TINY, ["strategy.name=ddp"]).strategy.backend == "torch"
+
+
 def test_override_syntax_errors():
     with pytest.raises(ValueError, match="KEY=VALUE"):
         load_config(DDP_TINY, ["run.steps"])
