@@ -177,6 +177,8 @@ CASES = [
          files=spec("")),
     Case("sweep-output-dir-under-file", SWEEP + ["--output-dir", "{tmp}/file/sub"],
          ["output_dir", "{tmp}/file/sub", "not writable"], files={**spec(""), "file": "x"}),
+    Case("sweep-cuda-without-cuda", SWEEP + ["--set", "parallel.device=cuda"],
+         ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
 ]

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from bench import records
 from bench.config import Config, check_output_dir
-from bench.executors import Runner, make_executor
+from bench.executors import Executor, Runner, make_executor
 from bench.sweep import store
 from bench.sweep.progress import Progress
 from bench.sweep.spec import SweepRun, SweepSpec, format_value, load_spec
@@ -61,11 +61,9 @@ class SweepResult:
 
 
 def _launch(spec: SweepSpec, outcomes: list[RunOutcome], todo: list[tuple[SweepRun, Path]],
-            runner: Runner | None) -> None:
+            runner: Runner | None, executor: Executor, active: set[str]) -> None:
     """Move old records of the runs to redo aside, train them, update `outcomes`."""
     sweep_dir = spec.sweep_dir
-    executor = make_executor(spec.executor, spec.name, sweep_dir)
-    active = executor.prepare([run for run, _ in todo]) if todo else set()  # before changes
     launch_dirs: dict[str, Path] = {}
     for run, run_dir in todo:
         if run.run_id in active:  # a job of an earlier invocation still runs: wait for it
@@ -131,9 +129,11 @@ def run_sweep(spec_path: str | os.PathLike, *, dry_run: bool = False, retry_fail
         _print_plan(spec, outcomes, {r.run_id for r, _ in todo})
         return SweepResult(spec.name, sweep_dir, outcomes, dry_run=True)
 
+    executor = make_executor(spec.executor, spec.name, sweep_dir)
+    active = executor.prepare([run for run, _ in todo]) if todo else set()  # nothing written yet
     check_output_dir(str(sweep_dir), "the sweep's output_dir")
     with store.sweep_lock(sweep_dir):
-        _launch(spec, outcomes, todo, runner)
+        _launch(spec, outcomes, todo, runner, executor, active)
 
     result = SweepResult(spec.name, sweep_dir, outcomes)
     skipped = len(outcomes) - result.num_launched
