@@ -175,6 +175,11 @@ def test_switching_strategy_drops_the_base_strategy_knobs(tmp_path, toy_strategy
     ddp, toy = spec.runs
     assert ddp.config.strategy.backend == "torch"
     assert not hasattr(toy.config.strategy, "backend")
+    # the same when the switch comes from the spec's set or from --set
+    for body, overrides in (({"set": {"strategy.name": "toy"}}, ()),
+                            ({}, ["strategy.name=toy", "strategy.inner_steps=3"])):
+        (run,) = load_spec(write_spec(tmp_path, body), overrides=overrides).runs
+        assert run.config.strategy.name == "toy" and not hasattr(run.config.strategy, "backend")
 
 
 def test_inline_base_set_and_default_name(tmp_path):
