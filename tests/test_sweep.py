@@ -504,6 +504,26 @@ def test_slurm_path_with_submitits_local_executor(tmp_path, env, monkeypatch):
     assert run_sweep(path, runner=fake_runner, report=False).num_launched == 0
 
 
+def test_a_registered_executor_gets_the_runs_to_train(tmp_path, env, monkeypatch):
+    from bench import executors
+
+    seen = {}
+
+    class Recording(executors.Executor):
+        def prepare(self, runs):
+            seen["prepared"] = [r.run_id for r in runs]
+            return set()
+
+        def run(self, todo, runner, progress):
+            seen["ran"] = [r.run_id for r, _ in todo]
+            return {r.run_id: fake_runner(r.config, d) for r, d in todo}
+
+    monkeypatch.setitem(executors.EXECUTORS, "local", Recording)
+    result = run_sweep(write_spec(tmp_path, {"seeds": [0, 1]}), report=False)
+    ids = [o.run.run_id for o in result.outcomes]
+    assert seen == {"prepared": ids, "ran": ids} and result.count("ok") == 2
+
+
 def test_executor_override_and_report_at_the_end(tmp_path, env, capsys):
     path = write_spec(tmp_path, {"name": "r", "variants": {"ddp": {"optim.lr": 1e-3},
                                                            "ddp-b": {"optim.lr": 2e-3}},
