@@ -568,3 +568,15 @@ def test_pipeline_section_bubbles_and_speedups_against_1f1b_and_ddp(tmp_path):
            "4× [4, 4] n<3 |" in md
     assert "| 1f1b | pipeline | 1f1b | 2 (2) | 22.0% | 20.0% | 2 k | 1× [1, 1] n<3 | " \
            "2× [2, 2] n<3 |" in md
+
+
+def test_a_baseline_that_misses_voids_the_speedup_but_not_the_groups_time(tmp_path):
+    res = load_results(make_results(tmp_path))
+    speedup, conv = compare(res.runs, res.steps, res.profiles, target_loss=1.9)
+    row = speedup.set_index(["label", "clock"]).loc[("diloco-H10", "measured")]
+    assert row["reason"] == "no speedup: baseline 2 of 2 seeds did not reach"
+    assert math.isnan(row["speedup"]) and row["misses"] == ""
+    # seed 0 reaches 1.9 at step 40 (20 s), seed 1 between 2.2 and 1.8: step 37.5 (18.75 s)
+    assert row["time_to_target_s"] == pytest.approx((20 + 18.75) / 2)
+    assert conv.set_index("label").loc["diloco-H10", "tokens_to_target"] == pytest.approx(
+        38750)

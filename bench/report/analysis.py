@@ -181,12 +181,13 @@ def _target(info, base_ok: pd.DataFrame, target_loss, sweep_targets,
 
 SPEED_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
               "clock", "runs", "ok", "reached", "did_not_reach", "diverged", "failed",
-              "partial", "reason", "projection", "time_to_target_s", "time_to_target_ci",
+              "partial", "misses", "reason", "projection", "time_to_target_s", "time_to_target_ci",
               "baseline_time_to_target_s", "speedup", "speedup_low", "speedup_high",
               "speedup_n", "speedup_method", "flag"]
 CONV_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
              "runs", "ok", "reached", "did_not_reach", "diverged", "failed", "partial",
-             "reason", "tokens_to_target", "tokens_to_target_ci", "baseline_tokens_to_target",
+             "misses", "reason", "tokens_to_target", "tokens_to_target_ci",
+             "baseline_tokens_to_target",
              "token_ratio", "token_ratio_low", "token_ratio_high", "final_val_loss",
              "final_val_loss_ci", "final_val_loss_n", "val_loss_diff", "val_loss_diff_ci",
              "flag"]
@@ -233,7 +234,7 @@ def compare(runs: pd.DataFrame, steps: pd.DataFrame, profiles: list[str],
         common.update(baseline=groups.loc[base_group, "label"], target_loss=target,
                       target_source=source,
                       **{**counts, "reached": f"{counts['reached']}/{counts['runs']}"},
-                      reason=why)
+                      misses=reason, reason=why)
         for clock in ["measured", *profiles]:
             column = f"time_to_target.{clock}"
             methods = set(mine_t.get(f"projection.{clock}", [])) | set(

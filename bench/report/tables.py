@@ -39,9 +39,10 @@ def _count(value) -> str:
     return render.num(value) if pd.notna(value) else "—"
 
 
-def _reason(row) -> str:
-    """Why a group has no number ("" when it has one)."""
-    reason = row.get("reason")
+def _reason(row, column: str = "reason") -> str:
+    """Why a group has no number ("" when it has one): `reason` for a speedup (the group's
+    or its baseline's misses), `misses` for the group's own time or tokens to target."""
+    reason = row.get(column)
     return reason if isinstance(reason, str) else ""
 
 
@@ -53,8 +54,8 @@ def ratio_cell(row, name: str = "speedup") -> str:
 
 
 def _time_cell(row) -> str:
-    if _reason(row):
-        return _reason(row).removeprefix("no speedup: ")
+    if _reason(row, "misses"):
+        return _reason(row, "misses")
     return render.with_ci(row["time_to_target_s"], row["time_to_target_ci"], 4)
 
 
@@ -91,7 +92,7 @@ def convergence_table(conv: pd.DataFrame) -> pd.DataFrame:
     out["runs"] = [_count(v) for v in conv["runs"]]
     out["ok"] = [_count(v) for v in conv["ok"]]
     out["tokens to target"] = [
-        _reason(r).removeprefix("no speedup: ") if _reason(r) else
+        _reason(r, "misses") or
         render.with_ci(r["tokens_to_target"], r["tokens_to_target_ci"])
         for _, r in conv.iterrows()]
     out["tokens vs DDP"] = [ratio_cell(r, "token_ratio") for _, r in conv.iterrows()]
