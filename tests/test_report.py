@@ -20,6 +20,7 @@ import yaml
 
 from bench.report import build_report, load_results
 from bench.report.analysis import compare, first_crossing, mean_ci, t_quantile_975
+from bench.report.studies import delay_study
 
 STEPS = [10, 20, 30, 40]
 DDP_VAL = [4.0, 3.0, 2.5, 2.0]
@@ -266,6 +267,7 @@ def test_report_from_results_with_a_failed_and_a_partial_run(tmp_path):
         assert (out / "figures" / f"{name}.png").stat().st_size > 10_000
         assert f"figures/{name}.png" in md
     assert html.count("data:image/png;base64,") == 4
+    assert "One-step delay" not in md and "## Pipelines" not in md  # no such runs
     assert "<img" in html and 'src="figures' not in html  # self-contained
     for text in ("RuntimeError: rank 2 exploded", "loss is nan at step 21",
                  "no summary: killed midway, or still running", "Runs that did not finish ok",
@@ -545,9 +547,7 @@ def test_records_without_delay_settings_count_as_adamw_sync(tmp_path):
     assert set(res.runs["optim.name"]) == {"adamw"}
     assert set(res.runs["optim.delay"]) == {0}
     assert set(res.runs["optim.delay_correction"]) == {"none"}
-    md = (build_report(make_results(tmp_path / "again"), tmp_path / "out").parent
-          / "report.md").read_text()
-    assert "One-step delay" not in md and "## Pipelines" not in md
+    assert delay_study(res.runs) is None  # nothing differs by delay: no section
 
 
 def test_pipeline_section_bubbles_and_speedups_against_1f1b_and_ddp(tmp_path):

@@ -182,8 +182,10 @@ def communication(comm: pd.DataFrame, profiles: list[str],
     fig = _figure(13, 4.2)
     ax_bytes, ax_secs, ax_share = fig.subplots(1, 3)
     # two kinds of bytes, two bar series: logical payload and modelled wire (n/a: no bar)
+    wire_known = comm["comm_wire_bytes_per_rank"].notna().any()
     _grouped_bars(ax_bytes, comm, ["comm_bytes_per_rank", "comm_wire_bytes_per_rank"],
-                  ["logical payload", "modelled wire"], ["#4c72b0", "#dd8452"])
+                  ["logical payload", "modelled wire" if wire_known
+                   else "modelled wire: n/a (not recorded)"], ["#4c72b0", "#dd8452"])
     ax_bytes.yaxis.set_major_formatter(EngFormatter(unit="B"))
     ax_bytes.set_title("Bytes per rank (whole run)", fontsize=10)
     ax_bytes.legend(fontsize=7)

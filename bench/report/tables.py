@@ -66,10 +66,12 @@ def wide_by_clock(speedup: pd.DataFrame, profiles: list[str], kind: str) -> pd.D
     out["baseline"] = first["baseline"].astype(object).fillna("—").to_numpy()
     out["runs"] = [_count(v) for v in first["runs"]]
     out["reached"] = first["reached"].astype(object).fillna("—").to_numpy()
-    out["did not reach"] = [_count(v) for v in first["did_not_reach"]]
-    out["diverged"] = [_count(v) for v in first["diverged"]]
-    out["failed/partial"] = [_count(f + p) if pd.notna(f) else "—"
-                             for f, p in zip(first["failed"], first["partial"], strict=True)]
+    if kind == "speedup":  # the tallies once, beside the speedups
+        out["did not reach"] = [_count(v) for v in first["did_not_reach"]]
+        out["diverged"] = [_count(v) for v in first["diverged"]]
+        out["failed/partial"] = [_count(f + p) if pd.notna(f) else "—"
+                                 for f, p in zip(first["failed"], first["partial"],
+                                                 strict=True)]
     cell = ratio_cell if kind == "speedup" else _time_cell
     for clock in ["measured", *profiles]:
         rows = speedup[speedup["clock"] == clock].set_index(["sweep", "label"])
