@@ -196,6 +196,7 @@ def test_given_target_loss_overrides_the_default(tmp_path):
     res = load_results(make_results(tmp_path))
     speedup, _ = compare(res.runs, res.steps, res.profiles, target_loss=2.5)
     rows = speedup.set_index(["label", "clock"])
+    assert rows.loc[("ddp", "measured"), "at_first_validation"] == 0
     assert rows.loc[("ddp", "measured")]["time_to_target_s"] == pytest.approx(30)
     # DiLoCo crosses 2.5 between 2.8 (step 20) and 2.0 / 2.2 (step 30): steps 23.75 and 25
     speeds = [30 / (0.5 * 23.75), 30 / (0.5 * 25)]
@@ -358,9 +359,11 @@ def test_groups_with_missed_diverged_or_failed_seeds_get_no_speedup(tmp_path):
     assert rows.loc["broken", "failed"] == 1 and "1 failed" in rows.loc["broken", "reason"]
     assert rows.loc["ddp", "speedup"] == pytest.approx(1.0) and rows.loc["ddp", "reason"] == ""
     assert math.isnan(conv.set_index("label").loc["late", "tokens_to_target"])
+    assert rows.loc["ddp", "at_first_validation"] == 0
     md = (build_report(sweep_dir, tmp_path / "out").parent / "report.md").read_text()
     assert "no speedup: 1 of 2 seeds did not reach" in md
     assert "no speedup: 1 diverged" in md and "no speedup: 1 failed" in md
+    assert "Upper bounds" not in md
 
 
 def test_projected_time_to_target_is_accumulated_step_by_step(tmp_path):
@@ -580,3 +583,12 @@ def test_a_baseline_that_misses_voids_the_speedup_but_not_the_groups_time(tmp_pa
     assert row["time_to_target_s"] == pytest.approx((20 + 18.75) / 2)
     assert conv.set_index("label").loc["diloco-H10", "tokens_to_target"] == pytest.approx(
         38750)
+
+
+def test_runs_below_the_target_at_their_first_validation_are_counted(tmp_path):
+    res = load_results(make_results(tmp_path))
+    speedup, _ = compare(res.runs, res.steps, res.profiles, target_loss=3.9)
+    rows = speedup[speedup["clock"] == "measured"].set_index("label")
+    assert rows.loc["diloco-H10", "at_first_validation"] == 2  # 3.8 at step 10
+    assert rows.loc["ddp", "at_first_validation"] == 0  # 4.0, then 3.0: crosses at step 11
+    assert rows.loc["ddp", "time_to_target_s"] == pytest.approx(11)

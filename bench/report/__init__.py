@@ -125,6 +125,16 @@ def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence:
     if not speedup.empty:
         blocks.append(("p", tables.target_text(speedup) + " " + _METHOD))
         blocks.append(("table", tables.wide_by_clock(speedup, profiles, "speedup")))
+        early = speedup[(speedup["clock"] == "measured")
+                        & (speedup["at_first_validation"].fillna(0) > 0)]
+        if not early.empty:
+            names = ", ".join(f"`{g}` ({int(n)} of {int(r)} runs)" for g, n, r in
+                              zip(early["label"], early["at_first_validation"],
+                                  early["runs"], strict=True))
+            blocks.append(("p", "**Upper bounds:** already below the target at the first "
+                                f"validation: {names}. Their time to target is at most the "
+                                "time of that validation (the crossing happened earlier); "
+                                "validate more often or lower the target to resolve it."))
         blocks.append(("p", "Time to target, seconds (measured here, then projected; mean "
                             "± 95% half-width over seeds):"))
         blocks.append(("table", tables.wide_by_clock(speedup, profiles, "time")))

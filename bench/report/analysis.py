@@ -18,6 +18,8 @@ every DDP seed reaches it). Only runs with status ok can reach the target: a div
 failed or partial run counts as a miss. A group gets a time to target and a speedup only
 when every one of its runs (and of its baseline's) reached the target; otherwise the
 table says why (no survivorship: counts of misses, divergences and failures are shown).
+A run already below the target at its first validation has an upper bound for a time
+to target (`at_first_validation` counts them; the report warns).
 Speedup = baseline time / run time, as the geometric mean over seeds with the 95%
 t-interval on the log-ratios (bench/report/stats.py): paired by seed when both groups ran
 the same seeds, else Welch's two-sample interval on the logs. Intervals from fewer than 3
@@ -119,11 +121,15 @@ def run_times_to_target(runs: pd.DataFrame, steps: pd.DataFrame, target: float,
         cross = first_crossing(validation_rows(steps, run["run_id"]), target)
         if run["status"] != "ok":
             cross = {k: math.nan for k in cross}
+        val = validation_rows(steps, run["run_id"])
+        # below the target at its first validation: the crossing is at or before that point
+        first_val = bool(np.isfinite(cross["step"]) and len(val)
+                         and cross["step"] == val["step"].min())
         step = cross["step"]
         tokens = value_at_step(mine, "tokens", step)
         elapsed = value_at_step(mine, "elapsed_s", step)
         row = {"run_id": run["run_id"], "seed": run["seed"], "status": run["status"],
-               "final_val_loss": run["final_val_loss"],
+               "final_val_loss": run["final_val_loss"], "at_first_validation": first_val,
                "tokens_to_target": tokens if np.isfinite(tokens) else cross["tokens"],
                "time_to_target.measured": elapsed if np.isfinite(elapsed)
                else cross["elapsed_s"]}
@@ -154,7 +160,8 @@ def _counts(times: pd.DataFrame) -> dict:
     ok = int(status.get("ok", 0))
     return {"runs": len(times), "ok": ok, "reached": reached, "did_not_reach": ok - reached,
             "diverged": int(status.get("diverged", 0)), "failed": int(status.get("failed", 0)),
-            "partial": int(status.get("partial", 0))}
+            "partial": int(status.get("partial", 0)),
+            "at_first_validation": int(times["at_first_validation"].sum())}
 
 
 def miss_reason(counts: dict) -> str:
@@ -181,7 +188,8 @@ def _target(info, base_ok: pd.DataFrame, target_loss, sweep_targets,
 
 SPEED_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
               "clock", "runs", "ok", "reached", "did_not_reach", "diverged", "failed",
-              "partial", "misses", "reason", "projection", "time_to_target_s", "time_to_target_ci",
+              "partial", "at_first_validation", "misses", "reason", "projection",
+              "time_to_target_s", "time_to_target_ci",
               "baseline_time_to_target_s", "speedup", "speedup_low", "speedup_high",
               "speedup_n", "speedup_method", "flag"]
 CONV_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",

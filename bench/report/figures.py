@@ -128,7 +128,7 @@ def loss_vs_time(runs, steps, palette, target: float | None,
     axes[0].set_ylabel("loss")
     axes[0].legend(fontsize=7)
     fig.suptitle("Loss vs time: measured here, and projected onto each network profile "
-                 "(markers: validation, faint: training)")
+                 "(markers: validation, faint: training)", fontsize=10)
     return fig
 
 

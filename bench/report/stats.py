@@ -51,6 +51,10 @@ class Interval:
         """"n<3" when the interval rests on fewer than 3 values, else ""."""
         return "n<3" if self.n < 3 else ""
 
+    def contains(self, value: float) -> bool:
+        """True when `value` lies inside [low, high] (False when there is no interval)."""
+        return math.isfinite(self.low) and self.low <= value <= self.high
+
     def excludes(self, value: float) -> bool:
         """True when `value` lies outside [low, high] (False when there is no interval)."""
         return math.isfinite(self.low) and (value < self.low or value > self.high)
