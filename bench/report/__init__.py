@@ -9,11 +9,16 @@ directory, a folder of sweeps, or single runs) and writes to `out_dir`:
     report.md           the same as markdown, figures linked from figures/
     runs.csv            one row per run (status, totals, projections, eval numbers)
     steps.csv           one row per logged step of every run
-    speedup.csv         time to target and speedup vs DDP, per group and clock
+    speedup.csv         time to target and speedup vs DDP, per group and clock, with the
+                        group's tallies (reached, did not reach, diverged, failed, partial)
     convergence.csv     tokens to target, final validation loss and its gap to DDP
     communication.csv   throughput, bytes, seconds and share of the step, per group
     downstream.csv      lm-eval metrics per group (when runs were evaluated)
+    delay_study.csv     final loss and gap to sync per optimizer/delay cell (delay studies)
     figures/*.png
+
+Sections for particular studies (one-step delay, pipelines) appear when such runs are
+present: bench/report/studies.py.
 
 Failed, diverged and partial (killed) runs are listed with their error, never dropped
 silently: they count in their group's tallies (a group gets a speedup only when every seed
