@@ -444,6 +444,10 @@ def test_stats_known_intervals():
     assert w.estimate == pytest.approx(-5 / 12)
     assert (w.low, w.high) == (pytest.approx(-3.7350705, abs=1e-6),
                                pytest.approx(2.9017372, abs=1e-6))
+    # seed 2 only on one side: no pairs (none dropped), Welch on the logs of all five
+    mixed = stats.ratio_interval({0: 40, 1: 40}, {0: 10, 1: 20, 2: 40})
+    assert mixed.method == "welch log-ratio" and mixed.n == 2
+    assert mixed.estimate == pytest.approx(40 / (10 * 20 * 40) ** (1 / 3))
     p = stats.paired_interval({0: 3.0, 1: 5.0, 2: 4.0, 9: 1.0}, {0: 1.0, 1: 2.0, 2: 2.0})
     assert (p.estimate, p.n) == (pytest.approx(7 / 3), 3)  # key 9 has no pair
     assert p.half_width == pytest.approx(4.302653 * math.sqrt(1 / 3) / math.sqrt(3))

@@ -13,8 +13,9 @@ interval from 2 seeds rests on one degree of freedom.
 - `welch_interval(a, b)`: mean(a) - mean(b), two-sample with unequal variances
   (Welch-Satterthwaite degrees of freedom).
 - `ratio_interval(num, den)`: the geometric mean of num/den with the interval computed on
-  log-ratios, then exponentiated (asymmetric around the estimate). Paired by key when every
-  key of `num` is in `den`, else Welch on the logs, so the baseline's own spread counts.
+  log-ratios, then exponentiated (asymmetric around the estimate). Paired by key when both
+  hold the same keys (seeds), else Welch on the logs, so the baseline's own spread counts
+  (no value is dropped to make pairs).
   The arithmetic mean of per-seed ratios is biased upward (Jensen), the geometric mean is not.
 
 Student's t quantiles are exact (inverse of the regularised incomplete beta function), also
@@ -203,11 +204,11 @@ def ratio_interval(num: Mapping, den: Mapping, level: float = LEVEL) -> Interval
     """Geometric mean of num/den with the interval on log-ratios, exponentiated.
 
     `num` and `den` map a key (seed) to a positive value. Paired (log num[s] - log den[s])
-    when every key of `num` with a positive value has one in `den`; otherwise unpaired
-    (Welch on log num vs log den, so the spread of both groups counts)."""
+    when both hold the same keys with positive values; otherwise unpaired (Welch on log num
+    vs log den, so the spread of both groups counts)."""
     logs_num = {k: math.log(v) for k, v in num.items() if _positive(v)}
     logs_den = {k: math.log(v) for k, v in den.items() if _positive(v)}
-    if logs_num and all(k in logs_den for k in logs_num):
+    if logs_num and set(logs_num) == set(logs_den):
         ci, method = paired_interval(logs_num, logs_den, level), "paired log-ratio"
     else:
         ci = welch_interval(logs_num.values(), logs_den.values(), level)
