@@ -20,7 +20,6 @@ import yaml
 
 from bench.report import build_report, load_results
 from bench.report.analysis import compare, first_crossing, mean_ci, t_quantile_975
-from bench.report.studies import delay_study
 
 STEPS = [10, 20, 30, 40]
 DDP_VAL = [4.0, 3.0, 2.5, 2.0]
@@ -554,6 +553,7 @@ def test_records_without_delay_settings_count_as_adamw_sync(tmp_path):
     assert set(res.runs["optim.name"]) == {"adamw"}
     assert set(res.runs["optim.delay"]) == {0}
     assert set(res.runs["optim.delay_correction"]) == {"none"}
+    from bench.report.studies import delay_study
     assert delay_study(res.runs) is None  # nothing differs by delay: no section
 
 
