@@ -207,3 +207,33 @@ def communication(comm: pd.DataFrame, profiles: list[str],
     ax_share.set_title("Communication share of the step", fontsize=10)
     ax_share.legend(fontsize=7)
     return fig
+
+
+def delay_gaps(cells: pd.DataFrame) -> Figure | None:
+    """Bars: gap to sync per optimizer, delayed and delayed + EF, 95% error bars.
+
+    `cells` is bench/report/studies.py's delay_study table."""
+    gaps = cells[cells["delay"] > 0].dropna(subset=["gap"])
+    if gaps.empty:
+        return None
+    names = list(dict.fromkeys(gaps["optimizer"]))
+    settings = [("none", "delayed", "#c44e52"), ("ef", "delayed + EF (reconstruction)",
+                                                  "#4c72b0")]
+    fig = _figure(max(5.0, 1.4 * len(names) + 2), 3.8)
+    ax = fig.add_subplot()
+    x = np.arange(len(names))
+    for i, (corr, label, color) in enumerate(settings):
+        part = gaps[gaps["correction"] == corr].drop_duplicates("optimizer").set_index(
+            "optimizer")
+        values = [part["gap"].get(n, np.nan) for n in names]
+        errors = [part["gap_ci"].get(n, np.nan) for n in names]
+        errors = [0 if not np.isfinite(e) else e for e in errors]
+        ax.bar(x + (i - 0.5) * 0.38, values, 0.38, yerr=errors, capsize=3, color=color,
+               label=label)
+    ax.axhline(0, color="grey", linewidth=1)
+    ax.set_xticks(x, names)
+    ax.set_ylabel("final val loss − sync")
+    ax.set_title("One-step delay: validation-loss gap to the synchronous run", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig

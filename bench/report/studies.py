@@ -23,11 +23,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
-from bench.report import analysis, render, tables
-from bench.report.figures import _figure
+from bench.report import analysis, figures, render, tables
 from bench.report.load import Results
 from bench.report.stats import mean_interval, paired_interval, welch_interval
 
@@ -107,34 +105,6 @@ def _setting(delay: int, correction: str) -> str:
     return "delayed + EF" if correction == "ef" else "delayed"
 
 
-def delay_gaps_figure(cells: pd.DataFrame):
-    """Bars: gap to sync per optimizer, delayed and delayed + EF, 95% error bars."""
-    gaps = cells[cells["delay"] > 0].dropna(subset=["gap"])
-    if gaps.empty:
-        return None
-    names = list(dict.fromkeys(gaps["optimizer"]))
-    settings = [("none", "delayed", "#c44e52"), ("ef", "delayed + EF (reconstruction)",
-                                                  "#4c72b0")]
-    fig = _figure(max(5.0, 1.4 * len(names) + 2), 3.8)
-    ax = fig.add_subplot()
-    x = np.arange(len(names))
-    for i, (corr, label, color) in enumerate(settings):
-        part = gaps[gaps["correction"] == corr].drop_duplicates("optimizer").set_index(
-            "optimizer")
-        values = [part["gap"].get(n, np.nan) for n in names]
-        errors = [part["gap_ci"].get(n, np.nan) for n in names]
-        errors = [0 if not np.isfinite(e) else e for e in errors]
-        ax.bar(x + (i - 0.5) * 0.38, values, 0.38, yerr=errors, capsize=3, color=color,
-               label=label)
-    ax.axhline(0, color="grey", linewidth=1)
-    ax.set_xticks(x, names)
-    ax.set_ylabel("final val loss − sync")
-    ax.set_title("One-step delay: validation-loss gap to the synchronous run", fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-    return fig
-
-
 def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
     table = pd.DataFrame({
         "group": cells["label"], "optimizer": cells["optimizer"],
@@ -160,7 +130,7 @@ def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
                  "\"EF recovers\" = 1 − gap(delayed + EF) / gap(delayed), from the means. "
                  + EF_CAPTION + "."),
            ("table", table)]
-    fig = delay_gaps_figure(cells)
+    fig = figures.delay_gaps(cells)
     if fig is not None:
         path = out_dir / "figures" / "delay_gaps.png"
         fig.savefig(path)
