@@ -95,8 +95,9 @@ def delay_study(runs: pd.DataFrame) -> pd.DataFrame | None:
     table["ef_recovered"] = [recovered.get((s, n), math.nan) if c == "ef" else math.nan
                              for s, n, c in zip(table["sweep"], table["optimizer"],
                                                 table["correction"], strict=True)]
-    return table.sort_values(["sweep", "optimizer", "delay", "correction"],
-                             kind="stable").reset_index(drop=True)
+    table["_order"] = table["correction"] == "ef"  # sync, delayed, delayed + EF
+    return table.sort_values(["sweep", "optimizer", "delay", "_order"], kind="stable").drop(
+        columns="_order").reset_index(drop=True)
 
 
 def _setting(delay: int, correction: str) -> str:
