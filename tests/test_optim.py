@@ -63,13 +63,15 @@ def train_steps(model, optimizer, cfg, batches, grad_clip=0.0):
 
 
 TODAY = [[], ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.1"]]
+DELAYED = ["optim.name=sgd", "optim.lr=0.1", "optim.delay=1", "optim.delay_correction=ef",
+           "optim.grad_clip=0.5"]
 
 
-def loop_against_old_factory(rank, world_size, runs, base_dir):
-    """Per override set: the real loop (one rank, delay 0), and the same steps with the old
-    factory in plain torch. One launch for all (process start-up is the slow part)."""
+def loop_against_reference(rank, world_size, runs, base_dir):
+    """Per (overrides, reference factory): the real loop on one rank, and the same steps in
+    plain torch. One launch for all (process start-up is the slow part)."""
     results = []
-    for i, overrides in enumerate(runs):
+    for i, (overrides, reference_factory) in enumerate(runs):
         cfg = load_config("configs/ddp-tiny.yaml", [
             "parallel.world_size=1", "run.steps=4", "run.log_every=2", "run.val_every=0",
             "run.val_batches=1", "model.seq_len=32", "data.batch_size=2",
@@ -82,14 +84,17 @@ def loop_against_old_factory(rank, world_size, runs, base_dir):
         start = params_of(model)
         trainer.run()
         batches = [trainer.stream.batch(step) for step in range(cfg.run.steps)]
-        train_steps(model, old_factory(cfg)(model), cfg, batches, cfg.optim.grad_clip)
+        train_steps(model, reference_factory(cfg)(model), cfg, batches, cfg.optim.grad_clip)
         results.append((params_of(trainer.strategy.model), params_of(model), start))
     return results
 
 
-def test_delay_0_is_todays_training_bit_exactly(tmp_path):
-    results = run_distributed(loop_against_old_factory, 1, TODAY, str(tmp_path),
-                              timeout=180)[0]
+def test_loop_delay_0_is_todays_training_and_delay_1_clips_before_storing(tmp_path):
+    """delay 0: the loop == the old factory bit-exactly. delay 1 (+ EF): the loop (clip,
+    then the wrapper's step) == the wrapper driven by hand with the fresh gradient clipped."""
+    runs = [(overrides, old_factory) for overrides in TODAY]
+    runs.append((DELAYED, make_optimizer_factory))
+    results = run_distributed(loop_against_reference, 1, runs, str(tmp_path), timeout=180)[0]
     for loop, reference, start in results:
         assert max_change(loop, start) > 1e-4
         assert_same_params(loop, reference, atol=0, rtol=0)
