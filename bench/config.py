@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from algorithms.base import STRATEGIES, StrategyConfig, config_class
+from bench.optim import OptimConfig
 from bench.typed import (  # noqa: F401  (re-exported: the public names of bench.config)
     describe_sections,
     field_docs,
@@ -91,28 +92,6 @@ class DataConfig:
     """Fraction of the corpus held out for validation (the tail)."""
     cache_dir: str = "~/.cache/commbench"
     """Where tokenised corpora are cached."""
-
-
-@dataclass
-class OptimConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
-    """Inner optimizer: adamw, or sgd (with optional momentum)."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak (cosine schedule)."""
-    warmup_steps: int = 10
-    """Linear warmup steps from 0 to the peak learning rate."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """Learning-rate shape after warmup."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay on matrices (not on biases and norms)."""
-    momentum: float = 0.0
-    """SGD momentum."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables."""
 
 
 @dataclass

@@ -282,20 +282,10 @@ def autocast_context(device_type: str, precision: str) -> contextlib.AbstractCon
     raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
 
 
-def configure_optimizer_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups, nanoGPT's rule: >= 2-D tensors (matmul weights and
-    embeddings) decay; 1-D tensors (biases, LayerNorm gains) do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+def __getattr__(name: str):
+    """Parameter grouping moved to bench/optim.py; tests/test_model.py still imports it here."""
+    if name in ("configure_optimizer_groups", "muon_param_split"):
+        import bench.optim
 
-
-def muon_param_split(model: GPT) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(hidden matrices, everything else) for Muon: Muon updates the 2-D attention and MLP
-    weights inside the blocks; embeddings, the tied head, norms and biases go to AdamW."""
-    hidden = [p for block in model.blocks for p in block.parameters() if p.dim() == 2]
-    hidden_ids = {id(p) for p in hidden}
-    other = [p for p in model.parameters() if id(p) not in hidden_ids]
-    return hidden, other
+        return getattr(bench.optim, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,39 +44,14 @@ from bench.env import (
     synchronize,
 )
 from bench.meter import LoopState, MetricsWindow, StepClock, all_reduce_floats, run_totals
-from bench.model import GPT, autocast_context, configure_optimizer_groups, gpt_config
+from bench.model import GPT, autocast_context, gpt_config
 from bench.network import delay_policy, get_profile
+from bench.optim import lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
 
 TRAIN_PHASES = ("train", "inner", "outer", "gossip")
 """Ledger phases counted as training traffic (evaluation and metrics traffic is not)."""
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup to the peak, then cosine (or constant) down to min_lr_ratio * peak."""
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return o.lr
-    span = max(1, cfg.run.steps - o.warmup_steps)
-    progress = min(1.0, (step - o.warmup_steps) / span)
-    floor = o.lr * o.min_lr_ratio
-    return floor + 0.5 * (o.lr - floor) * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer_factory(cfg: Config):
-    """The inner optimizer (optim.name) for a module, with weight-decay param groups."""
-    o = cfg.optim
-
-    def make(module: torch.nn.Module) -> torch.optim.Optimizer:
-        groups = configure_optimizer_groups(module, o.weight_decay)
-        if o.name == "adamw":
-            return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas)
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
-
-    return make
 
 
 class Trainer:

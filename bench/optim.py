@@ -1,0 +1,247 @@
+"""The optimizer component: the `optim.*` config, parameter groups, the schedule, the factory.
+
+    commbench run configs/ddp-tiny.yaml --set optim.name=muon --set optim.delay=1
+    pytest tests/test_optim.py tests/test_delay.py
+
+`make_optimizer_factory(cfg)` returns `make(module) -> optimizer`, which every strategy
+calls on the module it trains (the whole model, or one pipeline stage). Parameters are
+classified by module type, never by name, so the same rule works on any slice of the GPT:
+- hidden matrices: the 2-D weights of `nn.Linear` modules inside transformer `Block`s
+  (attention qkv and projection, MLP fc and projection) -> Muon when `optim.name: muon`;
+- everything else (token and position embeddings, the tied LM head, LayerNorms, biases) ->
+  AdamW under Muon, and under the other optimizers the usual two groups: >= 2-D tensors
+  decay, 1-D tensors (biases, norm gains) do not (nanoGPT's rule).
+`optim.delay: 1` wraps the optimizer in `algorithms.delay.DelayedOptimizer` (one-step
+gradient delay, optional error-feedback correction; docs/algorithms.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import ChainMap
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from algorithms.delay import CORRECTIONS, DelayedOptimizer
+from bench.model import Block
+
+if TYPE_CHECKING:
+    from bench.config import Config
+
+OPTIMIZERS = ("adamw", "sgd", "muon", "lion", "adan", "soap")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd", "muon", "lion", "adan", "soap"] = "adamw"
+    """Optimizer: adamw; sgd (optional momentum); muon (torch.optim.Muon on the hidden
+    matrices, AdamW on the rest); lion, adan, soap (from the pytorch-optimizer package)."""
+    lr: float = 1e-3
+    """Peak learning rate (under muon: of the AdamW part)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine schedule)."""
+    warmup_steps: int = 10
+    """Linear warmup steps from 0 to the peak learning rate."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate shape after warmup."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas (also muon's AdamW part, lion's and soap's betas; adan keeps the
+    package's three defaults)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on biases and norms); under muon, on the
+    AdamW part's matrices (embeddings and head)."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables."""
+    muon_lr: float = 0.02
+    """muon: peak learning rate of the hidden matrices (same warmup and decay as lr)."""
+    muon_momentum: float = 0.95
+    """muon: momentum of the hidden matrices."""
+    muon_nesterov: bool = True
+    """muon: Nesterov momentum on the hidden matrices."""
+    muon_weight_decay: float = 0.0
+    """muon: decoupled weight decay of the hidden matrices (our default; the paper's is
+    not known)."""
+    delay: int = 0
+    """0 = synchronous; 1 = one-step gradient delay (PipeDream-2BW's rule W(t+1) = W(t) -
+    opt(grad f(W(t-1)))) emulated on any single-replica or data-parallel run."""
+    delay_correction: Literal["none", "ef"] = "none"
+    """With delay 1: none, or ef = error-feedback correction on the optimizer's update,
+    u + ef_lambda (u - u_prev) (a RECONSTRUCTION: the paper's equations were not available)."""
+    ef_lambda: float = 1.0
+    """Weight λ of the error-feedback correction (reconstruction; 0 = plain delay)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optim.name must be one of {list(OPTIMIZERS)}, got {self.name!r}")
+        if self.delay not in (0, 1) or isinstance(self.delay, bool):
+            raise ValueError(f"optim.delay must be 0 (synchronous) or 1 (one-step delay), "
+                             f"got {self.delay!r}")
+        if self.delay_correction not in CORRECTIONS:
+            raise ValueError(f"optim.delay_correction must be one of {list(CORRECTIONS)}, "
+                             f"got {self.delay_correction!r}")
+        if self.delay_correction != "none" and self.delay == 0:
+            raise ValueError(f"optim.delay_correction={self.delay_correction!r} corrects a "
+                             "delayed update: it needs optim.delay=1, got optim.delay=0")
+        if self.muon_lr <= 0:
+            raise ValueError(f"optim.muon_lr must be > 0, got {self.muon_lr!r}")
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to the peak, then cosine (or constant) down to min_lr_ratio * peak."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    span = max(1, cfg.run.steps - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    floor = o.lr * o.min_lr_ratio
+    return floor + 0.5 * (o.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------- parameter groups
+
+
+def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
+    """The 2-D weights of the `nn.Linear` modules inside transformer `Block`s, in
+    `module.parameters()` order: what Muon updates."""
+    inside = {id(m.weight) for block in module.modules() if isinstance(block, Block)
+              for m in block.modules() if isinstance(m, nn.Linear) and m.weight.dim() == 2}
+    return [p for p in module.parameters() if id(p) in inside and p.requires_grad]
+
+
+def configure_optimizer_groups(model: nn.Module, weight_decay: float,
+                               exclude: list[nn.Parameter] = ()) -> list[dict]:
+    """Two groups, nanoGPT's rule: >= 2-D tensors (matmul weights and embeddings) decay;
+    1-D tensors (biases, LayerNorm gains) do not. `exclude` leaves parameters out."""
+    skip = {id(p) for p in exclude}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def muon_param_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(hidden matrices, everything else): Muon's and AdamW's parameters."""
+    hidden = hidden_matrices(model)
+    hidden_ids = {id(p) for p in hidden}
+    return hidden, [p for p in model.parameters() if id(p) not in hidden_ids]
+
+
+# ---------------------------------------------------------------------- optimizers
+
+
+class ChainedOptimizer:
+    """Several torch optimizers over disjoint parameters, used as one (Muon + AdamW).
+
+    `param_groups` lists every child's groups (the same dicts, so schedules reach them);
+    `step`, `zero_grad` and the state dict cover all children in order.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    @property
+    def state(self) -> ChainMap:
+        return ChainMap(*(opt.state for opt in self.optimizers))
+
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("ChainedOptimizer.step does not take a closure")
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, sub in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(sub)
+
+
+def _muon(module: nn.Module, o: OptimConfig):
+    hidden = hidden_matrices(module)
+    if not hidden:
+        raise ValueError(
+            "optim.name='muon' needs 2-D hidden matrices (nn.Linear weights inside "
+            f"transformer Blocks), but this {type(module).__name__} has none; use "
+            f"another optim.name (one of {list(OPTIMIZERS)})")
+    muon = torch.optim.Muon(
+        [{"params": hidden, "lr_scale": o.muon_lr / o.lr}], lr=o.muon_lr,
+        momentum=o.muon_momentum, nesterov=o.muon_nesterov,
+        weight_decay=o.muon_weight_decay)
+    rest = [g for g in configure_optimizer_groups(module, o.weight_decay, hidden) if g["params"]]
+    return ChainedOptimizer([muon, torch.optim.AdamW(rest, lr=o.lr, betas=o.betas)])
+
+
+def _from_package(name: str, groups: list[dict], o: OptimConfig):
+    try:
+        import pytorch_optimizer
+    except ImportError as err:
+        raise ValueError(f"optim.name={name!r} needs the pytorch-optimizer package "
+                         "(pip install pytorch-optimizer)") from err
+    if name == "lion":
+        return pytorch_optimizer.Lion(groups, lr=o.lr, betas=o.betas)
+    if name == "soap":
+        return pytorch_optimizer.SOAP(groups, lr=o.lr, betas=o.betas)
+    return pytorch_optimizer.Adan(groups, lr=o.lr)
+
+
+def build_optimizer(module: nn.Module, o: OptimConfig):
+    """The optimizer `o` describes for `module`, without the delay wrapper."""
+    if o.name == "muon":
+        return _muon(module, o)
+    groups = configure_optimizer_groups(module, o.weight_decay)
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas)
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+    if o.name in ("lion", "adan", "soap"):
+        return _from_package(o.name, groups, o)
+    raise ValueError(f"optim.name must be one of {list(OPTIMIZERS)}, got {o.name!r}")
+
+
+def make_optimizer_factory(cfg: Config):
+    """`make(module) -> optimizer` for the strategies (TrainSetup.make_optimizer)."""
+    o = cfg.optim
+
+    def make(module: nn.Module):
+        optimizer = build_optimizer(module, o)
+        if o.delay:
+            optimizer = DelayedOptimizer(optimizer, o.delay, o.delay_correction, o.ef_lambda)
+        return optimizer
+
+    return make
+
+
+def describe_optimizer(optimizer) -> dict:
+    """What a run's summary records about its optimizer: class names, group sizes, delay."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    parts = getattr(inner, "optimizers", [inner])
+    info: dict = {
+        "optimizers": [type(p).__name__ for p in parts],
+        "groups": [{"optimizer": type(p).__name__, "num_tensors": len(g["params"]),
+                    "num_params": sum(t.numel() for t in g["params"]),
+                    "weight_decay": g.get("weight_decay"), "lr_scale": g.get("lr_scale", 1.0)}
+                   for p in parts for g in p.param_groups],
+    }
+    if isinstance(optimizer, DelayedOptimizer):
+        info.update(delay=1, delay_correction=optimizer.correction,
+                    ef_lambda=optimizer.ef_lambda)
+    else:
+        info.update(delay=0, delay_correction="none")
+    return info
