@@ -12,10 +12,13 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-from algorithms.comm import CommRecord
 from bench.network.costs import COLLECTIVES, canonical_op, check_algorithm, p2p_s
 from bench.network.profiles import Profile, Tier
+
+if TYPE_CHECKING:  # torch stays out of `commbench --help`
+    from algorithms.comm import CommRecord
 
 
 def group_tiers(profile: Profile, ranks: Iterable[int], ranks_per_node: int = 1) -> set[Tier]:
