@@ -345,7 +345,7 @@ def _positive(path: str, value: float, minimum: float = 1) -> None:
 def validate(cfg: Config) -> None:
     """Cross-field checks that need more than one section, or the model/network tables."""
     from bench.model import PRESETS
-    from bench.network import PROFILES
+    from bench.network import PROFILES, get_profile, is_profile_path
 
     _positive("run.steps", cfg.run.steps)
     _positive("run.log_every", cfg.run.log_every)
@@ -370,10 +370,16 @@ def validate(cfg: Config) -> None:
     if cfg.model.preset not in PRESETS:
         raise _fail("model.preset", cfg.model.preset, f"one of {sorted(PRESETS)}")
     for i, name in enumerate(cfg.network.profiles):
-        if name not in PROFILES:
-            raise _fail(f"network.profiles[{i}]", name, f"one of {sorted(PROFILES)}")
-    if cfg.network.emulate is not None and cfg.network.emulate not in PROFILES:
-        raise _fail("network.emulate", cfg.network.emulate, f"null or one of {sorted(PROFILES)}")
+        if name not in PROFILES and not is_profile_path(name):
+            raise _fail(f"network.profiles[{i}]", name,
+                        f"one of {sorted(PROFILES)} or a profile YAML path")
+        get_profile(name)  # a user's file: its own errors name the bad field
+    emulate = cfg.network.emulate
+    if emulate is not None and emulate not in PROFILES and not is_profile_path(emulate):
+        raise _fail("network.emulate", emulate,
+                    f"null or one of {sorted(PROFILES)} or a profile YAML path")
+    if emulate is not None:
+        get_profile(emulate)
     world, group = cfg.parallel.world_size, cfg.parallel.group_size
     if world % group:
         raise ValueError(

@@ -325,3 +325,15 @@ def test_overlap_two_buckets_by_hand():
     # plain CommRecords (no lead_s field) never overlap
     plain = [rec("all_reduce", MB, 2), rec("all_reduce", MB, 2)]
     assert project_overlap(plain, p) == pytest.approx(project(plain, p)) == pytest.approx(2.0)
+
+
+def test_config_accepts_profile_paths(tmp_path):
+    from bench.config import load_config
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1Gbps}\n")
+    cfg = load_config(None, [f"network.profiles=[eth-10g, {path}]", f"network.emulate={path}"])
+    assert cfg.network.profiles == ["eth-10g", str(path)] and cfg.network.emulate == str(path)
+    path.write_text("intra: nvlink\ninter: {latency: 1ms, bandwidth: fast}\n")
+    with pytest.raises(ValueError, match=r"mine.yaml.inter.bandwidth must be .* got 'fast'"):
+        load_config(None, [f"network.profiles=[{path}]"])
