@@ -210,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("-o", "--output", help="shard directory (default: the cache)")
     prep.add_argument("--tokenizer", default="gpt2", choices=["byte", "gpt2"])
     prep.set_defaults(func=_cmd_data_prepare)
+
+    # netprobe: measure this machine's / cluster's links, fit a profile (bench/netprobe.py)
+    from bench import netprobe
+
+    probe = sub.add_parser("netprobe", help="measure the network, write a profile YAML",
+                           description=netprobe.__doc__.split("\n\n")[0])
+    netprobe.add_arguments(probe)
+    probe.set_defaults(func=netprobe.run_cli)
     return parser
 
 

@@ -243,7 +243,7 @@ def validate(cfg: Config) -> None:
     """Checks that need more than one field's type: ranges, tables, cross-section rules."""
     from bench.data import check_corpus_path
     from bench.model import PRESETS, gpt_config
-    from bench.network import PROFILES
+    from bench.network import PROFILES, get_profile, is_profile_path
 
     if not NAME_RE.match(cfg.run.name):
         raise _fail("run.name", cfg.run.name, "letters, digits, '.', '_' or '-', not starting "
@@ -272,10 +272,16 @@ def validate(cfg: Config) -> None:
     m = cfg.model  # the shape checks (heads divide the width, dropout) live with the model
     gpt_config(m.preset, 256, m.seq_len, m.dropout, m.n_layer, m.n_head, m.n_embd)
     for i, name in enumerate(cfg.network.profiles):
-        if name not in PROFILES:
-            raise _fail(f"network.profiles[{i}]", name, f"one of {sorted(PROFILES)}")
-    if cfg.network.emulate is not None and cfg.network.emulate not in PROFILES:
-        raise _fail("network.emulate", cfg.network.emulate, f"null or one of {sorted(PROFILES)}")
+        if name not in PROFILES and not is_profile_path(name):
+            raise _fail(f"network.profiles[{i}]", name,
+                        f"one of {sorted(PROFILES)} or a profile YAML path")
+        get_profile(name)  # a user's file: its own errors name the bad field
+    emulate = cfg.network.emulate
+    if emulate is not None and emulate not in PROFILES and not is_profile_path(emulate):
+        raise _fail("network.emulate", emulate,
+                    f"null or one of {sorted(PROFILES)} or a profile YAML path")
+    if emulate is not None:
+        get_profile(emulate)
     world, group = cfg.parallel.world_size, cfg.parallel.group_size
     if world % group:
         raise ValueError(

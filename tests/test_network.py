@@ -1,4 +1,7 @@
-"""The alpha-beta cost model against hand-computed values; profiles; heterogeneous links."""
+"""The alpha-beta cost model against hand-computed values; YAML profiles; heterogeneous
+links; backend formulas; the overlap timeline; the defects issue #17 found."""
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -14,12 +17,16 @@ from bench.network import (
     all_gather_s,
     all_reduce_s,
     broadcast_s,
+    bucket_timeline,
     delay_policy,
     get_profile,
     p2p_s,
     project,
+    project_overlap,
     record_seconds,
+    reduce_scatter_s,
     sites_profile,
+    wire_bytes,
 )
 
 MB = 1e6
@@ -61,10 +68,6 @@ def test_profiles_by_hand():
     assert record_seconds(rec("send", MB, 2, peers=(1,)), wan, 0, 1) == pytest.approx(
         10e-3 + 1e6 / 125e6
     )
-    # exchange with two peers, 2 MB sent in total: concurrent, 1 MB each -> one message
-    assert record_seconds(rec("exchange", 2 * MB, 3, peers=(1, 2)), wan, 0, 1) == pytest.approx(
-        10e-3 + 1e6 / 125e6
-    )
 
 
 def test_required_profiles_exist():
@@ -74,8 +77,8 @@ def test_required_profiles_exist():
 
 
 def test_unknown_profile():
-    with pytest.raises(ValueError, match=r"network profile must be one of \[.*'wan-1g'.*\], "
-                                         r"got 'dialup'"):
+    with pytest.raises(ValueError, match=r"network profile must be one of \[.*'wan-1g'.*\] or a "
+                                         r"path to a YAML profile .*, got 'dialup'"):
         get_profile("dialup")
 
 
@@ -122,8 +125,215 @@ def test_project_and_delay_policy_agree():
     records = [rec("all_reduce", MB, 2), rec("send", MB, 2, peers=(1,)), rec("recv", MB, 2, (1,))]
     expected = all_reduce_s(2, MB, WAN_1G) + 2 * p2p_s(MB, WAN_1G)
     assert project(records, wan, 0, 1) == pytest.approx(expected)
-    delay = delay_policy(wan, 0, 1)
-    assert sum(delay(r) for r in records) == pytest.approx(expected)
+    # emulation of ops run one after the other (the caller sleeps until each op's end)
+    now = [0.0]
+    delay = delay_policy(wan, 0, 1, clock=lambda: now[0])
+    total = 0.0
+    for r in records:
+        took = delay(r)
+        now[0] += took
+        total += took
+    assert total == pytest.approx(expected)
     assert project(records, wan, 0, 2) == pytest.approx(
         all_reduce_s(2, MB, NVLINK) + 2 * p2p_s(MB, NVLINK)
     )
+
+
+# ---------------------------------------------------------------- known defects (issue #17)
+# Each of these failed on the model before the fix (old bench/network.py).
+
+
+def test_exchange_peers_share_the_rank_link():
+    # gossip: 2 peers on other nodes, 1 MB to each (nbytes = 2 MB sent in total). The two
+    # messages leave over this rank's one link one after the other: alpha + 2 * 1 MB / beta,
+    # not alpha + 1 MB / beta as if each peer had its own link.
+    wan = get_profile("wan-1g")
+    got = record_seconds(rec("exchange", 2 * MB, 3, peers=(1, 2)), wan, 0, 1)
+    assert got == pytest.approx(10e-3 + 2 * MB / 125e6)
+    # one peer in the node (NVLink), one outside (WAN): separate links, run concurrently
+    mixed = record_seconds(rec("exchange", 2 * MB, 3, peers=(1, 2)), wan, 0, 2)
+    assert mixed == pytest.approx(max(p2p_s(MB, WAN_1G), p2p_s(MB, NVLINK)))
+
+
+def test_hierarchical_outer_all_reduces_share_the_node_link():
+    # 2 nodes x 4 ranks, DiLoCo with a replica per node: the cross groups are (0,4), (1,5),
+    # (2,6), (3,7); all four all-reduce |theta| out of each node at once over one 10 GbE NIC,
+    # so each gets a quarter of its bandwidth.
+    eth = get_profile("eth-10g")
+    got = record_seconds(rec("all_reduce", 100 * MB, 2, peers=(0, 4)), eth, 0, 4)
+    assert got == pytest.approx(2 * 1 * (50e-6 + 100 * MB / (2 * 1.25e9 / 4)))
+    # the whole world's all-reduce crosses each node link once: no sharing
+    world = record_seconds(rec("all_reduce", 100 * MB, 8), eth, 0, 4)
+    assert world == pytest.approx(all_reduce_s(8, 100 * MB, ETH_10G))
+
+
+def test_emulation_queues_overlapping_ops_on_the_link():
+    # Two DDP buckets launched together whose completion callbacks run in parallel (gloo):
+    # the second must wait for the first on the modelled link, i.e. take 2x from launch.
+    slow = Profile("slow", Tier(1.0, 1e6), Tier(1.0, 1e6))
+    delay = delay_policy(slow, 0, 1)
+    bucket = rec("all_reduce", 0, 2)  # seconds=0: launched just now
+    first = delay(bucket)
+    second = delay(bucket)
+    cost = all_reduce_s(2, 0, Tier(1.0, 1e6))
+    assert first == pytest.approx(cost, rel=1e-3)
+    assert second == pytest.approx(2 * cost, rel=1e-3)
+
+
+# ---------------------------------------------------------------- profiles as YAML data
+
+
+def test_builtin_profiles_come_from_the_shipped_yaml():
+    assert get_profile("wan-1g").inter == Tier(10e-3, 125e6)
+    assert get_profile("ib-400g").inter == Tier(5e-6, 50e9, nics=8)
+    two = get_profile("two-sites")
+    assert [[two.node_link(a, b) for b in range(4)][a ^ 1] for a in range(4)] == [IB_400G] * 4
+
+
+def test_user_yaml_profile_by_path(tmp_path):
+    path = tmp_path / "lab.yaml"
+    path.write_text(
+        "tiers:\n"
+        "  lab: {latency: 10ms, bandwidth: 100Mbit/s}\n"
+        "profiles:\n"
+        "  lab-sites:\n"
+        "    intra: nvlink\n"                      # a built-in tier name
+        "    sites: {site_of_node: [0, 0, 1], within: lab, across: wan-1g}\n"
+        "    links:\n"
+        "      - {nodes: [0, 1], tier: {latency_s: 0.002, bandwidth_Bps: 5.0e6}}\n"
+        "  flat:\n"
+        "    intra: {latency: 5us, bandwidth: 1GiB/s}\n"
+        "    inter: lab\n")
+    with pytest.raises(ValueError, match=r"holds \['flat', 'lab-sites'\]: pick one with"):
+        get_profile(str(path))
+    p = get_profile(f"{path}#lab-sites")
+    lab = Tier(10e-3, 100e6 / 8)
+    assert p.node_link(0, 1) == p.node_link(1, 0) == Tier(2e-3, 5e6)  # per-link override
+    assert p.node_link(1, 2) == WAN_1G and p.node_link(0, 0) == NVLINK
+    flat = get_profile(f"{path}#flat")
+    assert flat.inter == lab and flat.intra == Tier(5e-6, 2.0**30)
+    # a file with a single top-level profile, named after the file
+    one = tmp_path / "mine.yaml"
+    one.write_text("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1Gbps}\n")
+    assert get_profile(str(one)).name == "mine"
+    assert get_profile(str(one)).inter == Tier(1e-3, 1e9 / 8)
+    assert project([rec("send", MB, 2, peers=(1,))], get_profile(str(one))) == pytest.approx(
+        1e-3 + MB / (1e9 / 8))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("intra: nvlink\ninter: {latency: 10 parsecs, bandwidth: 1GB/s}\n",
+     r"mine.yaml.inter.latency must be a number of seconds or .*got '10 parsecs'"),
+    ("intra: nvlink\ninter: {latency: 1ms, bandwidth: -5}\n",
+     r"mine.yaml.inter.bandwidth must be > 0, got -5"),
+    ("intra: nvlink\ninter: fibre\n",
+     r"mine.yaml.inter must be a tier name \(\[.*'wan-1g'\]\).*got 'fibre'"),
+    ("intra: nvlink\ninter: {latency: 1ms, bandwith: 1GB/s}\n",
+     r"mine.yaml.inter.bandwith must be absent: a tier's keys are"),
+    ("intra: nvlink\n", r"mine.yaml.inter must be a tier \(the link between nodes\) or a `sites`"),
+    ("intra: nvlink\ninter: wan-1g\nlinks: [{nodes: [1, 1], tier: wan-1g}]\n",
+     r"mine.yaml.links\[0\].nodes must be two different node numbers >= 0, got \[1, 1\]"),
+    ("intra: nvlink\ninter: {latency: 1ms, latency_s: 0.001, bandwidth: 1GB/s}\n",
+     r"mine.yaml.inter.latency must be given exactly once"),
+])
+def test_yaml_validation_names_field_value_and_valid(tmp_path, text, message):
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        get_profile(str(path))
+
+
+# ---------------------------------------------------------------- backends and wire bytes
+
+
+def test_backend_formulas_by_hand():
+    a, b, n, s = 10e-3, 1e8, 4, 8 * MB
+    t = Tier(a, b)
+    assert all_reduce_s(n, s, t) == pytest.approx(2 * 3 * (a + s / (4 * b)))  # naive
+    assert all_reduce_s(n, s, t, "nccl-ring") == all_reduce_s(n, s, t)
+    # gloo: a ready-to-receive handshake per ring step, 2 alpha per step
+    assert all_reduce_s(n, s, t, "gloo") == pytest.approx(2 * 3 * (2 * a + s / (4 * b)))
+    assert reduce_scatter_s(n, s, t, "gloo") == pytest.approx(3 * (2 * a + s / (4 * b)))
+    assert all_gather_s(n, s, t, "gloo") == pytest.approx(3 * (2 * a + s / b))
+    assert broadcast_s(n, s, t, "gloo") == pytest.approx(2 * (2 * a + s / b))
+    assert p2p_s(s, t, "gloo") == pytest.approx(a + s / b)
+    # NCCL double binary tree: 2 log2(n) alpha + 2 S / beta; nccl = the cheaper one
+    tree = 2 * 2 * a + 2 * s / b
+    assert all_reduce_s(n, s, t, "nccl-tree") == pytest.approx(tree)
+    assert all_reduce_s(n, s, t, "nccl") == pytest.approx(min(tree, 6 * (a + s / (4 * b))))
+    assert all_reduce_s(64, 1e3, t, "nccl") == pytest.approx(2 * 6 * a + 2e3 / b)  # tree wins
+    assert broadcast_s(n, s, t, "nccl-ring") == pytest.approx(3 * a + s / b)
+    # the backend reaches records through project / record_seconds
+    assert project([rec("all_reduce", s, n)], Profile("p", t, t), backend="gloo") == \
+        pytest.approx(all_reduce_s(n, s, t, "gloo"))
+    with pytest.raises(ValueError, match=r"backend must be one of \['naive', 'gloo'.*got 'mpi'"):
+        project([rec("all_reduce", s, n)], Profile("p", t, t), backend="mpi")
+
+
+def test_wire_bytes():
+    s = 1200
+    assert wire_bytes(rec("all_reduce", s, 4)) == pytest.approx(2 * 3 / 4 * s)
+    assert wire_bytes(rec("all_reduce", s, 4), backend="nccl-tree") == 2 * s
+    assert wire_bytes(rec("reduce_scatter", s, 4)) == pytest.approx(3 / 4 * s)
+    assert wire_bytes(rec("all_gather", s, 4)) == 3 * s
+    assert wire_bytes(rec("broadcast", s, 4)) == pytest.approx(3 / 4 * s)
+    assert wire_bytes(rec("send", s, 2, peers=(1,))) == s
+    assert wire_bytes(rec("recv", s, 2, peers=(1,))) == 0
+    assert wire_bytes(rec("exchange", 2 * s, 3, peers=(1, 2))) == 2 * s  # S per peer
+    assert wire_bytes(rec("all_reduce", s, 1)) == 0
+
+
+# ---------------------------------------------------------------- overlap with backward
+
+
+@dataclass(frozen=True)
+class LeadRecord:
+    """A CommRecord with `lead_s` (the algorithms branch adds the field to CommRecord)."""
+
+    step: int
+    phase: str
+    op: str
+    group_size: int
+    peers: tuple | None
+    nbytes: int
+    seconds: float
+    tier: str
+    lead_s: float | None
+
+
+def bucket(step, nbytes, lead_s):
+    return LeadRecord(step, "train", "all_reduce", 2, None, nbytes, 0.0, "inter", lead_s)
+
+
+def test_overlap_two_buckets_by_hand():
+    # alpha = 0, beta = 1 MB/s, 2 ranks: an all-reduce of S bytes takes S / 1 MB seconds.
+    p = Profile("p", Tier(0.0, 1e6), Tier(0.0, 1e6))
+    # bucket 1 ready 3 s before the end of backward, takes 2 s -> ends at -1;
+    # bucket 2 ready 0.5 s before the end, takes 1 s -> starts -0.5, ends at +0.5: 0.5 exposed
+    step0 = [bucket(0, 2 * MB, 3.0), bucket(0, MB, 0.5)]
+    assert bucket_timeline([(3.0, 2.0), (0.5, 1.0)]) == pytest.approx(0.5)
+    assert project_overlap(step0, p) == pytest.approx(0.5)
+    # bucket 1 ready 1 s before the end, takes 2 s -> ends +1; bucket 2 (ready -0.5) waits for
+    # it on the link: +1 -> +2. Exposed 2 s, the plain sum says 3 s.
+    step1 = [bucket(1, 2 * MB, 1.0), bucket(1, MB, 0.5)]
+    assert project_overlap(step1, p) == pytest.approx(2.0)
+    assert project(step1, p) == pytest.approx(3.0)
+    # everything hidden: 0 exposed; a record without lead_s is added in full
+    hidden = [bucket(2, MB, 5.0), bucket(2, MB, None)]
+    assert project_overlap(hidden, p) == pytest.approx(1.0)
+    assert project(step0 + step1 + hidden, p, overlap=True) == pytest.approx(0.5 + 2.0 + 1.0)
+    # plain CommRecords (no lead_s field) never overlap
+    plain = [rec("all_reduce", MB, 2), rec("all_reduce", MB, 2)]
+    assert project_overlap(plain, p) == pytest.approx(project(plain, p)) == pytest.approx(2.0)
+
+
+def test_config_accepts_profile_paths(tmp_path):
+    from bench.config import load_config
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1Gbps}\n")
+    cfg = load_config(None, [f"network.profiles=[eth-10g, {path}]", f"network.emulate={path}"])
+    assert cfg.network.profiles == ["eth-10g", str(path)] and cfg.network.emulate == str(path)
+    path.write_text("intra: nvlink\ninter: {latency: 1ms, bandwidth: fast}\n")
+    with pytest.raises(ValueError, match=r"mine.yaml.inter.bandwidth must be .* got 'fast'"):
+        load_config(None, [f"network.profiles=[{path}]"])

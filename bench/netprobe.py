@@ -1,0 +1,287 @@
+"""`commbench netprobe`: measure this cluster's links and fit a network profile to them.
+
+    commbench netprobe --world-size 4 --out my-net.yaml [--ranks-per-node 2]
+        [--sizes 4KiB 256KiB 4MiB] [--iters 5] [--backend gloo]
+    commbench run CONFIG --set network.profiles=[my-net.yaml]
+
+Exercised by `pytest tests/test_netprobe.py`. Launched like a run: torchrun on this machine
+(`--nnodes N --rdzv-endpoint HOST:PORT` once per node for several nodes). Rank 0 measures,
+per tier (`intra`: ranks of one node; `inter`: one rank per node, node = rank //
+ranks_per_node):
+- p2p ping-pong between two ranks (one-way time = round trip / 2);
+- all_reduce, all_gather and broadcast on a group of that tier (the ops the ledger records);
+at each message size, the median of `--iters` timed repetitions after one warm-up.
+It then fits alpha and beta per tier by least squares on relative errors, using the SAME
+formulas the projection uses for `--backend` (bench/network/costs.py): each formula is
+k_a * alpha + k_b * S / beta, linear in (alpha, 1/beta). The fit's residuals are printed
+and stored under each tier's `fit:` in the YAML, which `get_profile(path)` loads.
+With one rank per node (the default locally) only `inter` is measured and `intra` is a copy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.network import costs
+from bench.network.profiles import Tier, parse_tier
+
+DEFAULT_SIZES = ("4KiB", "64KiB", "1MiB", "4MiB")
+OPS = ("p2p", "all_reduce", "all_gather", "broadcast")
+_UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 10**3, "KB": 10**3,
+          "MB": 10**6, "GB": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4096', '64KiB', '1MiB', '1MB' ..."""
+    num = text.rstrip("".join(sorted({c for u in _UNITS for c in u})))
+    unit = text[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"netprobe --sizes entries must be a positive size like 4096, 64KiB, "
+                         f"1MiB (units {sorted(_UNITS)}), got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+# ---------------------------------------------------------------------- measuring (per rank)
+
+
+def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int) -> list[dict]:
+    """Measure every (tier, op, size) on the initialised default group; rows on rank 0 only."""
+    import torch
+    import torch.distributed as dist
+
+    if world_size < 2 or world_size % ranks_per_node:
+        raise ValueError(f"netprobe needs world_size >= 2 divisible by ranks_per_node, got "
+                         f"{world_size} and {ranks_per_node}")
+    nodes = world_size // ranks_per_node
+    groups = {}  # tier -> (ranks, process group); created on every rank in the same order
+    if ranks_per_node > 1:
+        for node in range(nodes):
+            ranks = list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
+            pg = dist.new_group(ranks)
+            if node == 0:
+                groups["intra"] = (ranks, pg)
+    if nodes > 1:
+        for local in range(ranks_per_node):
+            ranks = list(range(local, world_size, ranks_per_node))
+            pg = dist.new_group(ranks)
+            if local == 0:
+                groups["inter"] = (ranks, pg)
+    rows = []
+    for tier, (ranks, pg) in groups.items():
+        peer = ranks[1]
+        for size in sizes:
+            buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            for op in OPS:
+                times = []
+                for i in range(iters + 1):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if op == "p2p":
+                        if rank == 0:
+                            dist.send(buf, peer)
+                            dist.recv(buf, peer)
+                        elif rank == peer:
+                            dist.recv(buf, 0)
+                            dist.send(buf, 0)
+                    elif rank in ranks:
+                        if op == "all_reduce":
+                            dist.all_reduce(buf, group=pg)
+                        elif op == "broadcast":
+                            dist.broadcast(buf, src=ranks[0], group=pg)
+                        else:
+                            dist.all_gather([torch.empty_like(buf) for _ in ranks], buf, group=pg)
+                    # the op's time is the slowest rank's (a root's broadcast returns early)
+                    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if i:  # the first round is a warm-up (connection set-up)
+                        times.append(elapsed.item() / 2 if op == "p2p" else elapsed.item())
+                if rank == 0:
+                    rows.append(dict(tier=tier, op=op, n=len(ranks), nbytes=buf.numel() * 4,
+                                     seconds=statistics.median(times)))
+    dist.barrier()
+    return rows
+
+
+# ---------------------------------------------------------------------- fitting
+
+
+def coefficients(op: str, n: int, nbytes: float, algorithm: str) -> tuple[float, float]:
+    """(k_a, k_b) with model seconds = k_a * alpha + k_b * nbytes / beta for this op."""
+    if op == "p2p":
+        return 1.0, 1.0
+    formula = costs.COLLECTIVES[op]
+    k_a = formula(n, 0.0, Tier(1.0, 1e300), algorithm)
+    k_b = formula(n, nbytes, Tier(0.0, 1.0), algorithm) / nbytes if nbytes else 0.0
+    return k_a, k_b
+
+
+def fit_tier(rows: list[dict], algorithm: str) -> tuple[Tier, dict]:
+    """alpha, beta minimising the relative squared error of the model over `rows`."""
+    import numpy as np
+
+    if algorithm == "nccl":
+        algorithm = "nccl-ring"  # the fit needs a formula linear in (alpha, 1/beta)
+    a = np.array([coefficients(r["op"], r["n"], r["nbytes"], algorithm) for r in rows])
+    design = np.stack([a[:, 0], a[:, 1] * [r["nbytes"] for r in rows]], axis=1)
+    t = np.array([r["seconds"] for r in rows])
+    weighted = design / t[:, None]
+    ones = np.ones_like(t)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(weighted, ones, rcond=None)
+    if alpha < 0 or inv_beta <= 0:
+        # Non-negative least squares over 2 unknowns: the optimum lies on a boundary. beta
+        # must stay finite, so the boundary is alpha = 0 (latency below the noise).
+        alpha = 0.0
+        inv_beta = float(np.linalg.lstsq(weighted[:, 1:], ones, rcond=None)[0][0])
+    if not inv_beta > 0:
+        raise ValueError(f"netprobe could not fit a positive bandwidth (1/beta = {inv_beta:.3g}); "
+                         "use larger --sizes so that transfer time dominates")
+    model = design @ np.array([alpha, inv_beta])
+    rel = (t - model) / t
+    residuals = [dict(op=r["op"], n=r["n"], nbytes=int(r["nbytes"]),
+                      measured_s=float(r["seconds"]), model_s=float(m), rel_residual=float(e))
+                 for r, m, e in zip(rows, model, rel, strict=True)]
+    fit = dict(points=len(rows), algorithm=algorithm,
+               rms_rel_residual=float(math.sqrt(float(np.mean(rel**2)))),
+               max_abs_rel_residual=float(np.max(np.abs(rel))), residuals=residuals)
+    return Tier(float(alpha), float(1.0 / inv_beta)), fit
+
+
+def fit_profile(rows: list[dict], backend: str, name: str, description: str) -> dict:
+    """The profile YAML document (tiers + profiles) for `rows` measured by `probe`."""
+    costs.check_algorithm(backend)
+    tiers, fits = {}, {}
+    for tier in ("intra", "inter"):
+        mine = [r for r in rows if r["tier"] == tier]
+        if mine:
+            tiers[tier], fits[tier] = fit_tier(mine, backend)
+    if not tiers:
+        raise ValueError("netprobe measured nothing: it needs at least 2 ranks")
+    doc_tiers = {}
+    for tier in ("intra", "inter"):
+        source = tier if tier in tiers else next(iter(tiers))
+        doc_tiers[f"{name}-{tier}"] = dict(
+            latency_s=tiers[source].latency_s, bandwidth_Bps=tiers[source].bandwidth_Bps,
+            fit=fits[source] if source == tier else f"not measured: copy of {source}")
+    profile = dict(description=description, intra=f"{name}-intra", inter=f"{name}-inter")
+    return dict(tiers=doc_tiers, profiles={name: profile})
+
+
+def format_fit(doc: dict) -> str:
+    """A human-readable table of the fitted tiers and their residuals."""
+    lines = []
+    for tname, spec in doc["tiers"].items():
+        fit = spec["fit"]
+        head = (f"{tname}: alpha = {spec['latency_s'] * 1e6:.1f} us, beta = "
+                f"{spec['bandwidth_Bps'] / 1e6:.1f} MB/s")
+        if isinstance(fit, str):
+            lines.append(f"{head} ({fit})")
+            continue
+        lines.append(f"{head}; {fit['algorithm']} formulas, {fit['points']} points, rms relative "
+                     f"residual {fit['rms_rel_residual']:.1%}")
+        for r in fit["residuals"]:
+            lines.append(f"    {r['op']:<11} n={r['n']} {r['nbytes']:>10} B  measured "
+                         f"{r['measured_s'] * 1e3:9.3f} ms  model {r['model_s'] * 1e3:9.3f} ms  "
+                         f"{r['rel_residual']:+.1%}")
+    return "\n".join(lines)
+
+
+def write_profile(doc: dict, out: Path) -> None:
+    for spec in doc["tiers"].values():  # what get_profile will read back must parse
+        parse_tier({k: v for k, v in spec.items()}, str(out), {})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = "# network profile written by `commbench netprobe` (docs/network-model.md)\n"
+    out.write_text(header + yaml.safe_dump(doc, sort_keys=False))
+
+
+# ---------------------------------------------------------------------- entry points
+
+
+def add_arguments(p) -> None:
+    """The `commbench netprobe` options (bench/cli.py adds the subparser)."""
+    p.add_argument("--out", default="netprobe-profile.yaml", help="profile YAML to write")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (on this node unless "
+                   "--nnodes); default 2")
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks sharing a node (intra tier); 1 = every rank is a node")
+    p.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="message sizes")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per point")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                   help="torch.distributed backend; also picks the fitted formulas")
+    p.add_argument("--name", default="netprobe", help="profile name inside the YAML")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--rdzv-endpoint", help="host:port of the first node (multi-node)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before giving up")
+
+
+def torchrun_command(args) -> list[str]:
+    if args.world_size % args.nnodes:
+        raise ValueError(f"--world-size ({args.world_size}) must be divisible by --nnodes "
+                         f"({args.nnodes})")
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           f"--nproc-per-node={args.world_size // args.nnodes}"]
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if args.rdzv_endpoint is None:
+            raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={args.rdzv_endpoint}", "--rdzv-id=netprobe"]
+    return cmd + ["-m", "bench.netprobe", "--out", str(Path(args.out).resolve()),
+                  "--ranks-per-node", str(args.ranks_per_node), "--iters", str(args.iters),
+                  "--backend", args.backend, "--name", args.name, "--sizes", *args.sizes]
+
+
+def run_cli(args) -> int:
+    """`commbench netprobe`: start torchrun with this module as the ranks' program."""
+    for s in args.sizes:
+        parse_size(s)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    try:
+        rc = subprocess.run(torchrun_command(args), env=env, timeout=args.timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"netprobe: no result after {args.timeout:.0f} s", file=sys.stderr)
+        return 1
+    return rc
+
+
+def _worker(argv: list[str] | None = None) -> int:
+    """One rank under torchrun: probe, and on rank 0 fit and write the profile."""
+    import argparse
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser(prog="python -m bench.netprobe")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
+    try:
+        rows = probe(rank, world, args.ranks_per_node, [parse_size(s) for s in args.sizes],
+                     args.iters)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        desc = (f"measured by commbench netprobe {time.strftime('%Y-%m-%d %H:%M')}: {world} "
+                f"ranks, {args.ranks_per_node} per node, {args.backend}")
+        doc = fit_profile(rows, args.backend, args.name, desc)
+        write_profile(doc, Path(args.out))
+        print(format_fit(doc))
+        print(f"wrote {args.out}; project onto it with network.profiles=[{args.out}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker())

@@ -1,0 +1,61 @@
+"""Network profiles and the alpha-beta cost model that turns CommRecords into seconds.
+
+Exercised by `pytest tests/test_network.py`. bench/train.py uses `project` for the
+projected step times in summary.json and `delay_policy` for `network.emulate=PROFILE`;
+`commbench netprobe` (bench/netprobe.py) fits a profile of the user's own network.
+The model and every formula: docs/network-model.md.
+
+- profiles.py: `Tier`, `Profile`, the shipped bench/profiles.yaml, users' YAML files
+  (`get_profile(name_or_path)`).
+- costs.py: the formulas per collective algorithm (naive, gloo, nccl-ring, nccl-tree,
+  nccl) and `wire_bytes`.
+- model.py: `record_seconds`, `project` (plain sum or overlap-aware), `project_overlap`,
+  `delay_policy` (emulation with a per-link busy-until timeline).
+"""
+
+from bench.network.costs import (
+    ALGORITHMS,
+    all_gather_s,
+    all_reduce_s,
+    barrier_s,
+    broadcast_s,
+    p2p_s,
+    reduce_scatter_s,
+    wire_bytes,
+)
+from bench.network.model import (
+    bucket_timeline,
+    delay_policy,
+    group_tiers,
+    project,
+    project_overlap,
+    record_seconds,
+    shared_tier,
+)
+from bench.network.profiles import (
+    PROFILES,
+    TIERS,
+    Profile,
+    Tier,
+    get_profile,
+    is_profile_path,
+    load_profiles,
+    parse_bandwidth,
+    parse_latency,
+    sites_profile,
+)
+
+NVLINK = TIERS["nvlink"]
+IB_400G = TIERS["ib-400g"]
+ETH_100G = TIERS["eth-100g"]
+ETH_10G = TIERS["eth-10g"]
+WAN_1G = TIERS["wan-1g"]
+
+__all__ = [
+    "ALGORITHMS", "ETH_100G", "ETH_10G", "IB_400G", "NVLINK", "PROFILES", "TIERS", "WAN_1G",
+    "Profile", "Tier", "all_gather_s", "all_reduce_s", "barrier_s", "broadcast_s",
+    "bucket_timeline", "delay_policy", "get_profile", "group_tiers", "is_profile_path",
+    "load_profiles", "p2p_s", "parse_bandwidth", "parse_latency", "project",
+    "project_overlap", "record_seconds", "reduce_scatter_s", "shared_tier", "sites_profile",
+    "wire_bytes",
+]

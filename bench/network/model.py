@@ -1,0 +1,193 @@
+"""CommRecords -> modelled seconds: per record, summed, on the backward timeline, emulated.
+
+Exercised by `pytest tests/test_network.py`. bench/train.py calls `project` for the
+projected step times in summary.json and `delay_policy` for `network.emulate=PROFILE`.
+`backend=` (None = "naive", "gloo", "nccl-ring", "nccl-tree", "nccl") picks the collective
+algorithm's formulas (bench/network/costs.py, docs/network-model.md).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from bench.network.costs import COLLECTIVES, canonical_op, check_algorithm, p2p_s
+from bench.network.profiles import Profile, Tier
+
+if TYPE_CHECKING:  # torch stays out of `commbench --help`
+    from algorithms.comm import CommRecord
+
+
+def group_tiers(profile: Profile, ranks: Iterable[int], ranks_per_node: int = 1) -> set[Tier]:
+    """Every distinct Tier joining two of `ranks` (empty for a single rank)."""
+    ranks = set(ranks)
+    nodes = {r // ranks_per_node for r in ranks}
+    tiers = {profile.intra} if len(nodes) < len(ranks) else set()
+    tiers.update(profile.node_link(a, b) for a in nodes for b in nodes if a != b)
+    return tiers
+
+
+def shared_tier(tier: Tier, flows: int) -> Tier:
+    """The share of `tier` one of `flows` concurrent flows out of a node gets: the flows
+    spread over the tier's `nics` links, ceil(flows / nics) share each one."""
+    share = math.ceil(flows / tier.nics)
+    return tier if share <= 1 else Tier(tier.latency_s, tier.bandwidth_Bps / share, 1)
+
+
+def record_seconds(record: CommRecord, profile: Profile, rank: int = 0,
+                   ranks_per_node: int = 1, *, backend: str | None = None) -> float:
+    """Modelled seconds of one ledger record made by `rank`.
+
+    Links are re-derived from the ranks (record.tier is only what the run measured on):
+    - collectives run on the group `record.peers` (None: ranks 0..group_size-1) and go at
+      the pace of the group's SLOWEST link (a ring's every step waits for its slowest hop):
+      the max of the formula over the group's tiers.
+    - contention (hierarchical outer steps): a group spanning nodes with m < ranks_per_node
+      of its members on a node has ranks_per_node / m sibling groups (the other local
+      ranks' cross groups, docs/algorithms.md) running the same collective at the same
+      time out of that node; each gets `shared_tier` of the inter-node tiers.
+    - send/recv: one message over the link between `rank` and the peer.
+    - exchange: nbytes is the total sent and peers all peers; each peer gets
+      nbytes/len(peers) (symmetric exchange, as in gossip). Peers reached over the rank's
+      node link (other nodes) share it: those messages leave one after the other,
+      max(alpha) + sum(S_p / beta_p); peers inside the node likewise share the intra link;
+      the two classes run concurrently. Each peer's link is the slower of both directions.
+    """
+    return _Model(profile, rank, ranks_per_node, backend)(record)
+
+
+class _Model:
+    """record_seconds for one (profile, rank, backend), caching each group's tiers."""
+
+    def __init__(self, profile: Profile, rank: int, ranks_per_node: int,
+                 backend: str | None = None):
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node!r}")
+        self.profile, self.rank, self.ranks_per_node = profile, rank, ranks_per_node
+        self.algorithm = check_algorithm(backend or "naive")
+        self.tiers: dict[tuple[int, ...], list[Tier]] = {}
+
+    def __call__(self, record: CommRecord) -> float:
+        op = canonical_op(record.op)
+        if op in COLLECTIVES:
+            ranks = record.peers if record.peers is not None else tuple(range(record.group_size))
+            if ranks not in self.tiers:
+                self.tiers[ranks] = self._group_tiers(ranks)
+            formula = COLLECTIVES[op]
+            return max((formula(len(ranks), record.nbytes, t, self.algorithm)
+                        for t in self.tiers[ranks]), default=0.0)
+        if not record.peers:
+            raise ValueError(f"{op} record needs peers, got {record.peers!r}")
+        if op != "exchange":
+            return max(p2p_s(record.nbytes, t, self.algorithm) for t in self._both(record.peers[0]))
+        per_peer = record.nbytes / len(record.peers)
+        node = self.rank // self.ranks_per_node
+        classes: dict[bool, list[tuple[float, float]]] = {}
+        for peer in record.peers:
+            tiers = self._both(peer)
+            classes.setdefault(peer // self.ranks_per_node == node, []).append(
+                (max(t.latency_s for t in tiers), max(per_peer / t.bandwidth_Bps for t in tiers)))
+        return max(max(a for a, _ in msgs) + sum(s for _, s in msgs)
+                   for msgs in classes.values())
+
+    def _both(self, peer: int) -> tuple[Tier, Tier]:
+        link = self.profile.link
+        return (link(self.rank, peer, self.ranks_per_node),
+                link(peer, self.rank, self.ranks_per_node))
+
+    def _group_tiers(self, ranks: tuple[int, ...]) -> list[Tier]:
+        rpn = self.ranks_per_node
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[r // rpn] = per_node.get(r // rpn, 0) + 1
+        tiers = group_tiers(self.profile, ranks, rpn)
+        if len(per_node) < 2:
+            return list(tiers)
+        flows = max(1, rpn // min(per_node.values()))
+        inter = {self.profile.node_link(a, b) for a in per_node for b in per_node if a != b}
+        return [shared_tier(t, flows) if t in inter else t for t in tiers]
+
+
+def project(records: Iterable[CommRecord], profile: Profile, rank: int = 0,
+            ranks_per_node: int = 1, *, backend: str | None = None,
+            overlap: bool = False) -> float:
+    """Modelled communication seconds of `records` (one rank's) on `profile`, summed.
+
+    overlap=False: a plain sum, no overlap with compute or other ops (the naive
+    projection). overlap=True: `project_overlap`.
+    """
+    if overlap:
+        return project_overlap(records, profile, rank, ranks_per_node, backend=backend)
+    model = _Model(profile, rank, ranks_per_node, backend)
+    return sum(model(r) for r in records)
+
+
+def bucket_timeline(buckets: Iterable[tuple[float, float]]) -> float:
+    """End time, relative to the end of backward (t = 0), of ops queued on one link.
+
+    `buckets`: (lead_s, cost_s) per op in launch order; op i is ready at -lead_s and starts
+    when both it is ready and the previous op has finished. Returns the last end (may be
+    negative: everything hidden under backward), or -inf for no ops.
+    """
+    end = -math.inf
+    for lead, cost in buckets:
+        end = max(-lead, end) + cost
+    return end
+
+
+def project_overlap(records: Iterable[CommRecord], profile: Profile, rank: int = 0,
+                    ranks_per_node: int = 1, *, backend: str | None = None) -> float:
+    """Exposed communication seconds of `records` on `profile`, overlap-aware (torch DDP).
+
+    Per step, the records carrying `lead_s` (seconds from the bucket's launch to the end of
+    backward; set by the DDP hook) are queued in order on the link by `bucket_timeline`:
+    exposed = max(0, end of the last one). Records without `lead_s` (or lead_s None) do not
+    overlap: their modelled seconds are added in full.
+    """
+    model = _Model(profile, rank, ranks_per_node, backend)
+    steps: dict[int, list[tuple[float, float]]] = {}
+    exposed = 0.0
+    for r in records:
+        lead = getattr(r, "lead_s", None)
+        if lead is None:
+            exposed += model(r)
+        else:
+            steps.setdefault(r.step, []).append((lead, model(r)))
+    for buckets in steps.values():
+        exposed += max(0.0, bucket_timeline(sorted(buckets, key=lambda b: -b[0])))
+    return exposed
+
+
+class _Emulator:
+    """delay_policy's callable: modelled seconds, queued per link on a busy-until timeline."""
+
+    def __init__(self, model: _Model, clock: Callable[[], float]):
+        self.model, self.clock = model, clock
+        self.busy_until: dict[object, float] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, record: CommRecord) -> float:
+        cost = self.model(record)
+        with self.lock:
+            start = self.clock() - record.seconds  # the op's launch time
+            key = record.peers if record.peers is not None else ("world", record.group_size)
+            end = max(start, self.busy_until.get(key, -math.inf)) + cost
+            self.busy_until[key] = end
+        return end - start
+
+
+def delay_policy(profile: Profile, rank: int, ranks_per_node: int = 1, *,
+                 backend: str | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> Callable[[CommRecord], float]:
+    """The Communicator's emulation hook: record -> seconds the op must take from launch.
+
+    Called when an op completes (`clock()` then; launch = clock() - record.seconds). Ops on
+    one link (the same peers / group) are queued: an op launched while an earlier one is
+    still busy on the modelled link starts when that one ends, so two DDP buckets whose
+    completion callbacks run in parallel (gloo) are charged one after the other, not at
+    once. Returns (modelled end - launch); the Communicator sleeps off the rest.
+    """
+    return _Emulator(_Model(profile, rank, ranks_per_node, backend), clock)

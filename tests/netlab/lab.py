@@ -1,0 +1,134 @@
+"""A shaped-link lab on one machine: one network namespace per rank, a bridge, tbf, a delayer.
+
+Used by `tox -e netlab` (tests/netlab/test_netlab.py); needs root, iproute2, iptables,
+gcc and libnetfilter-queue-dev (tools/netlab/setup.sh installs them). Facts behind the
+choices (no sch_netem in this kernel, delay on the receive side, tbf burst and queue
+sizes): docs/network-model.md, "Validation on shaped links".
+
+    with Lab(rates_mbit=[100] * 4, delays_ms=[10] * 4) as lab:
+        lab.run(["python", "-m", "bench.train", run_dir], rank_env)   # one per namespace
+
+Topology: namespace `cbl-sw` holds bridge `br0`; namespace `cbl-I` holds `lab0`
+(10.77.0.I+1/24), a veth whose peer `p I` sits on the bridge. Rank I's upload is shaped by
+tbf on `lab0`, its download by tbf on `pI`; received packets on `lab0` pass an NFQUEUE
+held by tools/netlab/delay.c for delays_ms[I]. Nothing is routed out: no uplink, no
+default route, addresses only inside the namespaces. `close()` kills the delayers and
+deletes the namespaces (which removes the veths and the bridge).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DELAYER_SRC = ROOT / "tools" / "netlab" / "delay.c"
+PREFIX = "cbl"
+SUBNET = "10.77.0"
+
+
+def missing_requirements() -> str | None:
+    """Why the lab cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc, iptables)"
+    for tool in ("ip", "tc", "iptables", "gcc"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}` (tools/netlab/setup.sh installs it)"
+    if not Path("/usr/include/libnetfilter_queue/libnetfilter_queue.h").exists():
+        return "needs libnetfilter-queue-dev (tools/netlab/setup.sh installs it)"
+    return None
+
+
+def build_delayer(out_dir: Path) -> Path:
+    exe = Path(out_dir) / "netlab-delay"
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", str(exe), str(DELAYER_SRC),
+                    "-lnetfilter_queue"], check=True, capture_output=True, text=True)
+    return exe
+
+
+def _sh(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
+
+
+class Lab:
+    """The namespaces, links and delayers of one shaped network (a context manager)."""
+
+    def __init__(self, rates_mbit: list[float], delays_ms: list[float], delayer: Path):
+        if len(rates_mbit) != len(delays_ms) or not rates_mbit:
+            raise ValueError(f"one rate and one delay per rank, got {rates_mbit}, {delays_ms}")
+        self.rates, self.delays, self.delayer = list(rates_mbit), list(delays_ms), delayer
+        self.n = len(rates_mbit)
+        self.procs: list[subprocess.Popen] = []
+
+    def ns(self, i: int) -> str:
+        return f"{PREFIX}-{i}"
+
+    def addr(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def __enter__(self) -> Lab:
+        self.close()  # leftovers of an interrupted earlier run
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        sw = f"{PREFIX}-sw"
+        _sh("ip", "netns", "add", sw)
+        _sh("ip", "link", "add", "br0", "type", "bridge", ns=sw)
+        _sh("ip", "link", "set", "br0", "up", ns=sw)
+        for i in range(self.n):
+            ns = self.ns(i)
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "set", "lo", "up", ns=ns)
+            _sh("ip", "link", "add", "lab0", "netns", ns, "type", "veth", "peer", "name",
+                f"p{i}", "netns", sw)
+            _sh("ip", "link", "set", f"p{i}", "master", "br0", ns=sw)
+            _sh("ip", "link", "set", f"p{i}", "up", ns=sw)
+            _sh("ip", "addr", "add", f"{self.addr(i)}/24", "dev", "lab0", ns=ns)
+            _sh("ip", "link", "set", "lab0", "up", ns=ns)
+            for dev, where in (("lab0", ns), (f"p{i}", sw)):
+                if self.rates[i] > 0:  # 0: unshaped
+                    _sh(*self.tbf(dev, self.rates[i]), ns=where)
+            if self.delays[i] > 0:
+                _sh("iptables", "-A", "INPUT", "-i", "lab0", "-j", "NFQUEUE", "--queue-num",
+                    "0", ns=ns)
+                self.procs.append(subprocess.Popen(
+                    ["ip", "netns", "exec", ns, str(self.delayer), "0",
+                     str(self.delays[i] * 1000)], stderr=subprocess.DEVNULL))
+
+    @staticmethod
+    def tbf(dev: str, rate_mbit: float) -> list[str]:
+        """tbf: burst = rate x 1 ms (>= 4 KiB), queue ~20 ms (NETLAB facts)."""
+        burst = max(4096, int(rate_mbit * 1e6 / 8 * 1e-3))
+        return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                "burst", str(burst), "latency", "20ms"]
+
+    def popen(self, i: int, cmd: list[str], env: dict, **kw) -> subprocess.Popen:
+        """Start `cmd` inside rank i's namespace (env passed through `env`)."""
+        pairs = [f"{k}={v}" for k, v in env.items()]
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), "env", *pairs, *cmd], **kw)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs.clear()
+        listed = _sh("ip", "netns", "list", check=False).stdout.split()
+        for name in listed:
+            if name == f"{PREFIX}-sw" or (name.startswith(f"{PREFIX}-") and
+                                          name[len(PREFIX) + 1:].isdigit()):
+                _sh("ip", "netns", "del", name, check=False)

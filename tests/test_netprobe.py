@@ -1,0 +1,76 @@
+"""`commbench netprobe`: the fit recovers known alpha/beta; real gloo ranks give a profile."""
+
+import pytest
+import yaml
+
+from bench.netprobe import coefficients, fit_profile, parse_size, probe, write_profile
+from bench.network import Tier, all_gather_s, all_reduce_s, broadcast_s, get_profile, p2p_s
+from tests.distributed import run_distributed
+
+
+def synthetic_rows(tier_name, tier, n, sizes):
+    rows = []
+    for s in sizes:
+        rows += [dict(tier=tier_name, op="p2p", n=2, nbytes=s, seconds=p2p_s(s, tier)),
+                 dict(tier=tier_name, op="all_reduce", n=n, nbytes=s,
+                      seconds=all_reduce_s(n, s, tier, "gloo")),
+                 dict(tier=tier_name, op="all_gather", n=n, nbytes=s,
+                      seconds=all_gather_s(n, s, tier, "gloo")),
+                 dict(tier=tier_name, op="broadcast", n=n, nbytes=s,
+                      seconds=broadcast_s(n, s, tier, "gloo"))]
+    return rows
+
+
+def test_coefficients_match_the_formulas():
+    # gloo ring all-reduce on 4 ranks: 2*3*(2 alpha + S/(4 beta)) -> k_a = 12, k_b = 1.5
+    assert coefficients("all_reduce", 4, 1000, "gloo") == pytest.approx((12.0, 1.5))
+    assert coefficients("p2p", 2, 1000, "gloo") == (1.0, 1.0)
+
+
+def test_fit_recovers_alpha_beta_and_writes_a_loadable_profile(tmp_path):
+    inter, intra = Tier(2e-3, 12.5e6), Tier(20e-6, 1e9)
+    rows = synthetic_rows("inter", inter, 4, [4096, 65536, 2**20, 2**22])
+    rows += synthetic_rows("intra", intra, 2, [4096, 65536, 2**20, 2**22])
+    doc = fit_profile(rows, "gloo", "lab", "synthetic")
+    out = tmp_path / "lab.yaml"
+    write_profile(doc, out)
+    p = get_profile(str(out))
+    assert p.inter.latency_s == pytest.approx(2e-3) and p.inter.bandwidth_Bps == pytest.approx(12.5e6)
+    assert p.intra.latency_s == pytest.approx(20e-6) and p.intra.bandwidth_Bps == pytest.approx(1e9)
+    fit = yaml.safe_load(out.read_text())["tiers"]["lab-inter"]["fit"]
+    assert fit["points"] == 16 and fit["rms_rel_residual"] == pytest.approx(0, abs=1e-9)
+
+
+def test_parse_size_names_the_bad_entry():
+    assert parse_size("64KiB") == 65536 and parse_size("1MB") == 10**6
+    with pytest.raises(ValueError, match=r"--sizes entries must be .* got '12 furlongs'"):
+        parse_size("12 furlongs")
+
+
+def _probe_and_fit(rank, world_size, out):
+    rows = probe(rank, world_size, 2, [4096, 2**20], iters=1)
+    if rank == 0:
+        write_profile(fit_profile(rows, "gloo", "local", "test"), __import__("pathlib").Path(out))
+    return len(rows)
+
+
+@pytest.mark.slow  # 4 spawned interpreters: ~45 s on the shared 2-core machine
+def test_netprobe_on_local_gloo_ranks(tmp_path):
+    # 4 ranks, 2 per node: both tiers measured (4 ops x 2 sizes each) on loopback
+    out = tmp_path / "local.yaml"
+    counts = run_distributed(_probe_and_fit, 4, str(out), timeout=120)
+    assert counts == [16, 0, 0, 0]
+    p = get_profile(str(out))
+    for tier in (p.intra, p.inter):
+        assert tier.latency_s >= 0 and tier.bandwidth_Bps > 0
+
+
+def test_commbench_netprobe_cli(tmp_path):
+    # the user's path: torchrun with 2 local gloo ranks, the profile lands at --out
+    from bench.cli import main
+
+    out = tmp_path / "mine.yaml"
+    assert main(["netprobe", "--world-size", "2", "--out", str(out), "--sizes", "4KiB", "1MiB",
+                 "--iters", "2", "--name", "mine", "--timeout", "240"]) == 0
+    p = get_profile(str(out))
+    assert p.name == "mine" and p.inter.bandwidth_Bps > 0 and p.inter.latency_s >= 0
