@@ -122,6 +122,9 @@ class NetworkConfig:
     """Profile to emulate: each communication op takes at least its modelled time."""
     ranks_per_node: int = 0
     """Ranks per (real or emulated) node for tiering links; 0 = the launcher's local size."""
+    model: Literal["auto", "gloo", "nccl", "nccl-ring", "nccl-tree", "naive"] = "auto"
+    """Collective algorithm the projection and emulation price (docs/network-model.md):
+    auto = the run's backend (gloo on CPU, nccl on GPU); naive = textbook ring formulas."""
 
 
 @dataclass

@@ -18,9 +18,12 @@ idle worker reports 0), not the nominal global batch.
 
 Projected time: for every step, each rank's measured compute (step_s - comm_s) plus its
 modelled communication on a profile (`bench.network.project` of that step's ledger
-records); the step takes the MAXIMUM over ranks of that sum, and the projected elapsed
-time is the sum over steps. Per-step values are buffered and reduced at settle points, so
-measuring adds no synchronisation to the steps.
+records, priced with the collective algorithm of `network.model`); the step takes the
+MAXIMUM over ranks of that sum, and the projected elapsed time is the sum over steps.
+Two projections are kept: overlap-aware (the headline: a DDP bucket's modelled all-reduce
+starts when the bucket was ready and only what runs past the end of backward counts) and
+no-overlap (every modelled op added to compute). Per-step values are buffered and reduced
+at settle points, so measuring adds no synchronisation to the steps.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ import torch.distributed as dist
 
 from algorithms.base import StepStats
 from algorithms.comm import CommLedger, CommRecord
-from bench.network import Profile, project
+from bench.network import Profile, project, wire_bytes
+
+OVERLAP_MODES = (True, False)
+"""Projections kept per profile: overlap-aware (headline), then no-overlap."""
 
 
 def all_reduce_floats(values: list[float], device: torch.device,
@@ -55,7 +61,9 @@ class LoopState:
     tokens: int = 0
     """Tokens consumed, summed over ranks."""
     projected_s: dict[str, float] = field(default_factory=dict)
-    """Projected elapsed seconds per network profile."""
+    """Projected elapsed seconds per network profile (overlap-aware)."""
+    projected_no_overlap_s: dict[str, float] = field(default_factory=dict)
+    """The same without overlap: every modelled op added to compute."""
     compute_s: float = 0.0
     """This rank's measured compute seconds."""
     comm_s: float = 0.0
@@ -71,8 +79,10 @@ class LoopState:
         """Move the clock, tokens and projected clocks on by what the ranks did together."""
         self.elapsed_s += settled.elapsed_s
         self.tokens += settled.tokens
-        for name, seconds in settled.projected_s.items():
-            self.projected_s[name] = self.projected_s.get(name, 0.0) + seconds
+        for mine, theirs in ((self.projected_s, settled.projected_s),
+                             (self.projected_no_overlap_s, settled.projected_no_overlap_s)):
+            for name, seconds in theirs.items():
+                mine[name] = mine.get(name, 0.0) + seconds
 
 
 @dataclass
@@ -85,15 +95,16 @@ class Settled:
     """Sum over ranks of the tokens consumed."""
     projected_s: dict[str, float]
     """Per profile: sum over steps of the max over ranks of compute + modelled comm."""
+    projected_no_overlap_s: dict[str, float]
 
 
 class StepClock:
     """This rank's timed steps since the last settle point; `settle` reduces them."""
 
     def __init__(self, profiles: dict[str, Profile], rank: int, ranks_per_node: int,
-                 device: torch.device):
+                 device: torch.device, model: str | None = None):
         self.profiles, self.rank, self.ranks_per_node = profiles, rank, ranks_per_node
-        self.num_profiles, self.device = len(profiles), device
+        self.num_profiles, self.device, self.model = len(profiles), device, model
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
         self.projected: list[float] = []  # num_profiles values per pending step
 
@@ -102,23 +113,26 @@ class StepClock:
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
-        self.projected.extend(compute_s + project(step_records, p, self.rank,
-                                                  self.ranks_per_node)
-                              for p in self.profiles.values())
+        self.projected.extend(
+            compute_s + project(step_records, p, self.rank, self.ranks_per_node,
+                                backend=self.model, overlap=overlap)
+            for overlap in OVERLAP_MODES for p in self.profiles.values())
         self.num_steps += 1
 
     def settle(self) -> Settled:
         """Reduce over ranks (a collective: every rank calls it at the same step)."""
         if self.num_steps == 0:  # the same on every rank
-            return Settled(0.0, 0, dict.fromkeys(self.profiles, 0.0))
+            zero = dict.fromkeys(self.profiles, 0.0)
+            return Settled(0.0, 0, zero, dict(zero))
         maxima = all_reduce_floats([self.step_s, *self.projected], self.device,
                                    dist.ReduceOp.MAX)
         (tokens,) = all_reduce_floats([float(self.tokens)], self.device)
-        per_step = maxima[1:]
-        projected = {name: sum(per_step[i::self.num_profiles])
-                     for i, name in enumerate(self.profiles)}
+        per_step, width = maxima[1:], len(OVERLAP_MODES) * self.num_profiles
+        overlap, no_overlap = (
+            {name: sum(per_step[offset + i::width]) for i, name in enumerate(self.profiles)}
+            for offset in (0, self.num_profiles))
         self.num_steps, self.step_s, self.tokens, self.projected = 0, 0.0, 0, []
-        return Settled(maxima[0], int(tokens), projected)
+        return Settled(maxima[0], int(tokens), overlap, no_overlap)
 
 
 class MetricsWindow:
@@ -161,18 +175,35 @@ class MetricsWindow:
         return row, bool(sums[4])
 
 
+@dataclass
+class RunTotals:
+    """End-of-run communication totals (bench/meter.py `run_totals`)."""
+
+    comm_s_per_step: dict[str, float]
+    """Per profile: the slowest rank's modelled exposed comm per step (overlap-aware)."""
+    comm_s_per_step_no_overlap: dict[str, float]
+    logical_bytes: int
+    """Logical payload bytes of training traffic, summed over ranks."""
+    wire_bytes: int
+    """Modelled bytes on the wire (network.model's algorithm), summed over ranks."""
+    comm_rows: list[dict]
+    """Every rank's ledger aggregates (comm.jsonl rows, tagged with the rank)."""
+
+
 def run_totals(ledger: CommLedger, phases: tuple[str, ...], profiles: dict[str, Profile],
-               rank: int, ranks_per_node: int, steps: int,
-               device: torch.device) -> tuple[dict[str, float], int, list[dict]]:
-    """At the end of a run (a collective): per profile the slowest rank's modelled comm
-    seconds per step, the logical bytes summed over ranks, and every rank's ledger
-    aggregates (comm.jsonl rows, tagged with the rank)."""
+               rank: int, ranks_per_node: int, steps: int, device: torch.device,
+               model: str | None = None) -> RunTotals:
+    """At the end of a run (a collective over all ranks)."""
     train = [r for r in ledger.records if r.phase in phases]
-    comm_per_step = all_reduce_floats(
-        [project(train, p, rank, ranks_per_node) / max(1, steps) for p in profiles.values()],
+    comm = all_reduce_floats(
+        [project(train, p, rank, ranks_per_node, backend=model, overlap=overlap) / max(1, steps)
+         for overlap in OVERLAP_MODES for p in profiles.values()],
         device, dist.ReduceOp.MAX)
-    (nbytes,) = all_reduce_floats([sum(r.nbytes for r in train)], device)
+    nbytes, wire = all_reduce_floats([sum(r.nbytes for r in train),
+                                      sum(wire_bytes(r, backend=model) for r in train)], device)
     aggregates = [None] * dist.get_world_size()
     dist.all_gather_object(aggregates, ledger.aggregate())
     rows = [{"rank": r, **row} for r, agg in enumerate(aggregates) for row in agg]
-    return dict(zip(profiles, comm_per_step, strict=True)), int(nbytes), rows
+    n = len(profiles)
+    return RunTotals(dict(zip(profiles, comm[:n], strict=True)),
+                     dict(zip(profiles, comm[n:], strict=True)), int(nbytes), int(wire), rows)

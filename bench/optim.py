@@ -228,8 +228,12 @@ def make_optimizer_factory(cfg: Config):
     return make
 
 
-def describe_optimizer(optimizer) -> dict:
-    """What a run's summary records about its optimizer: class names, group sizes, delay."""
+def describe_optimizer(optimizer) -> dict | None:
+    """What a run's summary records about its optimizer: class names, group sizes, delay.
+
+    None for a strategy without a single optimizer object."""
+    if optimizer is None or not hasattr(optimizer, "param_groups"):
+        return None
     inner = getattr(optimizer, "optimizer", optimizer)
     parts = getattr(inner, "optimizers", [inner])
     info: dict = {
@@ -237,7 +241,7 @@ def describe_optimizer(optimizer) -> dict:
         "groups": [{"optimizer": type(p).__name__, "num_tensors": len(g["params"]),
                     "num_params": sum(t.numel() for t in g["params"]),
                     "weight_decay": g.get("weight_decay"), "lr_scale": g.get("lr_scale", 1.0)}
-                   for p in parts for g in p.param_groups],
+                   for p in parts for g in getattr(p, "param_groups", [])],
     }
     if isinstance(optimizer, DelayedOptimizer):
         info.update(delay=1, delay_correction=optimizer.correction,

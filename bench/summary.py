@@ -60,6 +60,9 @@ class Summary:
     """Rank 0's exposed communication seconds."""
     comm_bytes_total: int = 0
     """Logical bytes of training traffic, summed over ranks."""
+    comm_wire_bytes_total: int | None = None
+    """Modelled bytes on the wire (e.g. a ring all-reduce sends 2(n-1)/n of its payload),
+    summed over ranks (bench.network.wire_bytes)."""
     final_val_loss: float | None = None
     best_val_loss: float | None = None
     final_val_loss_extra: dict[str, float] = field(default_factory=dict)
@@ -71,6 +74,13 @@ class Summary:
     projected_time_to_target_s: dict[str, float] | None = None
     """Per profile: projected elapsed seconds at that validation."""
     projected: dict[str, Projection] = field(default_factory=dict)
+    """Per profile, overlap-aware (see projection_model)."""
+    projected_no_overlap: dict[str, Projection] = field(default_factory=dict)
+    """Per profile, every modelled op added to compute (an upper bound on overlap's gain)."""
+    projection_model: str | None = None
+    """How `projected` was modelled, e.g. "gloo collectives, overlap-aware"."""
+    optim: dict | None = None
+    """The optimizer(s), their parameter groups and the delay settings (bench/optim.py)."""
     num_params: int | None = None
     flops_per_token: int | None = None
     device: str | None = None
@@ -92,6 +102,8 @@ class Summary:
             throughput_tokens_per_s=self.total_tokens / wall if wall > 0 else None,
             comm_share=self.comm_s_total / wall if wall > 0 else None,
             comm_bytes_per_rank=int(self.comm_bytes_total) // max(1, self.world_size),
+            comm_wire_bytes_per_rank=(None if self.comm_wire_bytes_total is None else
+                                      int(self.comm_wire_bytes_total) // max(1, self.world_size)),
             **{f"final_val_loss_{name}": value for name, value in extra.items()},
         )
         for key in _LEFT_OUT_WHEN_NONE:
@@ -101,7 +113,8 @@ class Summary:
 
 
 _LEFT_OUT_WHEN_NONE = ("num_params", "flops_per_token", "device", "backend", "data", "mfu",
-                       "config_hash", "error", "eval")
+                       "config_hash", "error", "eval", "comm_wire_bytes_total",
+                       "comm_wire_bytes_per_rank", "projection_model", "optim")
 
 
 def make_summary(**fields: Any) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from bench.env import (
 from bench.meter import LoopState, MetricsWindow, StepClock, all_reduce_floats, run_totals
 from bench.model import GPT, autocast_context, gpt_config
 from bench.network import delay_policy, get_profile
-from bench.optim import lr_at, make_optimizer_factory
+from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
 
@@ -83,8 +83,9 @@ class Trainer:
         self.ranks_per_node = cfg.network.ranks_per_node or int(
             os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.profiles = {name: get_profile(name) for name in cfg.network.profiles}
-        delay = (delay_policy(get_profile(cfg.network.emulate), self.rank, self.ranks_per_node)
-                 if cfg.network.emulate else None)
+        self.net_model = backend if cfg.network.model == "auto" else cfg.network.model
+        delay = (delay_policy(get_profile(cfg.network.emulate), self.rank, self.ranks_per_node,
+                              backend=self.net_model) if cfg.network.emulate else None)
         self.ledger = CommLedger()
         self.comm = Communicator(self.rank, self.world, device, self.ledger, delay,
                                  self.ranks_per_node)
@@ -136,7 +137,7 @@ class Trainer:
         saved = checkpoint.load_state(self.records, rank, self.strategy, self.ledger)
         state = LoopState(**saved) if saved else LoopState()
         window = MetricsWindow()
-        clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device)
+        clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model)
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
         for step in range(state.step, cfg.run.steps):
@@ -217,11 +218,10 @@ class Trainer:
     def summarise(self, state: LoopState) -> dict:
         """The run's summary (every rank returns it) and, on rank 0, comm.jsonl."""
         cfg = self.cfg
-        comm_per_step, comm_bytes, comm_rows = run_totals(
-            self.ledger, TRAIN_PHASES, self.profiles, self.rank, self.ranks_per_node,
-            state.step, self.device)
+        totals = run_totals(self.ledger, TRAIN_PHASES, self.profiles, self.rank,
+                            self.ranks_per_node, state.step, self.device, self.net_model)
         if self.rank == 0:
-            write_jsonl(self.records.comm, comm_rows)
+            write_jsonl(self.records.comm, totals.comm_rows)
         peak = self.device.type == "cuda" and peak_flops(self.device)
         mfu = (self.flops_per_token * state.tokens / state.elapsed_s / (peak * self.world)
                if peak and state.elapsed_s > 0 else None)
@@ -229,13 +229,20 @@ class Trainer:
             status=state.status, run_name=cfg.run.name, strategy=cfg.strategy.name,
             world_size=self.world, steps=state.step, total_tokens=state.tokens,
             wall_s=state.elapsed_s, compute_s_total=state.compute_s, comm_s_total=state.comm_s,
-            comm_bytes_total=comm_bytes, final_val_loss=state.last_val,
+            comm_bytes_total=totals.logical_bytes, comm_wire_bytes_total=totals.wire_bytes,
+            final_val_loss=state.last_val,
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
             final_val_loss_extra=state.extra_val, target_loss=cfg.run.target_loss,
             **(state.target or {}),
             projected={name: Projection.of(state.projected_s.get(name, 0.0), comm_s,
                                            state.step, state.tokens)
-                       for name, comm_s in comm_per_step.items()},
+                       for name, comm_s in totals.comm_s_per_step.items()},
+            projected_no_overlap={
+                name: Projection.of(state.projected_no_overlap_s.get(name, 0.0), comm_s,
+                                    state.step, state.tokens)
+                for name, comm_s in totals.comm_s_per_step_no_overlap.items()},
+            projection_model=f"{self.net_model} collectives, overlap-aware",
+            optim=describe_optimizer(getattr(self.strategy, "optimizer", None)),
             num_params=self.num_params, flops_per_token=self.flops_per_token,
             device=self.device.type, backend=self.backend, data=self.data_meta, mfu=mfu,
         ).to_dict()

@@ -56,6 +56,16 @@ _METHOD = (
 )
 
 
+def _how_measured(runs: pd.DataFrame) -> str:
+    """Which clock each number comes from: the links the runs ran on, the projection model."""
+    links = "; ".join(f"{n} on {what}" for what, n in runs["links"].value_counts().items())
+    models = "; ".join(dict.fromkeys(runs["projection_model"]))
+    return (f"**Measured** times: {links} (runs, by where their communication ran). "
+            f"**Projected** times: measured compute plus modelled communication per network "
+            f"profile ({models}; docs/network-model.md). The model has not been validated "
+            "against real or shaped links to better than the figures in that document.")
+
+
 def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
                  target_loss: float | None = None) -> Path:
     """Write the report of every run under `results_dir` into `out_dir`; returns report.html.
@@ -129,6 +139,7 @@ def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence:
         blocks.append(("p", "No run finished ok: nothing to compare."))
     if not speedup.empty:
         blocks.append(("p", tables.target_text(speedup) + " " + _METHOD))
+        blocks.append(("p", _how_measured(runs)))
         blocks.append(("table", tables.wide_by_clock(speedup, profiles, "speedup")))
         early = speedup[(speedup["clock"] == "measured")
                         & (speedup["at_first_validation"].fillna(0) > 0)]

@@ -195,6 +195,12 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             row["schedule" if key == "strategy.schedule" else key] = (
                 default if value is None else value)
         row["delay_ref"] = f"{row['sweep']}#{_compared_config_key(config, _DELAY_KEYS)}"
+        row["projection_model"] = (summary or {}).get(
+            "projection_model", "naive formulas, no overlap (record without projection_model)")
+        emulated = (config.get("network") or {}).get("emulate") if isinstance(
+            config.get("network"), dict) else None
+        row["links"] = (f"sleep-based emulation of {emulated}" if emulated
+                        else "this machine's own links")
         for key in SUMMARY_NUMBERS:
             value = (summary or {}).get(key)
             row[key] = float(value) if _is_number(value) else math.nan
