@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from bench import records
+from bench import jobentry, records
 from bench.config import Config, config_hash, from_dict, to_dict, to_yaml
 
 if TYPE_CHECKING:
@@ -304,15 +304,15 @@ def _run_slurm(spec: SweepSpec, executor, todo: list[tuple[SweepRun, Path]],
     folder = spec.sweep_dir / "_slurm"
     by_id = {run.run_id: (run, run_dir) for run, run_dir in todo}
     to_submit = [(r, d) for r, d in todo if r.run_id not in active]
-    args = [(to_dict(r.config), str(d), runner) for r, d in to_submit]
+    args = [(to_dict(r.config), str(d), jobentry.runner_name(runner)) for r, d in to_submit]
     if spec.executor.array and len(args) > 1:
         with executor.batch():
-            jobs = [executor.submit(_slurm_job, *a) for a in args]
+            jobs = [executor.submit(jobentry.run_job, *a) for a in args]
     else:
         jobs = []
         for a, (run, _) in zip(args, to_submit, strict=True):
             executor.update_parameters(name=f"commbench-{spec.name}-{run.dir_name}")
-            jobs.append(executor.submit(_slurm_job, *a))
+            jobs.append(executor.submit(jobentry.run_job, *a))
     pending = dict(active)
     pending.update({run.run_id: job for (run, _), job in zip(to_submit, jobs, strict=True)})
     ids = _load_jobs(folder)
