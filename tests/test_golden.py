@@ -65,7 +65,7 @@ def trajectories(tmp_path_factory):
     except ImportError:
         del cases["ddp-zero1"]
     root = tmp_path_factory.mktemp("golden")
-    return run_distributed(_trajectories, 4, cases, str(root), timeout=240)[0]
+    return run_distributed(_trajectories, 4, cases, str(root), timeout=400)[0]
 
 
 def _fixture(name: str) -> dict:
@@ -81,7 +81,7 @@ def _dumps(fixture: dict) -> str:
     return f'{head[:-2]},\n "losses": [\n{rows}\n ]\n}}\n'
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("name", list(CASES))
 def test_first_losses_equal_the_golden_trajectory(trajectories, name):
     if name not in trajectories:
