@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tqdm import tqdm
 
-from bench import records
+from bench import jobentry, records
 from bench.config import Config, config_hash, from_dict, to_dict, to_yaml
 
 if TYPE_CHECKING:  # executors are given runs; they never import the sweep at run time
@@ -287,14 +287,16 @@ def _submitit_executor(ex: ExecutorSpec, name: str, folder: Path):
 def submit(executor, ex: ExecutorSpec, name: str, todo: list[tuple[SweepRun, Path]],
            runner: Runner | None) -> list:
     """Submit one job per run (an array when `ex.array`); the submitit jobs, in order."""
-    args = [(to_dict(r.config), str(d), runner) for r, d in todo]
+    # Plain data and a runner NAME: a job queued before an upgrade still starts after it
+    # (bench/jobentry.py imports the runner by name when the job starts).
+    args = [(to_dict(r.config), str(d), jobentry.runner_name(runner)) for r, d in todo]
     if ex.array and len(args) > 1:
         with executor.batch():
-            return [executor.submit(_slurm_job, *a) for a in args]
+            return [executor.submit(jobentry.run_job, *a) for a in args]
     jobs = []
     for a, (run, _) in zip(args, todo, strict=True):
         executor.update_parameters(name=f"commbench-{name}-{run.dir_name}")
-        jobs.append(executor.submit(_slurm_job, *a))
+        jobs.append(executor.submit(jobentry.run_job, *a))
     return jobs
 
 
