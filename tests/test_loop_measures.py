@@ -73,7 +73,8 @@ def train_straggler(rank, world_size, run_dir):
     trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo")
     summary = trainer.run()
     train = [r for r in trainer.ledger.records if r.phase in TRAIN_PHASES]
-    modelled = {name: project(train, get_profile(name), rank, 1)
+    # the loop prices with the run's backend (network.model: auto -> gloo here)
+    modelled = {name: project(train, get_profile(name), rank, 1, backend="gloo")
                 for name in ("nvlink", "wan-1g")}
     return summary, modelled, cfg.data.batch_size * cfg.model.seq_len
 
