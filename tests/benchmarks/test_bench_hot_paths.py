@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from algorithms.base import TrainSetup
 from algorithms.comm import CommLedger, CommRecord, Communicator
 from algorithms.ddp import DDP, DDPConfig
+from bench.batches import BatchStream
 from bench.config import load_config
-from bench.data import BatchStream
 from bench.model import GPT, gpt_config
 from bench.network import get_profile, project
 from bench.report import build_report
