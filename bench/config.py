@@ -392,10 +392,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval.suite is not None and cfg.eval.suite not in ("smoke", "paper"):
         raise _fail("eval.suite", cfg.eval.suite, "null, 'smoke' or 'paper'")
     _check_corpus(cfg.data.corpus)
-    check = getattr(cfg.strategy, "check", None)
-    if check is not None:  # strategy-specific cross-field rules (world size, steps, ...)
-        check(world_size=world, group_size=group, num_stages=cfg.parallel.num_stages,
-              steps=cfg.run.steps)
+    cfg.strategy.check(cfg)  # strategy-specific cross-section rules (stages, world size, ...)
 
 
 NAMED_CORPORA = ("embedded", "shakespeare", "openwebtext")
