@@ -172,6 +172,13 @@ class Communicator:
         self.ledger.add(rec)
         return rec
 
+    def modelled_seconds(self, op: str, nbytes: int, group: Group | None = None,
+                         peers: Sequence[int] | None = None) -> float:
+        """Seconds the emulation policy says this op takes (0 without a policy)."""
+        if self.delay is None:
+            return 0.0
+        return self.delay(self._make_record(op, nbytes, 0.0, group, peers))
+
     def hold(self, op: str, nbytes: int, started: float, group: Group | None = None,
              peers: Sequence[int] | None = None) -> float:
         """Emulation: sleep until the op launched at `started` (a `time.perf_counter()`
@@ -179,13 +186,11 @@ class Communicator:
 
         Without an emulation policy it only returns the elapsed seconds.
         """
-        elapsed = time.perf_counter() - started
-        if self.delay is not None:
-            remaining = self.delay(self._make_record(op, nbytes, elapsed, group, peers)) - elapsed
-            if remaining > 0:
-                time.sleep(remaining)
-                elapsed = time.perf_counter() - started
-        return elapsed
+        remaining = self.modelled_seconds(op, nbytes, group, peers) - (
+            time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return time.perf_counter() - started
 
     def _make_record(self, op, nbytes, seconds, group, peers, **extra) -> CommRecord:
         if peers is not None:

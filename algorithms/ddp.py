@@ -26,14 +26,16 @@ The clock is what makes this honest on both devices:
   the stream ordered after NCCL's work), and after backward's final wait; they are read
   after one `torch.cuda.synchronize()` per step. The code path is the same; only the
   marks differ.
-Emulation (`network.emulate`) holds the host in the completion callback until the bucket
-has taken its modelled time; on CPU that is exactly a slower network.
+Emulation (`network.emulate`): a bucket's future completes only once a modelled link,
+carrying the buckets one after another, has carried it (a timer thread, so backward's
+compute goes on meanwhile); the wait then shows in the exposed seconds as on a real link.
 
 How communication is measured (deepspeed backend): see algorithms/zero.py.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -126,7 +128,11 @@ def clock_for(device: torch.device) -> Clock:
 class _Bucket:
     nbytes: int
     launched: object
+    """Clock mark when the bucket was handed to the network."""
     done: object = None
+    """Clock mark when its all-reduce had completed."""
+    link_done: float = 0.0
+    """Emulation: host time the modelled link has carried it."""
 
 
 class DDPCommHook:
@@ -143,22 +149,51 @@ class DDPCommHook:
         self.size = len(comm.group_ranks(group))
         self.pending: list[_Bucket] = []
         """This step's buckets, in launch order (DDP launches them in bucket order)."""
+        self.link_free_at = 0.0
+        """Emulation: host time the modelled link finishes the buckets launched so far."""
 
     def hook(self, state, bucket):
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
         entry = _Bucket(nbytes, self.clock.mark())
         self.pending.append(entry)
-        host_start = time.perf_counter()
+        launched = time.perf_counter()
         work = dist.all_reduce(buffer, group=self.pg, async_op=True)
+        if self.comm.delay is None:
+            def finish(fut):
+                entry.done = self.clock.mark()
+                return fut.value()[0].div_(self.size)
+
+            return work.get_future().then(finish)
+        return self._emulated(work, entry, launched)
+
+    def _emulated(self, work, entry: _Bucket, launched: float) -> torch.futures.Future:
+        """Emulation: the bucket completes once the modelled link has carried it.
+
+        Buckets share one link, so bucket k starts when it is launched or when bucket k-1
+        is done, whichever is later. The wait runs on a timer thread: holding the thread
+        that completes the all-reduce would, when it completes at once, hold autograd
+        and turn the modelled network time into compute.
+        """
+        seconds = self.comm.modelled_seconds("all_reduce", entry.nbytes, self.group)
+        self.link_free_at = entry.link_done = max(launched, self.link_free_at) + seconds
+        result = torch.futures.Future()
 
         def finish(fut):
             reduced = fut.value()[0].div_(self.size)
-            self.comm.hold("all_reduce", nbytes, host_start, self.group)
-            entry.done = self.clock.mark()
-            return reduced
 
-        return work.get_future().then(finish)
+            def complete():
+                entry.done = self.clock.mark()
+                result.set_result(reduced)
+
+            wait = entry.link_done - time.perf_counter()
+            if wait > 0:
+                threading.Timer(wait, complete).start()
+            else:
+                complete()
+
+        work.get_future().add_done_callback(finish)
+        return result
 
     def end_step(self, backward_end) -> float:
         """Record this step's buckets in the ledger; return the exposed seconds."""
