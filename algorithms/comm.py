@@ -3,7 +3,8 @@
 Exercised by `pytest tests/test_comm.py` (2 and 4 gloo ranks). Every op goes through
 torch.distributed (gloo on CPU, NCCL on GPU); nothing here re-implements a collective.
 Each op appends one `CommRecord` to the ledger: the loop's step, the current phase, the
-op, the group size, the peers, the logical bytes and the measured wall time.
+op, the group size, the peers, the logical bytes and the measured wall time. How the
+strategies' traffic is accounted is described in docs/algorithms.md.
 
 Conventions (the meaning of each field is also documented on `CommRecord`):
 - `nbytes` is always the LOGICAL payload of this rank, never wire bytes:
