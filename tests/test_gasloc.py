@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from algorithms.base import TrainSetup
 from algorithms.comm import Communicator
-from algorithms.gasloc import gossip_mix, mixing_weights, round_peers
+from algorithms.gasloc import GASLoC, GASLoCConfig, gossip_mix, mixing_weights, round_peers
 from bench.config import load_config
 from bench.data import BatchStream, get_tokenizer, load_corpus
 from bench.model import GPT, gpt_config
@@ -24,6 +25,7 @@ from bench.records import read_jsonl
 from bench.train import TRAIN_PHASES, Trainer, lr_at, make_optimizer_factory
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change
+from tests.local_updates import Regression, regression_batch
 
 TINY = "configs/gasloc-tiny.yaml"
 # 6 steps in rounds of 2: three gossip rounds, so the outer momentum is exercised.
@@ -136,6 +138,23 @@ def test_no_mixing_equals_independent_runs_with_per_worker_inner_steps(tmp_path)
         assert_same_params(params, expected[rank])
         assert not [row for row in ledger if row[0] in TRAIN_PHASES]
     assert max_change(results[0][0], results[1][0]) > 1e-3  # the workers really differ
+
+
+def _tokens_per_step(rank, world_size):
+    torch.manual_seed(0)
+    setup = TrainSetup(model=Regression(), comm=Communicator(rank, world_size, "cpu"),
+                       total_steps=4,
+                       make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    strategy = GASLoC(GASLoCConfig(inner_steps=[2, 1], topology="random-matching"), setup)
+    return [strategy.train_step(regression_batch(rank, step)).tokens for step in range(4)]
+
+
+@pytest.mark.timeout(60)
+def test_idle_steps_report_no_tokens():
+    """Worker 1 (H_1 = 1 in rounds of 2) idles every second step: it consumed nothing."""
+    tokens = run_distributed(_tokens_per_step, 2, timeout=50)
+    batch = regression_batch(0, 0)[1].numel()
+    assert tokens == [[batch] * 4, [batch, 0, batch, 0]]
 
 
 # ------------------------------------------------------------------ mixing and ledger
