@@ -150,3 +150,10 @@ def test_slow_all_reduce_lands_in_exposed_communication_not_compute():
             leads = [lead for *_, lead in buckets]
             assert leads[-1] == 0.0 and all(lead >= 0 for lead in leads)
             assert leads == sorted(leads, reverse=True)  # launched in order
+
+
+def test_ddp_rejects_pipeline_stages_before_launch():
+    with pytest.raises(ValueError) as err:
+        load_config(TINY, ["parallel.num_stages=2"])
+    assert "strategy ddp is data parallel only: parallel.num_stages must be 1, got 2" in str(
+        err.value)
