@@ -300,7 +300,10 @@ def test_mixing_weights_by_hand():
         (["strategy.mixing=-0.1"], "strategy.mixing must be in [0, 1], got -0.1"),
         (["strategy.outer_momentum=1.0"], "strategy.outer_momentum must be in [0, 1), got 1.0"),
         (["strategy.outer_lr=0"], "strategy.outer_lr must be > 0"),
-        (["parallel.group_size=2"], "parallel.group_size and parallel.num_stages must be 1"),
+        (["parallel.group_size=2"],
+         "runs one worker per rank: parallel.group_size must be 1, got 2"),
+        (["parallel.num_stages=2"],
+         "strategy gasloc is data parallel only: parallel.num_stages must be 1, got 2"),
         (["strategy.name=gossip"], "unknown config key 'strategy.outer_lr'"),
     ],
 )
