@@ -1,5 +1,8 @@
 """The Strategy interface every algorithm implements, and the registry of strategies.
 
+The algorithms themselves (math, defaults, identities) are described in the project's
+docs/algorithms.md; this file is the contract the training loop relies on.
+
 The training loop (`bench/train.py`, exercised by `commbench run configs/ddp-tiny.yaml`)
 knows only this interface: it never branches on an algorithm's name. A strategy is built
 from its own config dataclass and a `TrainSetup` (model, communicator, optimizer factory,
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +42,20 @@ class StrategyConfig:
     name: str = "ddp"
     """Which algorithm runs: one of the registered strategy names."""
 
+    def check(self, cfg) -> None:
+        """Cross-section validation against the whole run config `cfg` (bench/config.py's
+        tree: `cfg.parallel`, `cfg.run`, ...), called by the config validation before any
+        process starts. Raise ValueError naming the key, the bad value and what is valid.
+        Field-local checks belong in `__post_init__`; the default checks nothing.
+        """
+
+
+def require_data_parallel(config: StrategyConfig, cfg) -> None:
+    """The rule every data-parallel strategy shares: no pipeline stages."""
+    if cfg.parallel.num_stages != 1:
+        raise ValueError(f"strategy {config.name} is data parallel only: parallel.num_stages "
+                         f"must be 1, got {cfg.parallel.num_stages}")
+
 
 @dataclass
 class StepStats:
@@ -48,7 +64,7 @@ class StepStats:
     loss: float
     """Mean training loss of this rank's batch."""
     tokens: int
-    """Tokens this rank consumed in the step."""
+    """Tokens this rank really consumed in the step (0 for an idle step)."""
     comm_s: float = 0.0
     """Exposed (non-overlapped) communication seconds in the step."""
     extras: dict[str, float] = field(default_factory=dict)
@@ -159,8 +175,9 @@ class DataParallelStrategy(Strategy):
 
     Subclasses hook communication in at `after_backward` (gradient all-reduce) and
     `after_inner_step` (outer synchronisation, gossip), and may wrap the model in torch
-    DDP (`self.train_model, self.timer = make_ddp(...)`, algorithms/ddp.py) in `__init__`;
-    gradient-sync skipping and exposed-communication timing then work for every subclass.
+    DDP (`self.train_model, self.comm_hook = make_ddp(...)`, algorithms/ddp.py) in
+    `__init__`; gradient-sync skipping and exposed-communication timing then work for
+    every subclass.
     """
 
     def __init__(self, config: StrategyConfig, setup: TrainSetup):
@@ -169,18 +186,22 @@ class DataParallelStrategy(Strategy):
         self.train_model: nn.Module = setup.model
         self.optimizer = setup.make_optimizer(self.model)
         self.step_index = 0
-        self.backward_end = 0.0
-        """Host time the last backward pass returned (for exposed-communication timing)."""
-        self.timer = None
-        """The DDP wrapper's bucket timer while `train_model` is a DDP wrapper."""
+        self.comm_hook = None
+        """The DDPCommHook of `train_model` when that is a torch DDP wrapper, else None."""
+        self.backward_end = None
+        """The comm hook's clock mark when the step's last backward returned."""
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+            group["lr"] = lr
+
+    def is_ddp_wrapped(self) -> bool:
+        """Whether `train_model` is a torch DDP wrapper (gradients sync in backward)."""
+        return self.comm_hook is not None
 
     def no_sync(self):
         """Context that skips gradient communication for non-final microbatches."""
-        if self.timer is None:
+        if not self.is_ddp_wrapped():
             return contextlib.nullcontext()
         return self.train_model.no_sync()
 
@@ -195,9 +216,10 @@ class DataParallelStrategy(Strategy):
                 with autocast() if autocast else contextlib.nullcontext():
                     _, loss = self.train_model(x, y)
                 (loss / n).backward()
-                self.backward_end = time.perf_counter()
             losses.append(loss.detach())
             tokens += y.numel()
+        if self.is_ddp_wrapped():  # DDP's backward ended by waiting for the last bucket
+            self.backward_end = self.comm_hook.clock.mark()
         # microbatches are equal chunks: their mean is the batch loss; one host sync a step
         return torch.stack(losses).mean().item(), tokens
 
@@ -205,13 +227,12 @@ class DataParallelStrategy(Strategy):
         """Gradient communication; returns its exposed seconds.
 
         With a DDP-wrapped model: the wait from the last gradient bucket being handed to
-        the network until `backward()` returned (method in algorithms/ddp.py).
+        the network until `backward()` returned, on the device's clock (method in
+        algorithms/ddp.py); the step's bucket records go to the ledger here.
         """
-        if self.timer is None:
+        if not self.is_ddp_wrapped():
             return 0.0
-        if next(self.model.parameters()).is_cuda:
-            torch.cuda.synchronize()
-        return max(0.0, self.backward_end - self.timer.last_ready)
+        return self.comm_hook.end_step(self.backward_end)
 
     def after_inner_step(self) -> tuple[float, dict[str, float]]:
         """Communication after the optimizer step; returns (exposed seconds, extras)."""

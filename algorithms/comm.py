@@ -3,13 +3,17 @@
 Exercised by `pytest tests/test_comm.py` (2 and 4 gloo ranks). Every op goes through
 torch.distributed (gloo on CPU, NCCL on GPU); nothing here re-implements a collective.
 Each op appends one `CommRecord` to the ledger: the loop's step, the current phase, the
-op, the group size, the peers, the logical bytes and the measured wall time.
+op, the group size, the peers, the logical bytes and the measured wall time. How the
+strategies' traffic is accounted is described in docs/algorithms.md.
 
-Conventions:
-- `nbytes` is the logical payload of this rank: `numel * element_size` of the tensor it
-  reduces, broadcasts, contributes to a gather, sends or receives; for `exchange` the sum
-  of the tensors it sends. Wire bytes (e.g. a ring's 2(n-1)/n factor) are the network
-  model's business (bench/network.py), not the ledger's.
+Conventions (the meaning of each field is also documented on `CommRecord`):
+- `nbytes` is always the LOGICAL payload of this rank, never wire bytes:
+  `numel * element_size` of the tensor it all-reduces (the buffer, once, whatever the
+  algorithm underneath), broadcasts, contributes to an all-gather, sends or receives;
+  for `exchange` the sum of the tensors it sends (what it receives is not counted), with
+  the per-peer split in `peer_nbytes`. What actually crosses the wire (a ring all-reduce
+  sends `2(n-1)/n * nbytes` per rank, a gather `(n-1) * nbytes`, ...) is the network
+  model's business (`bench/network.py`), computed from these fields.
 - `peers`: for point-to-point ops the other ranks (sorted); for collectives the group's
   ranks when the op runs on a subgroup, None when it runs on the whole world.
 - `tier`: "intra" if every rank involved lives on this rank's node (node = rank //
@@ -34,16 +38,32 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class CommRecord:
-    """One communication op as seen by one rank."""
+    """One communication op as seen by one rank (see the module docstring's conventions)."""
 
     step: int
+    """The loop step during which the op ran (`Communicator.step`)."""
     phase: str
+    """Tag of the traffic: train, inner, outer, gossip (training); eval, metrics (not)."""
     op: str
+    """all_reduce, broadcast, all_gather, send, recv, exchange (or a DeepSpeed op name)."""
     group_size: int
+    """Ranks taking part, this one included (p2p: peers + 1)."""
     peers: tuple[int, ...] | None
+    """p2p: the other ranks (sorted); collectives: the subgroup's ranks, None = the world."""
     nbytes: int
+    """Logical payload of this rank in bytes (never wire bytes; exchange: bytes sent)."""
     seconds: float
+    """Measured wall seconds of the op (device-synchronised; DDP buckets: see ddp.py)."""
     tier: str
+    """intra if every rank involved is on this rank's node, else inter."""
+    lead_s: float | None = None
+    """Seconds from this op's launch to the end of the compute it overlaps (DDP buckets:
+    from the bucket being handed to the network until the last bucket was, i.e. the end
+    of backward compute); None for ops that do not overlap compute. A network model
+    exposes `max(0, modelled time - lead_s)` of an overlapped op."""
+    peer_nbytes: tuple[int, ...] | None = None
+    """exchange: bytes sent to each rank of `peers`, in the same order (0 for a peer only
+    received from); sums to `nbytes`. None for every other op."""
 
 
 class CommLedger:
@@ -57,10 +77,6 @@ class CommLedger:
 
     def add(self, record: CommRecord) -> None:
         self.records.append(record)
-
-    def since(self, index: int) -> list[CommRecord]:
-        """Records added after `len(ledger)` was `index` (one step's records, say)."""
-        return self.records[index:]
 
     def totals(self, phases: Iterable[str] | None = None, start: int = 0) -> tuple[int, float]:
         """(bytes, seconds) summed over records from `start`, optionally only these phases."""
@@ -85,9 +101,6 @@ class CommLedger:
             row["bytes"] += r.nbytes
             row["seconds"] += r.seconds
         return list(rows.values())
-
-    def clear(self) -> None:
-        self.records.clear()
 
 
 @dataclass(frozen=True)
@@ -150,22 +163,44 @@ class Communicator:
         return "intra" if same else "inter"
 
     def record(self, op: str, nbytes: int, seconds: float, group: Group | None = None,
-               peers: Sequence[int] | None = None, started: float | None = None) -> CommRecord:
-        """Append a record for traffic timed elsewhere (e.g. a DDP comm hook).
+               peers: Sequence[int] | None = None, **extra) -> CommRecord:
+        """Append a record for traffic timed elsewhere (e.g. the DDP comm hook).
 
-        With `started` (the op's `time.perf_counter()` launch time) the emulation delay
-        applies too: the caller is held until the op has taken its modelled time.
+        `extra` sets the optional CommRecord fields (`lead_s`, `peer_nbytes`). The
+        emulation delay is not applied here: call `hold` where the op completes.
         """
-        rec = self._make_record(op, nbytes, seconds, group, peers)
-        if self.delay is not None and started is not None:
-            remaining = self.delay(rec) - seconds
-            if remaining > 0:
-                time.sleep(remaining)
-                rec = self._make_record(op, nbytes, time.perf_counter() - started, group, peers)
+        rec = self._make_record(op, nbytes, seconds, group, peers, **extra)
         self.ledger.add(rec)
         return rec
 
-    def _make_record(self, op, nbytes, seconds, group, peers) -> CommRecord:
+    def modelled_seconds(self, op: str, nbytes: int, group: Group | None = None,
+                         peers: Sequence[int] | None = None,
+                         started: float | None = None) -> float:
+        """Seconds from launch the emulation policy says this op takes (0 without a policy).
+
+        `started` is the op's launch (`time.perf_counter()`); the policy queues ops that
+        share a link on its own timeline (bench.network.delay_policy), so it must learn when
+        each op was launched: it is given a record whose seconds are the time since then.
+        """
+        if self.delay is None:
+            return 0.0
+        elapsed = 0.0 if started is None else time.perf_counter() - started
+        return self.delay(self._make_record(op, nbytes, elapsed, group, peers))
+
+    def hold(self, op: str, nbytes: int, started: float, group: Group | None = None,
+             peers: Sequence[int] | None = None) -> float:
+        """Emulation: sleep until the op launched at `started` (a `time.perf_counter()`
+        value) has taken its modelled time; return the host seconds since `started`.
+
+        Without an emulation policy it only returns the elapsed seconds.
+        """
+        remaining = self.modelled_seconds(op, nbytes, group, peers, started) - (
+            time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return time.perf_counter() - started
+
+    def _make_record(self, op, nbytes, seconds, group, peers, **extra) -> CommRecord:
         if peers is not None:
             peers = tuple(sorted(peers))
             involved, size = peers, len(peers) + 1
@@ -175,17 +210,18 @@ class Communicator:
             peers = None if group is None else involved
         return CommRecord(step=self.step, phase=self._phase, op=op, group_size=size,
                           peers=peers, nbytes=int(nbytes), seconds=float(seconds),
-                          tier=self.tier(involved))
+                          tier=self.tier(involved), **extra)
 
     @contextmanager
     def _timed(self, op: str, nbytes: int, group: Group | None = None,
-               peers: Sequence[int] | None = None) -> Iterator[None]:
+               peers: Sequence[int] | None = None, **extra) -> Iterator[None]:
         """Time the block (device-synchronised), apply the emulation delay, record it."""
         self._sync()
         start = time.perf_counter()
         yield
         self._sync()
-        self.record(op, nbytes, time.perf_counter() - start, group, peers, started=start)
+        seconds = self.hold(op, nbytes, start, group, peers)
+        self.record(op, nbytes, seconds, group, peers, **extra)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -280,7 +316,8 @@ class Communicator:
         """Batched isend/irecv: send `sends[peer]` to each peer, receive into `recvs[peer]`.
 
         Each pair of peers must call it with matching shapes. Recorded as ONE record whose
-        peers are all ranks sent to or received from and whose bytes are the bytes sent.
+        peers are all ranks sent to or received from, whose `nbytes` are the bytes sent,
+        and whose `peer_nbytes` are the bytes sent to each of those peers.
         """
         peers = set(sends) | set(recvs)
         if not peers:
@@ -289,8 +326,8 @@ class Communicator:
             raise ValueError(f"exchange peers must not include this rank {self.rank}")
         ops = [dist.P2POp(dist.isend, t.contiguous(), p) for p, t in sorted(sends.items())]
         ops += [dist.P2POp(dist.irecv, t, p) for p, t in sorted(recvs.items())]
-        nbytes = sum(_nbytes(t) for t in sends.values())
-        with self._timed("exchange", nbytes, peers=peers):
+        peer_nbytes = tuple(_nbytes(sends[p]) if p in sends else 0 for p in sorted(peers))
+        with self._timed("exchange", sum(peer_nbytes), peers=peers, peer_nbytes=peer_nbytes):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 

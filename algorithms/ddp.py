@@ -1,26 +1,41 @@
 """DDP, the baseline: gradients all-reduced every step by torch's own DDP (or DeepSpeed ZeRO).
 
-Run it with `commbench run configs/ddp-tiny.yaml`. This is not a re-implementation:
-backend `torch` wraps the model in `torch.nn.parallel.DistributedDataParallel`, backend
-`deepspeed` in a DeepSpeed engine (ZeRO stage 0, 1 or 2).
+Run it with `commbench run configs/ddp-tiny.yaml`; tests: `pytest tests/test_ddp.py`. The
+math is docs/algorithms.md's DDP section. This is not a re-implementation: backend `torch`
+wraps the model in `torch.nn.parallel.DistributedDataParallel`, backend `deepspeed` in a
+DeepSpeed engine (ZeRO stage 0, 1 or 2; algorithms/zero.py).
 
-How communication is measured (torch backend). A DDP communication hook launches each
-gradient bucket's all-reduce itself and records it in the CommLedger: logical bytes of the
-bucket and the wall time from launch to completion (these overlap the backward pass).
-The step's *exposed* communication is the time from the moment the last bucket became
-ready (autograd has no more gradients to compute) until `backward()` returned, i.e. the
-time the rank waited for the network after its compute was done. On CUDA the hook runs
-on the host ahead of the GPU, so the step is synchronised before reading the clock and
-the figure is an upper bound.
+How communication is measured (torch backend). A DDP communication hook (`DDPCommHook`)
+launches each gradient bucket's all-reduce itself and takes two marks on a `Clock`: when
+the bucket is handed to the network and when its all-reduce has completed. A third mark
+is taken when `backward()` returns (DDP's backward ends by waiting for every bucket).
+After backward the clock is synchronised and read:
+- each bucket becomes one ledger record: logical bytes of the bucket, `seconds` from
+  launch to completion (overlapping backward), and `lead_s` from its launch to the last
+  bucket's launch (the end of backward compute: autograd has no gradient left to make);
+- the step's *exposed* communication is from the last bucket's launch until `backward()`
+  returned: the time the rank waited for the network after its compute was done.
+The clock is what makes this honest on both devices:
+- CPU (gloo): `HostClock`, host `perf_counter` marks. gloo runs compute on the host, the
+  hook's completion callback runs when the all-reduce has really finished, and backward
+  blocks the host until then, so host times are the real times.
+- CUDA (NCCL): `CudaClock`, CUDA events recorded on the current stream. The host runs
+  ahead of the GPU and NCCL's future completes at enqueue, so host times would be launch
+  times (exposed ≈ 0, the wait landing in compute). Events record where the GPU stream
+  is: at the bucket's readiness, after the all-reduce (the completion callback runs with
+  the stream ordered after NCCL's work), and after backward's final wait; they are read
+  after one `torch.cuda.synchronize()` per step. The code path is the same; only the
+  marks differ.
+Emulation (`network.emulate`): a bucket's future completes only once a modelled link,
+carrying the buckets one after another, has carried it (a timer thread, so backward's
+compute goes on meanwhile); the wait then shows in the exposed seconds as on a real link.
 
-How communication is measured (deepspeed backend). DeepSpeed's collectives do not pass
-through our Communicator; its own comms logger reports each op's size and latency, which
-are copied into the ledger after every step. The whole optimizer-step synchronisation is
-exposed (ZeRO reduces after backward), so exposed = the logger's summed latency.
+How communication is measured (deepspeed backend): see algorithms/zero.py.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -29,7 +44,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from algorithms.base import DataParallelStrategy, StepStats, StrategyConfig, TrainSetup
+from algorithms.base import (
+    DataParallelStrategy,
+    StepStats,
+    StrategyConfig,
+    TrainSetup,
+    require_data_parallel,
+)
 
 
 @dataclass
@@ -54,55 +75,163 @@ class DDPConfig(StrategyConfig):
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"strategy.bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
 
+    def check(self, cfg) -> None:
+        require_data_parallel(self, cfg)
+
+
+# ---------------------------------------------------------------------------- clocks
+
+
+class HostClock:
+    """Marks are host `time.perf_counter()` values: right where ops block the host (CPU)."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaClock:
+    """Marks are CUDA events recorded on the current stream; read after `synchronize`."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+Clock = HostClock | CudaClock
+
+
+def clock_for(device: torch.device) -> Clock:
+    """The clock whose marks follow the work on `device` (module docstring)."""
+    return CudaClock(device) if device.type == "cuda" else HostClock()
+
+
+# ---------------------------------------------------------------------------- the hook
+
+
+@dataclass
+class _Bucket:
+    nbytes: int
+    launched: object
+    """Clock mark when the bucket was handed to the network."""
+    done: object = None
+    """Clock mark when its all-reduce had completed."""
+    link_done: float = 0.0
+    """Emulation: host time the modelled link has carried it (queued behind earlier
+    buckets by the emulation policy's per-link timeline)."""
+
+
+class DDPCommHook:
+    """DDP communication hook: all-reduce (mean) each bucket; ledger records after backward.
+
+    `hook` is registered on the DDP wrapper; `end_step(backward_end)` is called once
+    backward has returned (with the clock mark taken then) and returns the step's exposed
+    seconds (module docstring: the method).
+    """
+
+    def __init__(self, comm, group, clock: Clock):
+        self.comm, self.group, self.clock = comm, group, clock
+        self.pg = None if group is None else group.pg
+        self.size = len(comm.group_ranks(group))
+        self.pending: list[_Bucket] = []
+        """This step's buckets, in launch order (DDP launches them in bucket order)."""
+
+    def hook(self, state, bucket):
+        buffer = bucket.buffer()
+        nbytes = buffer.numel() * buffer.element_size()
+        entry = _Bucket(nbytes, self.clock.mark())
+        self.pending.append(entry)
+        launched = time.perf_counter()
+        work = dist.all_reduce(buffer, group=self.pg, async_op=True)
+        if self.comm.delay is None:
+            def finish(fut):
+                entry.done = self.clock.mark()
+                return fut.value()[0].div_(self.size)
+
+            return work.get_future().then(finish)
+        return self._emulated(work, entry, launched)
+
+    def _emulated(self, work, entry: _Bucket, launched: float) -> torch.futures.Future:
+        """Emulation: the bucket completes once the modelled link has carried it.
+
+        Buckets share one link: the emulation policy queues bucket k behind bucket k-1 on
+        its per-link timeline (bench.network.delay_policy), so the seconds it returns run
+        from this bucket's launch to its modelled end. The wait runs on a timer thread:
+        holding the thread that completes the all-reduce would, when it completes at once,
+        hold autograd and turn the modelled network time into compute.
+        """
+        seconds = self.comm.modelled_seconds("all_reduce", entry.nbytes, self.group,
+                                             started=launched)
+        entry.link_done = launched + seconds
+        result = torch.futures.Future()
+
+        def finish(fut):
+            reduced = fut.value()[0].div_(self.size)
+
+            def complete():
+                entry.done = self.clock.mark()
+                result.set_result(reduced)
+
+            wait = entry.link_done - time.perf_counter()
+            if wait > 0:
+                threading.Timer(wait, complete).start()
+            else:
+                complete()
+
+        work.get_future().add_done_callback(finish)
+        return result
+
+    def end_step(self, backward_end) -> float:
+        """Record this step's buckets in the ledger; return the exposed seconds."""
+        if not self.pending:
+            return 0.0
+        self.clock.synchronize()
+        last = self.pending[-1].launched
+        for b in self.pending:
+            self.comm.record("all_reduce", b.nbytes, self.clock.seconds(b.launched, b.done),
+                             group=self.group, lead_s=self.clock.seconds(b.launched, last))
+        self.pending = []
+        return max(0.0, self.clock.seconds(last, backward_end))
+
 
 def make_ddp(model, comm, group=None, bucket_cap_mb: float = 25.0):
     """Wrap `model` in torch DDP over `group` (default: all ranks) with the ledger hook.
 
-    Returns (ddp_model, timer); `timer.last_ready` is the host time the last bucket was
-    handed to the network in the current backward pass.
+    Returns (ddp_model, comm_hook): the `DDPCommHook` that records the buckets and
+    measures the exposed communication of each step.
     """
-    device_ids = [model_device(model).index] if model_device(model).type == "cuda" else None
+    device = model_device(model)
+    device_ids = [device.index] if device.type == "cuda" else None
     pg = group.pg if group is not None else None
     ddp_model = DistributedDataParallel(
         model, device_ids=device_ids, process_group=pg, bucket_cap_mb=bucket_cap_mb
     )
-    timer = _BucketTimer(comm, group)
-    ddp_model.register_comm_hook(state=None, hook=timer.hook)
-    return ddp_model, timer
+    comm_hook = DDPCommHook(comm, group, clock_for(device))
+    ddp_model.register_comm_hook(state=None, hook=comm_hook.hook)
+    return ddp_model, comm_hook
 
 
 def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-class _BucketTimer:
-    """DDP communication hook: all-reduce (mean) each bucket and record it in the ledger."""
-
-    def __init__(self, comm, group):
-        self.comm = comm
-        self.group = group
-        self.pg = None if group is None else group.pg
-        self.size = len(comm.group_ranks(group))
-        self.last_ready = 0.0
-
-    def hook(self, state, bucket):
-        buffer = bucket.buffer()
-        start = time.perf_counter()
-        self.last_ready = start
-        work = dist.all_reduce(buffer, group=self.pg, async_op=True)
-
-        def finish(fut):
-            reduced = fut.value()[0].div_(self.size)
-            elapsed = time.perf_counter() - start
-            self.comm.record("all_reduce", buffer.numel() * buffer.element_size(), elapsed,
-                             group=self.group, started=start)
-            return reduced
-
-        return work.get_future().then(finish)
-
-
 class DDP(DataParallelStrategy):
-    """Data parallelism with a gradient all-reduce every step (ALGORITHMS.md, DDP).
+    """Data parallelism with a gradient all-reduce every step (docs/algorithms.md, DDP).
 
     Identity (tested): over n ranks with local batch b it gives the same parameters, to
     fp tolerance, as one process with batch n*b.
@@ -112,19 +241,20 @@ class DDP(DataParallelStrategy):
 
     def __init__(self, config: DDPConfig, setup: TrainSetup):
         super().__init__(config, setup)
-        self.engine = None
+        self.zero = None
+        """The DeepSpeed engine (backend deepspeed), else None."""
         if config.backend == "deepspeed":
-            from algorithms.zero import build_engine  # imported only when asked for
+            from algorithms.zero import ZeroEngine  # imported only when asked for
 
-            self.engine, self.optimizer = build_engine(config, setup, self.optimizer)
+            self.zero = ZeroEngine(config, setup, self.optimizer)
+            self.optimizer = self.zero.optimizer
         elif self.comm.world_size > 1:
-            self.train_model, self.timer = make_ddp(
+            self.train_model, self.comm_hook = make_ddp(
                 self.model, self.comm, bucket_cap_mb=config.bucket_cap_mb
             )
 
     def train_step(self, batch) -> StepStats:
-        if self.engine is None:
+        if self.zero is None:
             return super().train_step(batch)
-        from algorithms.zero import engine_step
-
-        return engine_step(self, batch)
+        self.step_index += 1
+        return self.zero.train_step(batch)

@@ -1,7 +1,8 @@
 """DiLoCo: H local inner steps per replica, then one outer optimizer step on the average.
 
 Run it with `commbench run configs/diloco-tiny.yaml`; tests: `pytest tests/test_diloco.py`.
-The math is ALGORITHMS.md's DiLoCo section; the outer pieces live in algorithms/outer.py.
+The math is docs/algorithms.md's DiLoCo section; the outer pieces live in
+algorithms/outer.py.
 
 Layout: `parallel.group_size` ranks form one replica and all-reduce gradients inside it
 every step with torch DDP (ledger phase "inner"); the `world_size / group_size` replicas
@@ -18,7 +19,14 @@ from typing import Literal
 
 from torch import nn
 
-from algorithms.base import DataParallelStrategy, StepStats, StrategyConfig, TrainSetup, unwrap
+from algorithms.base import (
+    DataParallelStrategy,
+    StepStats,
+    StrategyConfig,
+    TrainSetup,
+    require_data_parallel,
+    unwrap,
+)
 from algorithms.ddp import make_ddp
 from algorithms.outer import OuterOptimizer, RoundStats, replica_groups
 
@@ -58,11 +66,9 @@ class DiLoCoConfig(StrategyConfig):
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"strategy.bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
 
-    def check(self, world_size: int, group_size: int, num_stages: int, steps: int) -> None:
+    def check(self, cfg) -> None:
         # group_size dividing world_size is bench.config.validate's general rule
-        if num_stages != 1:
-            raise ValueError(f"strategy {self.name} is data parallel only: parallel.num_stages "
-                             f"must be 1, got {num_stages}")
+        require_data_parallel(self, cfg)
 
 
 class DiLoCo(DataParallelStrategy):
@@ -87,7 +93,7 @@ class DiLoCo(DataParallelStrategy):
         self.group, self.cross_group, self.num_replicas = replica_groups(
             self.comm, setup.group_size)
         if setup.group_size > 1:
-            self.train_model, self.timer = make_ddp(self.model, self.comm, self.group,
+            self.train_model, self.comm_hook = make_ddp(self.model, self.comm, self.group,
                                                     config.bucket_cap_mb)
         self.outer = OuterOptimizer(
             self.model.parameters(), self.comm, self.cross_group, self.num_replicas,

@@ -2,6 +2,7 @@
 
 Run it with `commbench run configs/gasloc-tiny.yaml`, over heterogeneous links with
 `commbench run configs/gasloc-hetero-tiny.yaml`; tests: `pytest tests/test_gasloc.py`.
+The math (a reconstruction) is docs/algorithms.md's GASLoC section.
 
 No all-reduce during training: every worker (one per rank) holds its own parameters
 and, once per round, exchanges them with the round's peers only (batched isend/irecv,
@@ -38,14 +39,20 @@ from __future__ import annotations
 import copy
 import math
 import random
-import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from algorithms.base import DataParallelStrategy, StepStats, StrategyConfig, TrainSetup, unwrap
+from algorithms.base import (
+    DataParallelStrategy,
+    StepStats,
+    StrategyConfig,
+    TrainSetup,
+    require_data_parallel,
+    unwrap,
+)
 from algorithms.comm import Communicator
 
 TOPOLOGIES = ("complete", "ring", "random-matching", "random-2peer")
@@ -78,11 +85,13 @@ class GossipConfig(StrategyConfig):
         if not 0 <= self.mixing <= 1:
             raise ValueError(f"strategy.mixing must be in [0, 1], got {self.mixing!r}")
 
-    def check(self, world_size: int, group_size: int, num_stages: int, steps: int) -> None:
-        if group_size != 1 or num_stages != 1:
+    def check(self, cfg) -> None:
+        require_data_parallel(self, cfg)
+        world_size, group_size = cfg.parallel.world_size, cfg.parallel.group_size
+        if group_size != 1:
             raise ValueError(
                 f"strategy.name={self.name!r} runs one worker per rank: parallel.group_size "
-                f"and parallel.num_stages must be 1, got {group_size} and {num_stages}"
+                f"must be 1, got {group_size}"
             )
         if isinstance(self.inner_steps, list) and len(self.inner_steps) != world_size:
             raise ValueError(
@@ -221,10 +230,11 @@ class Gossip(DataParallelStrategy):
         n, cfg = self.comm.world_size, self.config
         peers = round_peers(cfg.topology, n, cfg.seed, self.round)
         weights = mixing_weights(peers, self.comm.rank, cfg.mixing)
-        start = time.perf_counter()
+        ledger = self.comm.ledger
+        first = len(ledger)
         with self.comm.phase("gossip"):
             self.anchor = gossip_mix(self.comm, point, weights)
-        comm_s = time.perf_counter() - start
+        _, comm_s = ledger.totals(("gossip",), start=first)  # device-synchronised seconds
         _assign(self.params, self.anchor)
         self.round += 1
         return comm_s, {"round": float(self.round), "peers": float(len(weights) - 1)}
@@ -277,7 +287,7 @@ class GASLoC(Gossip):
     """GASLoC (arXiv 2606.11081, "Unifying Local Communications and Local Updates").
 
     **Reconstruction**: only the abstract and secondary write-ups were available, so the
-    update below is our reading of them (ALGORITHMS.md, GASLoC), with every coefficient
+    update below is our reading of them (docs/algorithms.md, GASLoC), with every coefficient
     configurable (outer_lr eta, outer_momentum gamma, mixing alpha, inner_steps H_i,
     topology). Per round, on worker i, from theta_i:
 

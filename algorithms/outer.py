@@ -1,6 +1,7 @@
 """Outer-optimizer pieces shared by the local-update strategies (DiLoCo, Pier).
 
-Exercised by `pytest tests/test_diloco.py`. Two things live here:
+Exercised by `pytest tests/test_diloco.py`; the math is docs/algorithms.md (DiLoCo, Pier).
+Two things live here:
 
 - `replica_groups`: the hierarchical layout. `world = num_replicas * group_size`; the
   `group_size` consecutive ranks `[r*g, (r+1)*g)` form replica `r` and run DDP inside it;

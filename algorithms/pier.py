@@ -1,7 +1,8 @@
 """Pier: DiLoCo with a lazy start (DDP while the outer momentum fills) and scheduled outer steps.
 
 Run it with `commbench run configs/pier-tiny.yaml`; tests: `pytest tests/test_pier.py`.
-The math is ALGORITHMS.md's Pier section; everything else is DiLoCo (algorithms/diloco.py).
+The math is docs/algorithms.md's Pier section; everything else is DiLoCo
+(algorithms/diloco.py).
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ class PierConfig(DiLoCoConfig):
             raise ValueError(f"strategy.step_momentum_at must be increasing, "
                              f"got {self.step_momentum_at}")
 
+    def peak_momentum(self) -> float:
+        """μ_max, the momentum of the lazy start's fills: momentum_max (cosine), the largest
+        step_momentum (step), outer_momentum (constant)."""
+        if self.schedule == "cosine":
+            return self.momentum_max
+        if self.schedule == "step":
+            return max(self.step_momentum)
+        return self.outer_momentum
+
     def decay_start(self) -> float:
         if self.momentum_decay_start is None:
             return self.warmup_fraction
@@ -140,7 +150,9 @@ class Pier(DiLoCo):
     1. Lazy start: the first `round(warmup_fraction * steps)` steps are plain DDP over ALL
        ranks (a second torch DDP wrapper over the world; ledger phase "inner"). At every
        round end in this phase the outer momentum is filled without an outer step,
-       `Δ = θ_ref − θ; m ← μ_t m + Δ; θ_ref ← θ`, locally (replicas are identical).
+       `Δ = θ_ref − θ; m ← μ_max m + Δ; θ_ref ← θ`, locally (replicas are identical),
+       with μ_max = `PierConfig.peak_momentum()` whatever the schedule says at that step
+       (a long lazy start, or a decay starting inside it, must not shrink the fill).
     2. After it, DiLoCo over groups (DDP inside a group only) with the outer step
        `m ← μ_t m + Δ; θ ← θ_ref − η_t (Δ + μ_t m)` and `μ_t`, `η_t` from `pier_schedule`:
        cosine (μ 0.99 → 0.9 over 10%..100%; η linear 0 → 1.1 over the 10% after T_w, then
@@ -158,11 +170,11 @@ class Pier(DiLoCo):
     def __init__(self, config: PierConfig, setup: TrainSetup):
         super().__init__(config, setup)
         self.warmup_steps = round(config.warmup_fraction * setup.total_steps)
-        self.group_model, self.group_timer = self.train_model, self.timer
-        self.world_model, self.world_timer = self.train_model, self.timer
+        self.group_model, self.group_hook = self.train_model, self.comm_hook
+        self.world_model, self.world_hook = self.train_model, self.comm_hook
         if self.warmup_steps > 0 and 1 < self.num_replicas:
-            self.world_model, self.world_timer = make_ddp(self.model, self.comm, None,
-                                                          config.bucket_cap_mb)
+            self.world_model, self.world_hook = make_ddp(self.model, self.comm, None,
+                                                         config.bucket_cap_mb)
 
     def in_warmup(self) -> bool:
         """Whether the last step taken (or, before a step, the next) belongs to T_w."""
@@ -170,13 +182,15 @@ class Pier(DiLoCo):
 
     def train_step(self, batch) -> StepStats:
         if self.step_index < self.warmup_steps:
-            self.train_model, self.timer = self.world_model, self.world_timer
+            self.train_model, self.comm_hook = self.world_model, self.world_hook
         else:
-            self.train_model, self.timer = self.group_model, self.group_timer
-            self.world_model = self.world_timer = None  # free the world DDP's buckets
+            self.train_model, self.comm_hook = self.group_model, self.group_hook
+            self.world_model = self.world_hook = None  # free the world DDP's buckets
         return super().train_step(batch)
 
     def outer_hyperparameters(self) -> tuple[float, float]:
+        if self.in_warmup():  # a momentum fill: no step (η 0), μ_max (docs/algorithms.md)
+            return 0.0, self.config.peak_momentum()
         return pier_schedule(self.config, self.step_index / self.setup.total_steps)
 
     def outer_step(self, lr: float, momentum: float) -> RoundStats:

@@ -1,63 +1,117 @@
 """DeepSpeed engine (ZeRO stage 0-2) behind the DDP strategy (`strategy.backend: deepspeed`).
 
 Exercised by `commbench run configs/ddp-tiny.yaml --set strategy.backend=deepspeed
---set strategy.zero_stage=1` and by tests/test_ddp.py. DeepSpeed's collectives bypass our
-Communicator, so its comms logger (which synchronises and times every op) is switched on
-and its entries are copied into the CommLedger after each step.
+--set strategy.zero_stage=1` and by tests/test_ddp.py; the math is docs/algorithms.md's
+DDP section. DeepSpeed's collectives bypass our Communicator, so its comms logger is used
+to learn each op's name and logical bytes, which are copied into the CommLedger.
+
+The logger synchronises the device after EVERY op it sees, which on a GPU would remove
+ZeRO's overlap of communication with compute. So:
+- CPU (gloo): the logger stays on. Its device synchronise is a no-op there and gloo ops
+  block the host, so each op's logged latency is its real, fully exposed time: the step's
+  exposed communication is their sum, each record carries its own seconds.
+- CUDA: the logger is on for the first step only, to learn the step's ops and sizes
+  (identical every step for a fixed batch shape); later steps replay those records with
+  `seconds = 0` (unknown per op) and the logger off. The step is timed as for torch DDP:
+  exposed = from the last gradient becoming ready (a post-accumulate-grad hook on every
+  parameter, a CUDA event) until the engine's backward returned (algorithms/ddp.py's
+  clocks). Known gap, NOT measured on CUDA: ZeRO-1/2's parameter all-gather inside
+  `engine.step()` and ZeRO-2 reductions finished before the last gradient count as compute.
 """
 
 from __future__ import annotations
 
 from algorithms.base import StepStats, _microbatches
+from algorithms.ddp import HostClock, clock_for
 
 
-def build_engine(config, setup, optimizer):
-    import deepspeed
-    import deepspeed.ops
+class ZeroEngine:
+    """The DeepSpeed engine of one rank and the measurement of its steps (module docstring).
 
-    # The shared-memory comm op JIT-compiles (~30 s) on first use; gloo is enough here.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    micro = setup.rank_batch_size // setup.num_microbatches
-    ds_config = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": setup.num_microbatches,
-        "train_batch_size": micro * setup.num_microbatches * setup.comm.world_size,
-        "gradient_clipping": setup.grad_clip,
-        "zero_optimization": {"stage": config.zero_stage},
-        "steps_per_print": 2**31 - 1,
-        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
-    }
-    engine, ds_optimizer, _, _ = deepspeed.initialize(
-        model=setup.model, optimizer=optimizer, config=ds_config, dist_init_required=False
-    )
-    return engine, ds_optimizer
+    `optimizer` is the engine's wrapped optimizer (the strategy's `set_lr` and state use it).
+    """
+
+    def __init__(self, config, setup, optimizer):
+        import deepspeed
+        import deepspeed.ops
+        from deepspeed.comm.comm import comms_logger
+
+        # The shared-memory comm op JIT-compiles (~30 s) on first use; gloo is enough here.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        micro = setup.rank_batch_size // setup.num_microbatches
+        ds_config = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": setup.num_microbatches,
+            "train_batch_size": micro * setup.num_microbatches * setup.comm.world_size,
+            "gradient_clipping": setup.grad_clip,
+            "zero_optimization": {"stage": config.zero_stage},
+            "steps_per_print": 2**31 - 1,
+            "comms_logger": {"enabled": True, "verbose": False, "prof_all": True,
+                             "debug": False},
+        }
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=setup.model, optimizer=optimizer, config=ds_config, dist_init_required=False
+        )
+        comms_logger.reset_data()  # the initial parameter broadcast is not training traffic
+        self.comm, self.num_microbatches = setup.comm, setup.num_microbatches
+        self.clock = clock_for(next(setup.model.parameters()).device)
+        self.last_gradient = None
+        """Clock mark of the latest gradient accumulation (the end of backward compute)."""
+        if not isinstance(self.clock, HostClock):
+            for p in setup.model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._gradient_ready)
+        self.step_ops: list[tuple[str, int]] | None = None
+        """CUDA: the (op, bytes) of one step, learnt from the logger on the first step."""
+
+    def _gradient_ready(self, param) -> None:
+        self.last_gradient = self.clock.mark()
+
+    def train_step(self, batch) -> StepStats:
+        """One optimizer step through the engine; DeepSpeed accumulates and clips itself."""
+        total_loss, tokens, backward_end = 0.0, 0, None
+        n = self.num_microbatches
+        for x, y in _microbatches(batch, n):
+            _, loss = self.engine(x, y)
+            self.engine.backward(loss)
+            backward_end = self.clock.mark()
+            self.engine.step()
+            total_loss += loss.item() / n
+            tokens += y.numel()
+        if isinstance(self.clock, HostClock):
+            comm_s = _drain_comms_log(self.comm)
+        else:
+            self._replay_step_ops()
+            self.clock.synchronize()
+            comm_s = max(0.0, self.clock.seconds(self.last_gradient, backward_end))
+        return StepStats(loss=total_loss, tokens=tokens, comm_s=comm_s)
+
+    def _replay_step_ops(self) -> None:
+        """CUDA: learn the step's ops on the first step, then switch the logger off."""
+        from deepspeed.comm.comm import comms_logger
+
+        if self.step_ops is None:
+            self.step_ops = [(name, nbytes) for name, nbytes, _ in _logged_ops()]
+            comms_logger.enabled = False  # no per-op device synchronise from here on
+        for name, nbytes in self.step_ops:
+            self.comm.record(name, nbytes, 0.0)
 
 
-def engine_step(strategy, batch) -> StepStats:
-    """One optimizer step through the engine; DeepSpeed accumulates and clips itself."""
-    engine = strategy.engine
-    total_loss, tokens = 0.0, 0
-    n = strategy.setup.num_microbatches
-    for x, y in _microbatches(batch, n):
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        total_loss += loss.item() / n
-        tokens += y.numel()
-    strategy.step_index += 1
-    return StepStats(loss=total_loss, tokens=tokens, comm_s=_drain_comms_log(strategy.comm))
+def _logged_ops():
+    """(name, bytes, seconds) of every op DeepSpeed logged since the last reset; resets."""
+    from deepspeed.comm.comm import comms_logger
+
+    ops = [(name, int(nbytes), ms / 1e3)
+           for name, by_size in comms_logger.comms_dict.items()
+           for nbytes, (count, latencies_ms, _, _) in by_size.items()
+           for ms in latencies_ms[:count]]
+    comms_logger.reset_data()
+    return ops
 
 
 def _drain_comms_log(comm) -> float:
-    """Copy DeepSpeed's logged ops since the last call into the ledger; their seconds."""
-    from deepspeed.comm.comm import comms_logger
-
-    total = 0.0
-    for name, by_size in comms_logger.comms_dict.items():
-        for nbytes, (count, latencies_ms, _, _) in by_size.items():
-            for ms in latencies_ms[:count]:
-                comm.record(name, int(nbytes), ms / 1e3)
-                total += ms / 1e3
-    comms_logger.reset_data()
-    return total
-
+    """Copy DeepSpeed's logged ops into the ledger; return their summed seconds."""
+    ops = _logged_ops()
+    for name, nbytes, seconds in ops:
+        comm.record(name, nbytes, seconds)
+    return sum(seconds for _, _, seconds in ops)

@@ -12,7 +12,6 @@ output paths) hashes to the run's identity.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -308,20 +307,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval.tasks and cfg.eval.suite is None:
         raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
     check_corpus_path(cfg.data.corpus)
-    _check_strategy(cfg)
-
-
-def _check_strategy(cfg: Config) -> None:
-    """The strategy's own cross-section rules (world size, stages, steps, ...)."""
-    check = getattr(cfg.strategy, "check", None)
-    if check is None:
-        return
-    if "world_size" in inspect.signature(check).parameters:  # the keyword form, until every
-        check(world_size=cfg.parallel.world_size,            # strategy takes check(cfg)
-              group_size=cfg.parallel.group_size, num_stages=cfg.parallel.num_stages,
-              steps=cfg.run.steps)
-    else:
-        check(cfg)
+    cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
 
 
 def check_device(cfg: Config) -> None:

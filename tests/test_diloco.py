@@ -1,5 +1,6 @@
-"""DiLoCo (algorithms/diloco.py, algorithms/outer.py): identities, the outer step, ledger,
-resume, config errors. Pier's tests are in tests/test_pier.py and reuse the helpers here.
+"""DiLoCo (algorithms/diloco.py, algorithms/outer.py): identities, the outer step (fp32 and
+with a bf16 pseudo-gradient) against tensor math, ledger, config errors. Resume is in
+tests/test_resume.py; shared helpers in tests/local_updates.py.
 
 Multi-process tests run the real training loop (bench.train.Trainer) or the strategy on
 real gloo process groups through tests/distributed.py, each with a timeout. Several runs
@@ -7,54 +8,27 @@ share one launch to keep process start-up (the slow part on 2 cores) down.
 """
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from algorithms.base import TrainSetup
 from algorithms.comm import Communicator
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from bench.config import load_config
-from bench.train import Trainer, lr_at, make_optimizer_factory
+from bench.train import lr_at, make_optimizer_factory
 from tests import helpers
 from tests.distributed import run_distributed
 from tests.helpers import max_change, params_of
+from tests.local_updates import Regression, flat, make_trainer, regression_batch, train_many
 
 DILOCO_TINY = "configs/diloco-tiny.yaml"
-SMALL = ["run.log_every=1", "run.val_every=0", "run.val_batches=1", "model.seq_len=32",
-         "data.batch_size=2", "optim.warmup_steps=2", "checkpoint.final=false"]
 
 
 def assert_same_params(a: dict, b: dict, atol=2e-6, rtol=1e-5):
     helpers.assert_same_params(a, b, atol=atol, rtol=rtol)
-
-
-def make_trainer(world_size, config, overrides, run_dir) -> Trainer:
-    cfg = load_config(config, [*SMALL, f"parallel.world_size={world_size}", *overrides])
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
-
-
-def train(world_size, config, overrides, run_dir) -> dict:
-    """Run the loop; return the eval model's params, the ledger rows and the summary."""
-    trainer = make_trainer(world_size, config, overrides, run_dir)
-    summary = trainer.run()
-    trainer.strategy.close()
-    ledger = [(r.phase, r.op, r.step, r.nbytes, r.group_size, r.tier)
-              for r in trainer.ledger.records]
-    return {"params": params_of(trainer.strategy.eval_model()), "ledger": ledger,
-            "summary": summary}
-
-
-def train_many(rank, world_size, runs, base_dir) -> list[dict]:
-    """Several `train` runs, one after another, in one launch: runs = [(config, overrides)]."""
-    return [train(world_size, config, overrides, Path(base_dir) / f"run{i}")
-            for i, (config, overrides) in enumerate(runs)]
 
 
 # ------------------------------------------------------------------------ identities
@@ -72,7 +46,7 @@ def diloco_and_local_sgd(rank, world_size, overrides, run_dir):
     optimizer = make_optimizer_factory(cfg)(model)
     for step in range(cfg.run.steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
+            group["lr"] = lr_at(step, cfg)
         x, y = trainer.stream.batch(step)
         optimizer.zero_grad()
         model(x, y)[1].backward()
@@ -117,36 +91,21 @@ def test_diloco_h1_outer_sgd_lr1_equals_ddp_with_sgd(tmp_path, world_size, group
 # ------------------------------------------------------------------- the outer step
 
 
-class Regression(nn.Module):
-    """A linear model with the loop's `model(x, y) -> (prediction, loss)` convention."""
+def nesterov_rounds(rank, world_size, inner_steps, num_rounds, lr, mu, wire="fp32"):
+    """The strategy against the outer step restated in tensor math, round by round.
 
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(3, 2)
-
-    def forward(self, x, y):
-        prediction = self.linear(x)
-        return prediction, ((prediction - y) ** 2).mean()
-
-
-def regression_batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
-
-
-def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def nesterov_rounds(rank, world_size, inner_steps, num_rounds, lr, mu):
-    """The strategy against the outer step restated in tensor math, round by round."""
+    wire bf16: each replica's Δ_i is rounded to bf16, summed in bf16 by the all-reduce,
+    halved in bf16, and only then handed to the fp32 outer step.
+    """
     torch.manual_seed(0)
     model = Regression()
     reference = copy.deepcopy(model)
     comm = Communicator(rank, world_size, "cpu")
     setup = TrainSetup(model=model, comm=comm, total_steps=inner_steps * num_rounds,
                        make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
-    config = DiLoCoConfig(inner_steps=inner_steps, outer_lr=lr, outer_momentum=mu)
+    config = DiLoCoConfig(inner_steps=inner_steps, outer_lr=lr, outer_momentum=mu,
+                          outer_grad_dtype=wire)
+    wire_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[wire]
     strategy = DiLoCo(config, setup)
     inner = torch.optim.SGD(reference.parameters(), lr=0.1)
     theta, m = flat(reference), torch.zeros_like(flat(reference))
@@ -160,16 +119,16 @@ def nesterov_rounds(rank, world_size, inner_steps, num_rounds, lr, mu):
             inner.step()
             if h < inner_steps - 1:  # mid-round the evaluated model is still θ
                 errors.append((flat(strategy.eval_model()) - theta).abs().max().item())
-        delta = theta - flat(reference)
+        delta = (theta - flat(reference)).to(wire_dtype)
         dist.all_reduce(delta) if world_size > 1 else None
-        delta /= world_size
+        delta = (delta / world_size).float()
         m = mu * m + delta                         # m ← μ m + Δ
         theta = theta - lr * (delta + mu * m)      # θ ← θ − η (Δ + μ m)
         torch.nn.utils.vector_to_parameters(theta.clone(), reference.parameters())
         errors.append((flat(strategy.eval_model()) - theta).abs().max().item())
         # the replica restarts from θ
         moved.append((flat(model) - theta).abs().max().item())
-    return errors, moved, strategy.round
+    return errors, moved, strategy.round, theta
 
 
 @pytest.mark.timeout(90)
@@ -177,9 +136,19 @@ def nesterov_rounds(rank, world_size, inner_steps, num_rounds, lr, mu):
 def test_outer_nesterov_step_matches_tensor_math(world_size):
     # world_size 1: a single replica still applies the outer step (identity c)
     results = run_distributed(nesterov_rounds, world_size, 3, 2, 0.7, 0.9, timeout=80)
-    for errors, moved, rounds in results:
+    for errors, moved, rounds, _ in results:
         assert rounds == 2
         assert max(errors) < 1e-6 and max(moved) < 1e-6
+
+
+@pytest.mark.timeout(90)
+def test_bf16_outer_all_reduce_matches_tensor_math_with_delta_in_bf16():
+    bf16 = run_distributed(nesterov_rounds, 2, 3, 2, 0.7, 0.9, "bf16", timeout=80)
+    fp32 = run_distributed(nesterov_rounds, 2, 3, 2, 0.7, 0.9, timeout=80)
+    for (errors, moved, rounds, theta), (*_, theta_fp32) in zip(bf16, fp32, strict=True):
+        assert rounds == 2
+        assert max(errors) < 1e-6 and max(moved) < 1e-6
+        assert (theta - theta_fp32).abs().max() > 1e-5  # the rounding really shows
 
 
 # ------------------------------------------------------------------------ ledger
@@ -219,34 +188,6 @@ def _read_metrics(run_dir):
     from bench.records import read_jsonl
 
     return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
-
-
-# ------------------------------------------------------------------------ resume
-
-
-def resume_matches(rank, world_size, config, overrides, run_dir):
-    """Train straight through (checkpointing on the way), then resume from the checkpoint."""
-    straight = train(world_size, config, overrides, run_dir)
-    os.environ["COMMBENCH_RESUME"] = "1"
-    try:
-        trainer = make_trainer(world_size, config, overrides, run_dir)
-        resumed_from = torch.load(trainer.state_path(), weights_only=False)["step"]
-        trainer.run()
-    finally:
-        del os.environ["COMMBENCH_RESUME"]
-    return straight["params"], params_of(trainer.strategy.eval_model()), resumed_from
-
-
-@pytest.mark.timeout(120)
-def test_diloco_resumes_mid_round_to_the_same_parameters(tmp_path):
-    # H = 4, checkpoint at step 6: mid-round, with outer momentum and inner Adam state
-    overrides = ["run.steps=8", "strategy.inner_steps=4", "checkpoint.every=6",
-                 "strategy.offload_outer=true"]
-    results = run_distributed(resume_matches, 2, DILOCO_TINY, overrides, str(tmp_path),
-                              timeout=100)
-    for straight, resumed, step in results:
-        assert step == 6
-        assert_same_params(resumed, straight, atol=0, rtol=0)
 
 
 # ------------------------------------------------------------------------ bad input

@@ -1,6 +1,7 @@
 """Pier (algorithms/pier.py): identities with DiLoCo and DDP, the lazy start and scheduled
-outer step restated in tensor math, the schedules, the ledger across the switch, resume,
-config errors. Helpers come from tests/test_diloco.py.
+outer step restated in tensor math (flat and hierarchical, with hand-computed schedule
+values), the schedules, the ledger across the switch, config errors. Resume is in
+tests/test_resume.py; shared helpers in tests/local_updates.py.
 """
 
 import copy
@@ -14,17 +15,10 @@ from algorithms.comm import Communicator
 from algorithms.pier import Pier, PierConfig, pier_schedule
 from bench.config import load_config
 from tests.distributed import run_distributed
-from tests.helpers import max_change
-from tests.test_diloco import (
-    DILOCO_TINY,
-    Regression,
-    assert_same_params,
-    flat,
-    regression_batch,
-    resume_matches,
-    train_many,
-)
+from tests.helpers import assert_same_params, max_change
+from tests.local_updates import Regression, flat, regression_batch, train_many
 
+DILOCO_TINY = "configs/diloco-tiny.yaml"
 PIER_TINY = "configs/pier-tiny.yaml"
 
 
@@ -61,55 +55,81 @@ def test_pier_during_lazy_start_is_ddp_and_ledger_follows_the_switch(tmp_path):
                          ("outer", 2): {5, 7}}
 
 
-def pier_rounds(rank, world_size, config: PierConfig, total_steps):
-    """Pier's strategy against the lazy start and scheduled outer step in tensor math."""
+def pier_rounds(rank, world_size, config: PierConfig, total_steps, group_size, expected):
+    """Pier's strategy against the lazy start and scheduled outer step in tensor math.
+
+    `expected` holds the (η, μ) of every round, computed by hand in the test. Gradients
+    are averaged over the world during the lazy start and over the replica (the
+    `group_size` consecutive ranks) after it; Δ is the mean over the replicas.
+    """
     torch.manual_seed(0)
     model = Regression()
     reference = copy.deepcopy(model)
     setup = TrainSetup(model=model, comm=Communicator(rank, world_size, "cpu"),
-                       total_steps=total_steps,
+                       total_steps=total_steps, group_size=group_size,
                        make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     strategy = Pier(config, setup)
     inner = torch.optim.SGD(reference.parameters(), lr=0.1)
     warmup = round(config.warmup_fraction * total_steps)
+    replica = range(rank // group_size * group_size, (rank // group_size + 1) * group_size)
     theta, m = flat(reference), torch.zeros_like(flat(reference))
-    errors, schedule = [], []
+    rounds = iter(expected)
+    errors, reported = [], []
     for step in range(total_steps):
-        strategy.train_step(regression_batch(rank, step))
+        stats = strategy.train_step(regression_batch(rank, step))
         inner.zero_grad()
         reference(*regression_batch(rank, step))[1].backward()
-        if step < warmup:  # DDP over all ranks
-            for p in reference.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
+        for p in reference.parameters():
+            every = [torch.empty_like(p.grad) for _ in range(world_size)]
+            dist.all_gather(every, p.grad)
+            averaged = every if step < warmup else [every[r] for r in replica]
+            p.grad = torch.stack(averaged).mean(0)
         inner.step()
         if (step + 1) % config.inner_steps:
             continue
-        lr, mu = pier_schedule(config, (step + 1) / total_steps)
+        lr, mu = next(rounds)
         delta = theta - flat(reference)
-        if step < warmup:  # fill the momentum, no outer step
+        if step < warmup:  # fill the momentum with μ_max, no outer step
             m = mu * m + delta
             theta = flat(reference)
         else:
-            dist.all_reduce(delta)
+            dist.all_reduce(delta)  # replicas' ranks hold equal Δ: world mean = replica mean
             delta /= world_size
             m = mu * m + delta
             theta = theta - lr * (delta + mu * m)
             torch.nn.utils.vector_to_parameters(theta.clone(), reference.parameters())
         errors.append((flat(strategy.eval_model()) - theta).abs().max().item())
-        schedule.append((lr, mu))
-    return errors, schedule
+        reported.append((stats.extras["outer_lr"], stats.extras["outer_momentum"]))
+    return errors, reported
 
 
-@pytest.mark.timeout(90)
-def test_lazy_start_and_scheduled_outer_step_match_tensor_math():
-    config = PierConfig(inner_steps=2, warmup_fraction=0.25, outer_lr_warmup=0.25)
-    errors, schedule = run_distributed(pier_rounds, 2, config, 12, timeout=80)[0]
-    assert len(errors) == 6 and max(errors) < 1e-6
-    lrs, mus = zip(*schedule, strict=True)
-    # round 1 (steps 1-2) fills the momentum; round 2 straddles the switch at step 3
-    assert lrs[:3] == pytest.approx((0.0, 1.1 / 3, 1.1))  # η ramps over 25%..50%
-    assert mus[0] == pytest.approx(0.99) and len(set(mus)) == 6  # μ decays after 25%
+# 10 steps, H = 2, lazy start 40% (steps 1-4: fills at 20% and 40%), η warmup over 30%.
+LONG_WARMUP = dict(inner_steps=2, warmup_fraction=0.4, outer_lr_warmup=0.3)
+CASES = {
+    # step schedule: μ is 0.9 from 20% on, yet the fills at 20% and 40% use μ_max = 0.99;
+    # η: 1.1 * (0.6 - 0.4) / 0.3 at 60%, then 0.9 from 80%.
+    "step-long-warmup": (PierConfig(schedule="step", **LONG_WARMUP), 4, 2,
+                         [(0.0, 0.99), (0.0, 0.99), (1.1 * 0.2 / 0.3, 0.9), (0.9, 0.9),
+                          (0.9, 0.9)]),
+    # cosine with the μ decay starting at 10%, inside the lazy start: fills still use 0.99.
+    # 60%: μ = 0.9 + 0.09 * (1 + cos(100°)) / 2 = 0.937186; 80%: η = 0.9 + 0.2 * (1 +
+    # cos(60°)) / 2 = 1.05, μ = 0.9 + 0.09 * (1 + cos(140°)) / 2 = 0.910528.
+    "cosine-decay-inside-warmup": (PierConfig(momentum_decay_start=0.1, **LONG_WARMUP), 2, 1,
+                                   [(0.0, 0.99), (0.0, 0.99), (1.1 * 0.2 / 0.3, 0.937186),
+                                    (1.05, 0.910528), (0.9, 0.9)]),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", CASES)
+def test_lazy_start_and_scheduled_outer_step_match_tensor_math(case):
+    config, world_size, group_size, expected = CASES[case]
+    results = run_distributed(pier_rounds, world_size, config, 10, group_size, expected,
+                              timeout=100)
+    for errors, reported in results:
+        assert len(errors) == 5 and max(errors) < 1e-6
+        flat_pairs = [value for pair in reported for value in pair]
+        assert flat_pairs == pytest.approx([v for pair in expected for v in pair], abs=1e-6)
 
 
 def test_schedules():
@@ -127,18 +147,9 @@ def test_schedules():
         pytest.approx([0.0, 0.55, 1.1, 1.1, 0.9])
     constant = PierConfig(schedule="constant", outer_lr=0.5, outer_momentum=0.8)
     assert pier_schedule(constant, 0.0) == pier_schedule(constant, 0.7) == (0.5, 0.8)
-
-
-@pytest.mark.timeout(120)
-def test_pier_resumes_to_the_same_parameters(tmp_path):
-    # lazy start 2 steps (one momentum fill), outer steps at 4, 6, 8, checkpoint at 5
-    overrides = ["run.steps=8", "strategy.inner_steps=2", "strategy.warmup_fraction=0.25",
-                 "checkpoint.every=5"]
-    results = run_distributed(resume_matches, 2, PIER_TINY, overrides, str(tmp_path),
-                              timeout=100)
-    for straight, resumed, step in results:
-        assert step == 5
-        assert_same_params(resumed, straight, atol=0, rtol=0)
+    # μ_max of the lazy start's fills, per schedule
+    assert (cosine.peak_momentum(), step.peak_momentum(), constant.peak_momentum()) == (
+        0.99, 0.99, 0.8)
 
 
 @pytest.mark.parametrize("override,message", [
