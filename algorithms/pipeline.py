@@ -98,8 +98,6 @@ class Pipeline(PipelineStrategy):
         chunks = self.eval_chunks()
         stages = [
             PipelineStage(module, c, self.num_chunks, self.comm.device,
-                          input_args=self.example(c, self.micro_batch),
-                          output_args=self.example(c + 1, self.micro_batch),
                           group=self.grid.pipe.pg)
             for c, module in zip(self.chunk_ids, chunks, strict=True)
         ]
