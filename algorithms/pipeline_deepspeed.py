@@ -18,6 +18,7 @@ does for ZeRO). The engine owns the optimizer step (and clipping).
 from __future__ import annotations
 
 import torch
+import torch.distributed
 from torch import nn
 
 from algorithms.partition import split_layers
@@ -37,6 +38,8 @@ class DeepSpeedPipe:
 
         # the shared-memory comm op JIT-compiles (~30 s) on first use; gloo is enough here
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # wraps the already-initialised torch process group (PipelineModule needs it)
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
         self.strategy = strategy
         grid, setup = strategy.grid, strategy.setup
         parts = split_layers(unwrap(setup.model).as_layers(), grid.num_stages,

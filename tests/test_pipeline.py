@@ -58,7 +58,19 @@ def full_state(model: GPT) -> dict:
 def one_process(steps: int, batch: int, microbatches: int, delay: int = 0,
                 optim: str = "sgd") -> dict:
     """Gradient accumulation in one process; `delay=1` applies each step's gradient a
-    step late (our hand-written one-step-delay loop: step 0 applies nothing)."""
+    step late (our hand-written one-step-delay loop: step 0 applies nothing).
+
+    Runs on one thread, as the ranks do: intra-op threads change summation orders.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _one_process(steps, batch, microbatches, delay, optim)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_process(steps, batch, microbatches, delay, optim) -> dict:
     model = make_model()
     opt = make_optimizer(model, optim)
     previous = None
@@ -248,15 +260,26 @@ def test_2bw_equals_one_step_delay_loop(two_ranks):
 
 
 @pytest.mark.timeout(400)
-def test_hybrid_2_stages_x_2_replicas_equals_2_stages_with_twice_the_batch(four_ranks):
+def test_hybrid_2_stages_x_2_replicas_equals_2_stages_with_twice_the_batch(two_ranks,
+                                                                           four_ranks):
     for kind, spec in HYBRID.items():
         hybrid, ranks = four_ranks[spec]
-        assert_same_params(hybrid, four_ranks[OURS_SYNC if kind == "pipedream" else
-                                              TORCH_1F1B][0], atol=1e-6, rtol=0)
+        wide = two_ranks[OURS_SYNC if kind == "pipedream" else TORCH_1F1B][0]
+        assert_same_params(hybrid, wide, atol=1e-6, rtol=0)
         assert_same_params(ranks[2]["state"], ranks[0]["state"], atol=0, rtol=0)
         dp = [rec for rec in ranks[0]["records"] if rec[1] == "dp"]
         assert len(dp) == 3  # one gradient all-reduce per step across the replicas
         assert len({r["val"] for r in ranks}) == 1  # every rank gets the same val loss
+
+
+@pytest.mark.timeout(400)
+def test_deepspeed_1f1b_equals_one_process():
+    pytest.importorskip("deepspeed")
+    spec = Spec("pipeline", (("schedule", "1f1b"), ("backend", "deepspeed")))
+    state, ranks = run_all(2, [spec])[spec]
+    assert_same_params(reference_keys(state), one_process(3, 8, 4), atol=1e-6, rtol=0)
+    sent = [rec for r in ranks for rec in r["records"] if rec[2] == "send"]
+    assert sent, "DeepSpeed's p2p traffic must reach the ledger"
 
 
 # ---------------------------------------------------------------------- ledger, versions
