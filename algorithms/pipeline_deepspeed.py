@@ -65,6 +65,9 @@ class DeepSpeedPipe:
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=strategy.optimizer, config=config,
             dist_init_required=False)
+        from deepspeed.comm.comm import comms_logger
+
+        comms_logger.reset_data()  # the engine's start-up broadcasts are not training traffic
 
     def run(self, batch) -> tuple[float | None, float]:
         x, y = batch
