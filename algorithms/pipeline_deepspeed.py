@@ -9,20 +9,23 @@ exactly one on each stage, so every backend runs the same cut. The topology is
 weight (a copy on the first and on the last stage) is declared to the engine as a tied
 weight over our `tied` group, so the engine all-reduces its gradient itself.
 
-DeepSpeed's traffic (p2p activations and gradients, the data-parallel all-reduce, the tied
-all-reduce, the loss broadcast) bypasses our Communicator; its comms logger times each
-op and the entries are copied into the ledger after every step (as algorithms/zero.py
-does for ZeRO). The engine owns the optimizer step (and clipping).
+DeepSpeed's traffic bypasses our Communicator. Its p2p sends and receives (activations,
+gradients, shape metadata) are wrapped during the step (`deepspeed.runtime.pipe.p2p`) and
+recorded with their peer and measured time; its collectives (data-parallel and tied
+all-reduces, the loss broadcast) come from its comms logger, copied into the ledger after
+every step (without their group: priced as world-wide; see `update`).
+The engine owns the optimizer step (and clipping).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed
 from torch import nn
 
 from algorithms.partition import split_layers
-from algorithms.zero import _drain_comms_log
 
 
 class DeepSpeedPipe:
@@ -65,21 +68,70 @@ class DeepSpeedPipe:
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=strategy.optimizer, config=config,
             dist_init_required=False)
-        from deepspeed.comm.comm import comms_logger
+        from deepspeed.comm.comm import comms_logger, timers
 
-        comms_logger.reset_data()  # the engine's start-up broadcasts are not training traffic
+        for name in comms_logger.comms_dict:  # start-up broadcasts are not training traffic
+            timers(name).reset()
+        comms_logger.reset_data()
 
     def run(self, batch) -> tuple[float | None, float]:
+        from deepspeed.runtime.pipe import p2p
+
         x, y = batch
         M = self.strategy.num_microbatches
         data = iter(list(zip(x.chunk(M), y.chunk(M), strict=True)))
-        loss = self.engine.train_batch(data_iter=data)
+        self.idle_s = 0.0
+        originals = p2p.send, p2p.recv
+        p2p.send, p2p.recv = self.recorded(p2p, "send"), self.recorded(p2p, "recv")
+        try:
+            loss = self.engine.train_batch(data_iter=data)
+        finally:
+            p2p.send, p2p.recv = originals
         last = self.strategy.grid.is_last
-        return (float(loss) if last else None), 0.0
+        return (float(loss) if last else None), self.idle_s
+
+    def recorded(self, p2p, op: str):
+        """p2p.send / p2p.recv recorded in the ledger with their peer (the comms logger
+        knows sizes, not peers, which the network model needs)."""
+        original = getattr(p2p, op)
+        comm = self.strategy.comm
+
+        def call(tensor, stage, async_op=False):
+            start = time.perf_counter()
+            result = original(tensor, stage, async_op=async_op)
+            elapsed = time.perf_counter() - start
+            self.idle_s += elapsed
+            peer = p2p._grid.stage_to_global(stage_id=stage)
+            comm.record(op, tensor.numel() * tensor.element_size(), elapsed, peers=(peer,),
+                        started=start)
+            return result
+
+        return call
 
     def update(self) -> float:
-        """The engine already stepped; copy its logged traffic into the ledger."""
-        return _drain_comms_log(self.strategy.comm)
+        """The engine already stepped; copy its logged collectives into the ledger.
+
+        DeepSpeed's logger appends, per call, its op timer's CUMULATIVE time
+        (`elapsed(reset=False)`), so a name's last value is the total since the timer's last
+        reset: each of the name's ops is recorded with the mean of that total, and the
+        timers are reset here. (algorithms/zero.py sums the cumulative values.)
+        """
+        from deepspeed.comm.comm import comms_logger, timers
+
+        comm = self.strategy.comm
+        total_s = 0.0
+        for name, by_size in comms_logger.comms_dict.items():
+            timers(name).reset()
+            if name in ("send", "recv"):  # recorded with their peers in `run`
+                continue
+            count = sum(entry[0] for entry in by_size.values())
+            seconds = max(max(entry[1]) for entry in by_size.values()) / 1e3
+            for nbytes, entry in by_size.items():
+                for _ in range(entry[0]):
+                    comm.record(name, int(nbytes), seconds / count)
+            total_s += seconds
+        comms_logger.reset_data()
+        return total_s
 
     def close(self) -> None:
         self.engine = None
