@@ -194,16 +194,15 @@ class PipelineStrategy(Strategy):
         return self.stage_module
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """This stage's newest weights under the GPT's parameter names.
+        """This stage's newest weights under the GPT's state_dict keys.
 
-        The union of the dicts of one replica's stages is the full GPT state (the tied
-        embedding appears under `embed.wte.weight` on the first stage only).
+        The union of the dicts of one replica's stages is the full GPT state_dict (the
+        tied embedding as `embed.wte.weight` from the first stage and `head.weight` from
+        the last, equal copies).
         """
         module = self.eval_model()
-        skip = _tied_parameter(module) if self.grid.tied is not None and self.grid.is_last \
-            else None
-        return {self.names[k]: v.detach().clone() for k, v in module.named_parameters()
-                if v is not skip}
+        return {self.names[k]: v.detach().clone()
+                for k, v in module.named_parameters(remove_duplicate=False)}
 
     def train_step(self, batch) -> PipelineStepStats:
         loss, idle_s = self.run_schedule(batch)
@@ -321,11 +320,18 @@ class PipelineStrategy(Strategy):
 
 
 def _parameter_names(gpt: nn.Module, stage: nn.Module) -> dict[str, str]:
-    """Stage parameter name -> the GPT's name for the same Parameter."""
-    by_id = {}
-    for name, p in gpt.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), name)
-    return {name: by_id[id(p)] for name, p in stage.named_parameters()}
+    """Stage parameter name (duplicates kept) -> the GPT's name for it (its state_dict key).
+
+    The tied weight gets the name of the module holding it here: `embed.wte.weight` on
+    the first stage, `head.weight` on the last, both with one stage.
+    """
+    gpt_names = {id(m): name for name, m in gpt.named_modules()}
+    names = {}
+    for prefix, module in stage.named_modules():
+        if id(module) in gpt_names:
+            for local, _ in module.named_parameters(recurse=False):
+                names[f"{prefix}.{local}"] = f"{gpt_names[id(module)]}.{local}"
+    return names
 
 
 def _tied_parameter(module: nn.Module) -> nn.Parameter:
