@@ -227,7 +227,7 @@ class PipeDream2BW(PipelineStrategy):
 
     def step_extras(self, idle_s: float) -> dict[str, float]:
         S, M = self.grid.num_stages, self.num_microbatches
-        return {"idle_s": idle_s, "bubble_theory": (S - 1) / (M + S - 1)}
+        return {"bubble_theory": (S - 1) / (M + S - 1)}
 
     # ------------------------------------------------------------------ state
 

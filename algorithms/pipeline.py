@@ -148,7 +148,7 @@ class Pipeline(PipelineStrategy):
     def step_extras(self, idle_s: float) -> dict[str, float]:
         S, M = self.grid.num_stages, self.num_microbatches
         V = len(self.chunk_ids)
-        return {"idle_s": idle_s, "bubble_theory": (S - 1) / (V * M + S - 1)}
+        return {"bubble_theory": (S - 1) / (V * M + S - 1)}
 
     def close(self) -> None:
         if self.engine is not None:

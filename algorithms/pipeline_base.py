@@ -213,7 +213,7 @@ class PipelineStrategy(Strategy):
                                  idle_s=idle_s, extras=self.step_extras(idle_s))
 
     def step_extras(self, idle_s: float) -> dict[str, float]:
-        return {"idle_s": idle_s}
+        return {}
 
     def run_schedule(self, batch) -> tuple[float | None, float]:
         raise NotImplementedError
