@@ -32,6 +32,8 @@ STRATEGIES: dict[str, str] = {
     "pier": "algorithms.pier:Pier",
     "gasloc": "algorithms.gasloc:GASLoC",
     "gossip": "algorithms.gasloc:Gossip",
+    "pipeline": "algorithms.pipeline:Pipeline",
+    "pipedream-2bw": "algorithms.pipedream:PipeDream2BW",
 }
 
 

@@ -1,0 +1,221 @@
+"""Synchronous pipeline baselines through existing engines (`strategy.name: pipeline`).
+
+Run them with `commbench run configs/pipeline-1f1b-tiny.yaml` (or gpipe-tiny,
+deepspeed-pp-tiny); tested by `pytest tests/test_pipeline.py`. Not re-implementations:
+- `backend: torch`: `torch.distributed.pipelining` (`PipelineStage` + `ScheduleGPipe`,
+  `Schedule1F1B` or `ScheduleInterleaved1F1B`, the last with `stages_per_rank` model
+  chunks per rank, chunk c on stage c mod S).
+- `backend: deepspeed`: DeepSpeed's `PipelineModule` and pipeline engine (1F1B with a
+  flush), in algorithms/pipeline_deepspeed.py.
+
+Every schedule flushes: the minibatch's gradient (mean over M microbatches) is complete
+before the update, so parameters equal one process with gradient accumulation. Bubble
+fraction `(S-1)/(M+S-1)` (interleaved: `(S-1)/(V*M+S-1)`).
+
+Ledger (docs/algorithms.md, Pipelines). torch's schedules call `batch_isend_irecv` (via
+`schedules._batch_p2p`) themselves. During a step that function is wrapped: each batch is
+recorded once it has been waited on, as `send` (bytes sent), `recv` (bytes received) or
+`exchange` (both directions, bytes sent), with the time from issue to the end of its
+wait; the time spent blocked in the waits is the step's `idle_s`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from algorithms.base import unwrap
+from algorithms.pipeline_base import PipelineConfigBase, PipelineSetup, PipelineStrategy
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@dataclass
+class PipelineConfig(PipelineConfigBase):
+    name: str = "pipeline"
+    """Synchronous pipeline parallelism (GPipe / 1F1B with a flush) through an engine."""
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    """gpipe (all forwards, then all backwards), 1f1b, or interleaved-1f1b (torch only)."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """torch (torch.distributed.pipelining) or deepspeed (PipelineModule engine, 1f1b)."""
+    stages_per_rank: int = 1
+    """Model chunks per rank (interleaved-1f1b needs >= 2; the others exactly 1)."""
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"strategy.schedule must be one of {list(SCHEDULES)}, "
+                             f"got {self.schedule!r}")
+        if self.backend not in ("torch", "deepspeed"):
+            raise ValueError(f"strategy.backend must be 'torch' or 'deepspeed', "
+                             f"got {self.backend!r}")
+        if self.backend == "deepspeed" and self.schedule != "1f1b":
+            raise ValueError(f"strategy.schedule must be '1f1b' with backend deepspeed "
+                             f"(its engine runs 1F1B only), got {self.schedule!r}")
+        interleaved = self.schedule == "interleaved-1f1b"
+        if interleaved and self.stages_per_rank < 2:
+            raise ValueError(f"strategy.stages_per_rank must be >= 2 for interleaved-1f1b, "
+                             f"got {self.stages_per_rank!r}")
+        if not interleaved and self.stages_per_rank != 1:
+            raise ValueError(f"strategy.stages_per_rank must be 1 for schedule "
+                             f"{self.schedule!r}, got {self.stages_per_rank!r}")
+
+    def check(self, cfg) -> None:
+        super().check(cfg)
+        p = cfg.parallel
+        blocks = cfg.model.n_layer
+        if blocks is not None and p.num_stages * self.stages_per_rank > blocks:
+            raise ValueError(f"parallel.num_stages x strategy.stages_per_rank "
+                             f"({p.num_stages} x {self.stages_per_rank}) must be <= the "
+                             f"model's number of blocks ({blocks})")
+
+
+class Pipeline(PipelineStrategy):
+    """GPipe / 1F1B / interleaved 1F1B with a flush, run by torch or DeepSpeed."""
+
+    Config = PipelineConfig
+
+    def __init__(self, config: PipelineConfig, setup: PipelineSetup):
+        super().__init__(config, setup)
+        if config.backend == "deepspeed":
+            from algorithms.pipeline_deepspeed import DeepSpeedPipe  # only when asked for
+
+            self.engine = DeepSpeedPipe(self)
+            return
+        self.engine = None
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        M = self.num_microbatches
+        chunks = self.eval_chunks()
+        stages = [
+            PipelineStage(module, c, self.num_chunks, self.comm.device,
+                          group=self.grid.pipe.pg)
+            for c, module in zip(self.chunk_ids, chunks, strict=True)
+        ]
+        # the schedules sum microbatch gradients; our loss carries the 1/M itself
+        loss_fn = self.scaled_loss
+        if config.schedule == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn,
+                                                    scale_grads=False)
+        else:
+            kind = Schedule1F1B if config.schedule == "1f1b" else ScheduleGPipe
+            self.schedule = kind(stages[0], M, loss_fn=loss_fn, scale_grads=False)
+        self.holds_first = 0 in self.chunk_ids
+        self.holds_last = self.num_chunks - 1 in self.chunk_ids
+
+    def scaled_loss(self, logits, targets):
+        return self.loss_fn(logits, targets) / self.num_microbatches
+
+    def example(self, chunk: int, batch: int) -> torch.Tensor:
+        """An example input of chunk `chunk` (chunk num_chunks: the logits)."""
+        cfg = unwrap(self.setup.model).cfg
+        device = self.comm.device
+        if chunk == 0:
+            return torch.zeros(batch, cfg.seq_len, dtype=torch.long, device=device)
+        width = cfg.vocab_size if chunk == self.num_chunks else cfg.n_embd
+        return torch.zeros(batch, cfg.seq_len, width, device=device)
+
+    def run_schedule(self, batch) -> tuple[float | None, float]:
+        if self.engine is not None:
+            return self.engine.run(batch)
+        x, y = batch
+        args = (x,) if self.holds_first else ()
+        losses: list[torch.Tensor] = []
+        recorder = _P2PRecorder(self.comm)
+        autocast = self.setup.autocast
+        with recorder.active(), autocast() if autocast else contextlib.nullcontext():
+            if self.holds_last:
+                self.schedule.step(*args, target=y, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(*args, return_outputs=False)
+        loss = torch.stack(losses).sum().item() if self.holds_last else None
+        return loss, recorder.idle_s
+
+    def apply_update(self) -> float:
+        if self.engine is not None:
+            return self.engine.update()
+        return super().apply_update()
+
+    def step_extras(self, idle_s: float) -> dict[str, float]:
+        S, M = self.grid.num_stages, self.num_microbatches
+        V = len(self.chunk_ids)
+        return {"bubble_theory": (S - 1) / (V * M + S - 1)}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+class _P2PRecorder:
+    """Wraps torch.distributed.pipelining's `_batch_p2p` so its traffic reaches the ledger."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.idle_s = 0.0
+
+    @contextlib.contextmanager
+    def active(self):
+        from torch.distributed.pipelining import schedules
+
+        original = schedules._batch_p2p
+
+        def recorded(p2p_ops, desc=None):
+            batch = _Batch(self, p2p_ops)
+            works = original(p2p_ops, desc)
+            batch.remaining = len(works)
+            return [_RecordedWork(w, batch) for w in works]
+
+        schedules._batch_p2p = recorded
+        try:
+            yield
+        finally:
+            schedules._batch_p2p = original
+
+    def record(self, ops: list, start: float) -> None:
+        sent = [op for op in ops if op.op is dist.isend]
+        received = [op for op in ops if op.op is not dist.isend]
+        kind = "exchange" if sent and received else ("send" if sent else "recv")
+        nbytes = sum(op.tensor.numel() * op.tensor.element_size()
+                     for op in (sent if sent else received))
+        peers = sorted({op.peer for op in ops})
+        self.comm.record(kind, nbytes, time.perf_counter() - start, peers=peers, started=start)
+
+
+class _Batch:
+    """One `_batch_p2p` call: recorded when the last of its works has been waited on."""
+
+    def __init__(self, recorder: _P2PRecorder, ops: list):
+        self.recorder, self.ops = recorder, ops
+        self.start = time.perf_counter()
+        self.remaining = 0
+
+
+class _RecordedWork:
+    """A dist.Work that adds its blocked time to idle_s and completes its batch's record."""
+
+    def __init__(self, work, batch: _Batch):
+        self.work, self.batch, self.waited = work, batch, False
+
+    def wait(self, *args, **kwargs):
+        before = time.perf_counter()
+        result = self.work.wait(*args, **kwargs)
+        if not self.waited:
+            self.waited = True
+            batch = self.batch
+            batch.recorder.idle_s += time.perf_counter() - before
+            batch.remaining -= 1
+            if batch.remaining == 0:
+                batch.recorder.record(batch.ops, batch.start)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)

@@ -1,0 +1,352 @@
+"""What every pipeline strategy shares: the process grid, the stage module, the update.
+
+Exercised by `pytest tests/test_pipeline.py`. The pipelines (algorithms/pipeline.py,
+algorithms/pipedream.py) subclass `PipelineStrategy`; this module holds the additive seam
+pieces the training loop will need (`PipelineSetup`, `PipelineStepStats`) until they are
+folded into algorithms/base.py (see docs/algorithms-pipeline.md, "Integration").
+
+Process grid (docs/algorithms.md, Pipelines): `world_size = num_stages * num_replicas`;
+global rank `r = replica * num_stages + stage`, so one replica's stages are neighbouring
+ranks. Each stage's gradients are averaged over the replicas (ledger phase `dp`); the
+tied token-embedding gradient is summed between the first and the last stage of a
+replica (phase `tied`); gradient clipping needs the global norm over the stages (phase
+`clip`). Point-to-point activation traffic is phase `train`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from algorithms.base import StepStats, Strategy, StrategyConfig, TrainSetup, unwrap
+from algorithms.comm import Communicator, Group
+from algorithms.partition import PARTITIONS, split_layers
+
+
+def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, as `GPT.forward` computes it (fp32 logits)."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+
+
+@dataclass
+class PipelineSetup(TrainSetup):
+    """TrainSetup plus what pipelines need (to be folded into TrainSetup)."""
+
+    num_stages: int = 1
+    """Pipeline stages (`parallel.num_stages`)."""
+    partition: str = "layers"
+    """How layers are cut into stages (`parallel.partition`): layers or parameters."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """(logits, targets) -> mean loss: what the last stage applies to its output."""
+
+
+@dataclass
+class PipelineStepStats(StepStats):
+    """StepStats whose loss exists only on the last stage, plus bubble time."""
+
+    loss: float | None = None
+    tokens: int = 0
+    idle_s: float = 0.0
+    """Seconds this rank waited on point-to-point traffic (pipeline bubble + transfer)."""
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PipelineConfigBase(StrategyConfig):
+    """Checks shared by the pipeline strategies' configs."""
+
+    def check(self, cfg) -> None:
+        """Cross-field rules on the whole run config; raises ValueError naming the key."""
+        p = cfg.parallel
+        if p.world_size % p.num_stages:
+            raise ValueError(f"parallel.world_size ({p.world_size}) must be divisible by "
+                             f"parallel.num_stages ({p.num_stages}) for {self.name}")
+        if p.group_size != 1:
+            raise ValueError(f"parallel.group_size must be 1 for {self.name} (pipelines "
+                             f"form their own data-parallel groups), got {p.group_size}")
+        if cfg.data.batch_size % p.num_microbatches:
+            raise ValueError(f"parallel.num_microbatches ({p.num_microbatches}) must divide "
+                             f"data.batch_size ({cfg.data.batch_size})")
+        partition = getattr(p, "partition", "layers")
+        if partition not in PARTITIONS:
+            raise ValueError(f"parallel.partition must be one of {list(PARTITIONS)}, "
+                             f"got {partition!r}")
+        num_blocks = cfg.model.n_layer if cfg.model.n_layer is not None else _preset_layers(
+            cfg.model.preset)
+        if num_blocks is not None and p.num_stages > num_blocks:
+            raise ValueError(f"parallel.num_stages ({p.num_stages}) must be <= the model's "
+                             f"number of blocks ({num_blocks})")
+
+
+def _preset_layers(preset: str) -> int | None:
+    try:  # algorithms must not import bench at module level; the config check may
+        from bench.model import PRESETS
+    except ImportError:
+        return None
+    shape = PRESETS.get(preset)
+    return None if shape is None else shape.n_layer
+
+
+@dataclass(frozen=True)
+class PipelineGrid:
+    """This rank's place in the data x pipeline grid and its groups (None = not needed)."""
+
+    stage: int
+    replica: int
+    num_stages: int
+    num_replicas: int
+    pipe: Group
+    """This replica's stages (all of them; for engines that need a pipeline group)."""
+    dp: Group | None
+    """This stage across the replicas; None with one replica."""
+    tied: Group | None
+    """First and last stage of this replica; None with one stage or on a middle stage."""
+
+    @property
+    def prev(self) -> int | None:
+        return None if self.stage == 0 else self.rank - 1
+
+    @property
+    def next(self) -> int | None:
+        return None if self.stage == self.num_stages - 1 else self.rank + 1
+
+    @property
+    def rank(self) -> int:
+        return self.replica * self.num_stages + self.stage
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def make_grid(comm: Communicator, num_stages: int) -> PipelineGrid:
+    """Build the grid's groups. Collective: every rank calls it, in the same order."""
+    world = comm.world_size
+    if num_stages < 1 or world % num_stages:
+        raise ValueError(f"parallel.world_size ({world}) must be divisible by "
+                         f"parallel.num_stages ({num_stages})")
+    replicas = world // num_stages
+    replica, stage = divmod(comm.rank, num_stages)
+    pipe = comm.split([[r * num_stages + s for s in range(num_stages)] for r in range(replicas)])
+    dp = None
+    if replicas > 1:
+        dp = comm.split([[r * num_stages + s for r in range(replicas)]
+                         for s in range(num_stages)])
+    tied = None
+    if num_stages > 1:
+        for r in range(replicas):  # new_group is collective over the world
+            group = comm.new_group([r * num_stages, r * num_stages + num_stages - 1])
+            if comm.rank in group.ranks:
+                tied = group
+    return PipelineGrid(stage, replica, num_stages, replicas, pipe, dp, tied)
+
+
+class PipelineStrategy(Strategy):
+    """Base of the pipelines: builds the grid and this stage's module; owns the update.
+
+    Subclasses implement `run_schedule(batch) -> (loss or None, idle seconds)`, which
+    runs the M microbatches' forward and backward passes and leaves the minibatch's
+    gradient (mean over microbatches) in `self.grad_module()`'s `.grad`.
+    """
+
+    def __init__(self, config: StrategyConfig, setup: PipelineSetup):
+        super().__init__(config, setup)
+        self.grid = make_grid(self.comm, getattr(setup, "num_stages", 1))
+        self.loss_fn = getattr(setup, "loss_fn", lm_loss)
+        gpt = unwrap(setup.model)
+        S, V = self.grid.num_stages, getattr(config, "stages_per_rank", 1)
+        parts = split_layers(gpt.as_layers(), S * V, getattr(setup, "partition", "layers"))
+        self.chunk_ids = [self.grid.stage + i * S for i in range(V)]
+        """Virtual stages on this rank (one unless the schedule is interleaved)."""
+        self.num_chunks = S * V
+        chunks = [nn.Sequential(*parts[c]) for c in self.chunk_ids]
+        self.stage_module = chunks[0] if V == 1 else nn.ModuleList(chunks)
+        self.names = _parameter_names(gpt, self.stage_module)
+        self.optimizer = setup.make_optimizer(self.stage_module)
+        self.step_index = 0
+        self.num_microbatches = setup.num_microbatches
+        if setup.rank_batch_size % self.num_microbatches:
+            raise ValueError(f"parallel.num_microbatches ({self.num_microbatches}) must divide "
+                             f"data.batch_size ({setup.rank_batch_size})")
+        self.micro_batch = setup.rank_batch_size // self.num_microbatches
+
+    # ------------------------------------------------------------------ the seam
+
+    def data_shard(self) -> tuple[int, int]:
+        """Every stage of a replica reads the replica's shard (only ends use it)."""
+        return self.grid.replica, self.grid.num_replicas
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+
+    def eval_model(self) -> nn.Module:
+        """This stage's module (its parameters keep the GPT's own names in `export_state`)."""
+        return self.stage_module
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """This stage's newest weights under the GPT's state_dict keys.
+
+        The union of the dicts of one replica's stages is the full GPT state_dict (the
+        tied embedding as `embed.wte.weight` from the first stage and `head.weight` from
+        the last, equal copies).
+        """
+        module = self.eval_model()
+        return {self.names[k]: v.detach().clone()
+                for k, v in module.named_parameters(remove_duplicate=False)}
+
+    def train_step(self, batch) -> PipelineStepStats:
+        loss, idle_s = self.run_schedule(batch)
+        comm_s = self.apply_update()
+        self.step_index += 1
+        tokens = batch[1].numel() if (self.grid.is_first or self.grid.is_last) else 0
+        return PipelineStepStats(loss=loss, tokens=tokens, comm_s=comm_s + idle_s,
+                                 idle_s=idle_s, extras=self.step_extras(idle_s))
+
+    def step_extras(self, idle_s: float) -> dict[str, float]:
+        return {}
+
+    def run_schedule(self, batch) -> tuple[float | None, float]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the update
+
+    def grad_module(self) -> nn.Module:
+        """The module whose `.grad` holds the gradient the optimizer applies now."""
+        return self.stage_module
+
+    def sync_gradients(self, module: nn.Module) -> float:
+        """Average over replicas, sum the tied weight's two halves, clip; comm seconds."""
+        start = len(self.comm.ledger)
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if self.grid.dp is not None and grads:
+            with self.comm.phase("dp"):
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                self.comm.all_reduce(flat, "avg", self.grid.dp)
+                _unflatten_into(flat, grads)
+        if self.grid.tied is not None:
+            tied = _tied_parameter(module)
+            with self.comm.phase("tied"):
+                self.comm.all_reduce(tied.grad, "sum", self.grid.tied)
+        if self.setup.grad_clip > 0:
+            self.clip(module)
+        return sum(r.seconds for r in self.comm.ledger.since(start))
+
+    def clip(self, module: nn.Module) -> None:
+        """Global-norm clipping over the whole pipeline (the tied weight counted once)."""
+        tied = _tied_parameter(module) if self.grid.tied is not None else None
+        sq = torch.zeros((), dtype=torch.float32, device=self.comm.device)
+        for p in module.parameters():
+            if p.grad is not None and not (p is tied and self.grid.is_last):
+                sq += p.grad.detach().float().pow(2).sum()
+        if self.grid.num_stages > 1:
+            with self.comm.phase("clip"):
+                self.comm.all_reduce(sq, "sum", self.grid.pipe)
+        scale = self.setup.grad_clip / (math.sqrt(sq.item()) + 1e-6)
+        if scale < 1:
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    def apply_update(self) -> float:
+        comm_s = self.sync_gradients(self.stage_module)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return comm_s
+
+    # ------------------------------------------------------------------ evaluation
+
+    def eval_chunks(self) -> list[nn.Module]:
+        module = self.eval_model()
+        return list(module) if isinstance(module, nn.ModuleList) else [module]
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        """Mean loss of the newest weights over `batches` (every rank gets the mean).
+
+        Collective over the world; forward only, chunk to chunk (ledger phase `eval`).
+        """
+        total = torch.zeros(2, dtype=torch.float64, device=self.comm.device)
+        chunks = dict(zip(self.chunk_ids, self.eval_chunks(), strict=True))
+        S, base = self.grid.num_stages, self.grid.replica * self.grid.num_stages
+        for m in chunks.values():
+            m.eval()
+        with self.comm.phase("eval"):
+            for x, y in batches:
+                x, y = x.to(self.comm.device), y.to(self.comm.device)
+                h = x
+                for c in range(self.num_chunks):
+                    if c not in chunks:
+                        continue
+                    if c > 0 and (c - 1) % S != self.grid.stage:
+                        h = self.comm.recv(self.activation_buffer(x.shape[0]), base + (c - 1) % S)
+                    h = chunks[c](h)
+                    if c == self.num_chunks - 1:
+                        total += torch.tensor([self.loss_fn(h, y).item(), 1.0],
+                                              dtype=torch.float64, device=total.device)
+                    elif (c + 1) % S != self.grid.stage:
+                        self.comm.send(h, base + (c + 1) % S)
+            self.comm.all_reduce(total, "sum")
+        for m in chunks.values():
+            m.train()
+        return (total[0] / total[1]).item()
+
+    def activation_buffer(self, batch: int, requires_grad: bool = False) -> torch.Tensor:
+        """A receive buffer for the hidden states of `batch` sequences."""
+        gpt = unwrap(self.setup.model)
+        p = next(self.stage_module.parameters())
+        return torch.empty(batch, gpt.cfg.seq_len, gpt.cfg.n_embd, dtype=p.dtype,
+                           device=p.device, requires_grad=requires_grad)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {"model": self.stage_module.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "step_index": self.step_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stage_module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_index = state["step_index"]
+
+
+def _parameter_names(gpt: nn.Module, stage: nn.Module) -> dict[str, str]:
+    """Stage parameter name (duplicates kept) -> the GPT's name for it (its state_dict key).
+
+    The tied weight gets the name of the module holding it here: `embed.wte.weight` on
+    the first stage, `head.weight` on the last, both with one stage.
+    """
+    gpt_names = {id(m): name for name, m in gpt.named_modules()}
+    names = {}
+    for prefix, module in stage.named_modules():
+        if id(module) in gpt_names:
+            for local, _ in module.named_parameters(recurse=False):
+                names[f"{prefix}.{local}"] = f"{gpt_names[id(module)]}.{local}"
+    return names
+
+
+def _tied_parameter(module: nn.Module) -> nn.Parameter:
+    """The token-embedding weight: on the first stage the embedding's, on the last the head's."""
+    for m in module.modules():
+        if hasattr(m, "wte"):
+            return m.wte.weight
+    for m in module.modules():
+        if hasattr(m, "ln_f") and isinstance(getattr(m, "weight", None), nn.Parameter):
+            return m.weight
+    raise ValueError("no tied token-embedding weight on this stage")
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -1,0 +1,415 @@
+"""Pipelines: partitioning, identities on real gloo ranks, ledger bytes, versions, errors.
+
+Run with `pytest tests/test_pipeline.py`. The strategies are driven directly (not through
+bench.train, which they join at integration): a small GPT (4 blocks) is built from the
+same seed on every rank, each step's global batch is drawn from a step-keyed generator,
+and replica r takes its rows, so every run sees the same tokens in the same order.
+Parameters are compared after >= 3 steps (CPU, fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+
+from algorithms.comm import Communicator
+from algorithms.partition import split_layers, stage_bounds
+from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
+from algorithms.pipeline import Pipeline, PipelineConfig
+from algorithms.pipeline_base import PipelineSetup, lm_loss
+from bench.config import Config, DataConfig, ModelConfig, ParallelConfig
+from bench.model import GPT, GPTConfig, configure_optimizer_groups
+from tests.distributed import run_distributed
+from tests.helpers import assert_same_params, max_change
+
+VOCAB, SEQ, WIDTH, LAYERS = 64, 8, 32, 4
+LR = 1e-2
+
+
+def make_model(seed: int = 0, n_layer: int = LAYERS) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=n_layer, n_head=2,
+                         n_embd=WIDTH))
+
+
+def make_optimizer(module, optim="adamw"):
+    groups = configure_optimizer_groups(module, 0.1)
+    if optim == "sgd":
+        return torch.optim.SGD(groups, lr=LR * 10, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=LR)
+
+
+def global_batch(step: int, size: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def full_state(model: GPT) -> dict:
+    """The GPT's state_dict (the tied embedding under both of its names)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------- references
+
+
+def one_process(steps: int, batch: int, microbatches: int, delay: int = 0,
+                optim: str = "sgd") -> dict:
+    """Gradient accumulation in one process; `delay=1` applies each step's gradient a
+    step late (our hand-written one-step-delay loop: step 0 applies nothing).
+
+    Runs on one thread, as the ranks do: intra-op threads change summation orders.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _one_process(steps, batch, microbatches, delay, optim)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_process(steps, batch, microbatches, delay, optim) -> dict:
+    model = make_model()
+    opt = make_optimizer(model, optim)
+    previous = None
+    for step in range(steps):
+        x, y = global_batch(step, batch)
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            (model(xm, ym)[1] / microbatches).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.zero_grad(set_to_none=True)
+        apply = grads if delay == 0 else previous
+        previous = grads
+        if apply is not None:
+            for p, g in zip(model.parameters(), apply, strict=True):
+                p.grad = g
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return full_state(model)
+
+
+# ---------------------------------------------------------------------- distributed runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One pipeline run: strategy, its config, grid and batch (per replica)."""
+
+    kind: str
+    kwargs: tuple = ()
+    num_stages: int = 2
+    rank_batch: int = 8
+    microbatches: int = 4
+    steps: int = 3
+    optim: str = "sgd"
+
+
+def build(rank, world, spec: Spec, model_seed=0, grad_clip=0.0):
+    comm = Communicator(rank, world, "cpu")
+    setup = PipelineSetup(
+        model=make_model(model_seed), comm=comm,
+        make_optimizer=lambda m: make_optimizer(m, spec.optim), total_steps=10,
+        grad_clip=grad_clip, rank_batch_size=spec.rank_batch,
+        num_microbatches=spec.microbatches, num_stages=spec.num_stages, loss_fn=lm_loss)
+    cls, config_cls = (Pipeline, PipelineConfig) if spec.kind == "pipeline" else \
+        (PipeDream2BW, PipeDreamConfig)
+    return cls(config_cls(**dict(spec.kwargs)), setup)
+
+
+def train(strategy, first_step, steps, rank_batch):
+    losses = []
+    for step in range(first_step, first_step + steps):
+        strategy.comm.step = step
+        x, y = global_batch(step, rank_batch * strategy.grid.num_replicas)
+        rows = slice(strategy.grid.replica * rank_batch, (strategy.grid.replica + 1) * rank_batch)
+        losses.append(strategy.train_step((x[rows], y[rows])).loss)
+    return losses
+
+
+def _run_specs(rank, world, specs):
+    """Every spec in turn on the same ranks; per spec this rank's results."""
+    out = []
+    for spec in specs:
+        strategy = build(rank, world, spec)
+        losses = train(strategy, 0, spec.steps, spec.rank_batch)
+        records = [(r.step, r.phase, r.op, r.nbytes) for r in strategy.comm.ledger.records]
+        val = strategy.evaluate([global_batch(99, 4)])
+        strategy.close()
+        out.append(dict(replica=strategy.grid.replica, state=strategy.export_state(),
+                        losses=losses, records=records, val=val,
+                        versions=len(getattr(strategy, "versions", [None]))))
+    return out
+
+
+def run_all(world, specs, timeout=300):
+    """{spec: (merged replica-0 state, per-rank results)}; one set of processes for all."""
+    per_rank = run_distributed(_run_specs, world, specs, timeout=timeout)
+    merged = {}
+    for i, spec in enumerate(specs):
+        ranks = [results[i] for results in per_rank]
+        state = {}
+        for r in ranks:
+            if r["replica"] == 0:
+                state.update(r["state"])
+        merged[spec] = (state, ranks)
+    return merged
+
+
+OURS_SYNC = Spec("pipedream", (("delay", 0),))
+TORCH = {name: Spec("pipeline", (("schedule", name),) + extra) for name, extra in
+         [("1f1b", ()), ("gpipe", ()), ("interleaved-1f1b", (("stages_per_rank", 2),))]}
+TORCH_1F1B = TORCH["1f1b"]
+OURS_ADAMW = Spec("pipedream", (("delay", 0),), optim="adamw", steps=1)
+OURS_DELAYED = Spec("pipedream", (("delay", 1),), rank_batch=4, steps=4)
+OURS_DELAYED_3 = Spec("pipedream", (("delay", 1),), num_stages=3, rank_batch=4,
+                      microbatches=2, steps=4)
+HYBRID = {kind: Spec(kind, kwargs, rank_batch=4, microbatches=2)
+          for kind, kwargs in [("pipedream", (("delay", 0),)), ("pipeline", ())]}
+LEDGER = [Spec("pipedream", (("delay", 1),)), Spec("pipeline", (("schedule", "gpipe"),))]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_all(2, [OURS_SYNC, OURS_ADAMW, *TORCH.values(), OURS_DELAYED])
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_all(4, [*HYBRID.values(), OURS_SYNC, TORCH_1F1B, *LEDGER])
+
+
+def reference_keys(state):
+    assert state.keys() == full_state(make_model()).keys()
+    return state
+
+
+# ---------------------------------------------------------------------- partitioning
+
+
+def test_partition_layers_and_parameters():
+    layers = make_model(n_layer=6).as_layers()
+    assert stage_bounds(layers, 1) == [(0, 8)]
+    assert stage_bounds(layers, 3) == [(0, 3), (3, 5), (5, 8)]
+    assert stage_bounds(layers, 4, "layers") == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    # with a large vocabulary the embedding (first) and the tied head (last) outweigh
+    # several blocks: balanced by parameters, the ends hold one block, the middle four
+    torch.manual_seed(0)
+    heavy_ends = GPT(GPTConfig(vocab_size=4096, seq_len=SEQ, n_layer=6, n_head=2,
+                               n_embd=WIDTH)).as_layers()
+    assert stage_bounds(heavy_ends, 3, "parameters") == [(0, 2), (2, 6), (6, 8)]
+    assert stage_bounds(heavy_ends, 3, "layers") == [(0, 3), (3, 5), (5, 8)]
+    stages = split_layers(layers, 3)
+    assert [m for s in stages for m in s] == layers  # same modules, in order
+
+
+@pytest.mark.parametrize("stages", [5, 0])
+def test_partition_rejects_bad_stage_counts(stages):
+    with pytest.raises(ValueError, match="parallel.num_stages"):
+        stage_bounds(make_model().as_layers(), stages)
+
+
+def test_partition_rejects_unknown_rule():
+    with pytest.raises(ValueError, match="parallel.partition"):
+        stage_bounds(make_model().as_layers(), 2, "flops")
+
+
+# ---------------------------------------------------------------------- identities
+
+
+# SGD with momentum: AdamW would turn the key bias's ~0 gradient (softmax ignores it)
+# into lr-sized steps of pure rounding noise, hiding the comparison at 1e-6.
+
+
+@pytest.mark.timeout(400)
+def test_2bw_delay0_equals_torch_1f1b_equals_one_process(two_ranks):
+    ours, ranks = two_ranks[OURS_SYNC]
+    single = one_process(3, 8, 4)
+    assert_same_params(reference_keys(ours), single, atol=1e-6, rtol=0)
+    assert_same_params(two_ranks[TORCH_1F1B][0], single, atol=1e-6, rtol=0)
+    assert max_change(single, full_state(make_model())) > 1e-3
+    assert [r["losses"] == [None] * 3 for r in ranks] == [True, False]  # last stage only
+    # bit-identical after one AdamW step except the tied embedding, whose two halves are
+    # summed per microbatch in one process but per stage here (later steps then differ
+    # in the last bits everywhere)
+    tied = ("embed.wte.weight", "head.weight")
+    one_step = one_process(1, 8, 4, optim="adamw")
+    ours = two_ranks[OURS_ADAMW][0]
+    assert_same_params({k: v for k, v in ours.items() if k not in tied},
+                       {k: v for k, v in one_step.items() if k not in tied}, atol=0, rtol=0)
+    for key in tied:
+        torch.testing.assert_close(ours[key], one_step[key], atol=1e-7, rtol=0)
+
+
+@pytest.mark.timeout(400)
+def test_gpipe_and_interleaved_equal_1f1b(two_ranks):
+    one_f1b = two_ranks[TORCH_1F1B][0]
+    for name in ("gpipe", "interleaved-1f1b"):
+        assert_same_params(two_ranks[TORCH[name]][0], one_f1b, atol=1e-6, rtol=0)
+    assert max_change(one_f1b, full_state(make_model())) > 1e-3
+
+
+@pytest.mark.timeout(400)
+def test_2bw_equals_one_step_delay_loop(two_ranks):
+    state, ranks = two_ranks[OURS_DELAYED]
+    delayed = one_process(4, 4, 4, delay=1)
+    assert_same_params(state, delayed, atol=1e-6, rtol=0)
+    # and it is not the synchronous answer: the delay changes the parameters
+    assert max_change(state, one_process(4, 4, 4)) > 1e-4
+    assert all(r["versions"] == 2 for r in ranks)
+
+
+@pytest.mark.timeout(400)
+def test_hybrid_2_stages_x_2_replicas_equals_2_stages_with_twice_the_batch(two_ranks,
+                                                                           four_ranks):
+    for kind, spec in HYBRID.items():
+        hybrid, ranks = four_ranks[spec]
+        wide = two_ranks[OURS_SYNC if kind == "pipedream" else TORCH_1F1B][0]
+        assert_same_params(hybrid, wide, atol=1e-6, rtol=0)
+        assert_same_params(ranks[2]["state"], ranks[0]["state"], atol=0, rtol=0)
+        dp = [rec for rec in ranks[0]["records"] if rec[1] == "dp"]
+        assert len(dp) == 3  # one gradient all-reduce per step across the replicas
+        assert len({r["val"] for r in ranks}) == 1  # every rank gets the same val loss
+
+
+@pytest.mark.timeout(400)
+def test_deepspeed_1f1b_equals_one_process():
+    pytest.importorskip("deepspeed")
+    spec = Spec("pipeline", (("schedule", "1f1b"), ("backend", "deepspeed")))
+    state, ranks = run_all(2, [spec])[spec]
+    assert_same_params(reference_keys(state), one_process(3, 8, 4), atol=1e-6, rtol=0)
+    # its p2p sends reach the ledger: M activations and M gradients per step (step 0
+    # also carries the engine's shape metadata, a few bytes)
+    activation = 2 * SEQ * WIDTH * 4
+    sent: dict[int, int] = {}
+    for r in ranks:
+        for step, _, op, nbytes in r["records"]:
+            if op == "send" and nbytes == activation:
+                sent[step] = sent.get(step, 0) + nbytes
+    assert sent == {step: 2 * 4 * activation for step in range(3)}
+
+
+# ---------------------------------------------------------------------- ledger, versions
+
+
+@pytest.mark.timeout(400)
+def test_p2p_bytes_per_step(four_ranks):
+    S, M, b = 2, 4, 8
+    activation = (b // M) * SEQ * WIDTH * 4  # fp32 hidden states of one microbatch
+    expected = 2 * (S - 1) * M * activation
+    for spec in [*LEDGER, OURS_SYNC, TORCH_1F1B]:
+        for replica in (0, 1):
+            sent: dict[int, int] = {}
+            for r in four_ranks[spec][1]:
+                if r["replica"] == replica:
+                    for step, phase, op, nbytes in r["records"]:
+                        if phase == "train" and op in ("send", "exchange"):
+                            sent[step] = sent.get(step, 0) + nbytes
+            if dict(spec.kwargs).get("delay") == 1:
+                # a step's last gradient leaves in the next step; the run's last never does
+                assert sent == {0: expected - activation, 1: expected, 2: expected}, spec
+            else:
+                assert sent == {0: expected, 1: expected, 2: expected}, spec
+
+
+@pytest.mark.timeout(400)
+def test_2bw_on_3_stages_holds_two_versions_and_resumes_bit_exactly():
+    per_rank = run_distributed(_resume, 3, OURS_DELAYED_3, timeout=300)
+    versions = [{}, {}]
+    for newest, previous in per_rank:
+        versions[0].update(newest)
+        versions[1].update(previous)
+    m = OURS_DELAYED_3.microbatches
+    # after 5 steps the stage holds W(4) (newest) and W(3): the delay loop after 5 and 4
+    assert_same_params(versions[0], one_process(5, 4, m, delay=1), atol=1e-6, rtol=0)
+    assert_same_params(versions[1], one_process(4, 4, m, delay=1), atol=1e-6, rtol=0)
+
+
+def _resume(rank, world, spec):
+    straight = build(rank, world, spec)
+    train(straight, 0, 5, spec.rank_batch)
+    first = build(rank, world, spec)
+    train(first, 0, 2, spec.rank_batch)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)  # mid-run: stashed activations in flight
+    resumed = build(rank, world, spec, model_seed=7)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    train(resumed, 2, 3, spec.rank_batch)
+    assert_same_params(resumed.export_state(), straight.export_state(), atol=0, rtol=0)
+    # never more than two weight versions: two modules, distinct tensors, and the
+    # optimizer steps exactly the parameters of the newest one
+    versions = straight.weight_versions()
+    assert len(versions) == 2
+    tensors = {id(p) for v in versions for p in v.parameters()}
+    assert len(tensors) == 2 * len(list(versions[0].parameters()))
+    newest = straight.eval_model()
+    bound = {id(p) for group in straight.optimizer.param_groups for p in group["params"]}
+    assert bound == {id(p) for p in newest.parameters()}
+    previous = versions[1] if newest is versions[0] else versions[0]
+    return [{straight.names[k]: p.detach().clone()
+             for k, p in v.named_parameters(remove_duplicate=False)}
+            for v in (newest, previous)]
+
+
+# ---------------------------------------------------------------------- failures, errors
+
+
+def _crash(rank, world):
+    strategy = build(rank, world, Spec("pipedream", (("delay", 1),), rank_batch=4,
+                                       microbatches=2))
+    if rank == 1:
+        raise RuntimeError("stage 1 died")
+    train(strategy, 0, 3, 4)  # stage 0 blocks on stage 1's gradient
+
+
+@pytest.mark.timeout(150)
+def test_crashing_stage_fails_without_hanging():
+    with pytest.raises(RuntimeError, match="stage 1 died"):
+        run_distributed(_crash, 2, timeout=100)
+
+
+def config(world=4, stages=2, group=1, batch=8, microbatches=4, n_layer=4):
+    cfg = Config()
+    cfg.parallel = ParallelConfig(world_size=world, group_size=group, num_stages=stages,
+                                  num_microbatches=microbatches)
+    cfg.data = DataConfig(batch_size=batch)
+    cfg.model = dataclasses.replace(cfg.model, n_layer=n_layer) if isinstance(
+        cfg.model, ModelConfig) else cfg.model
+    return cfg
+
+
+@pytest.mark.parametrize("strategy,cfg,key", [
+    (PipelineConfig(), config(world=4, stages=3), "parallel.world_size"),
+    (PipelineConfig(), config(stages=4, world=4, n_layer=2), "parallel.num_stages"),
+    (PipelineConfig(), config(batch=6), "parallel.num_microbatches"),
+    (PipelineConfig(), config(group=2), "parallel.group_size"),
+    (PipeDreamConfig(), config(world=4, stages=4, microbatches=2), "parallel.num_microbatches"),
+    (PipelineConfig(schedule="interleaved-1f1b", stages_per_rank=2),
+     config(stages=4, world=4, n_layer=4), "stages_per_rank"),
+])
+def test_config_checks_name_the_key(strategy, cfg, key):
+    with pytest.raises(ValueError, match=key):
+        strategy.check(cfg)
+    PipelineConfig().check(config())  # a good config passes
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    (dict(backend="deepspeed"), "strategy.backend"),
+    (dict(delay=2), "strategy.delay"),
+])
+def test_2bw_config_errors(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        PipeDreamConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    (dict(schedule="zb"), "strategy.schedule"),
+    (dict(backend="deepspeed", schedule="gpipe"), "strategy.schedule"),
+    (dict(schedule="interleaved-1f1b"), "strategy.stages_per_rank"),
+])
+def test_pipeline_config_errors(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        PipelineConfig(**kwargs)
