@@ -77,7 +77,8 @@ class Rule:
         return math.log(value) if self.scale == "ratio" else value
 
     def describe(self) -> str:
-        terms = " ".join(f"{'+' if c > 0 else '-'} {_coef(c)}{v}" for v, c in self.contrast.items())
+        ordered = sorted(self.contrast.items(), key=lambda item: item[1] < 0)  # + terms first
+        terms = " ".join(f"{'+' if c > 0 else '-'} {_coef(c)}{v}" for v, c in ordered)
         terms = terms.removeprefix("+ ")
         what = f"log {self.metric}" if self.scale == "ratio" else self.metric
         side = f"< {self.below:g}" if self.below is not None else f"> {self.above:g}"
