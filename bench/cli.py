@@ -1,7 +1,7 @@
 """The `commbench` command line: run, sweep, eval, report, export, data, config.
 
     commbench run configs/ddp-tiny.yaml --set run.steps=50
-    commbench sweep configs/quickstart.yaml [--resume] [--dry-run]
+    commbench sweep configs/quickstart.yaml [--dry-run] [--output-dir DIR] [--set K=V]
     commbench eval RUN_DIR --suite smoke
     commbench report results/quickstart -o reports/quickstart
     commbench claims [NAME ...] [--scale tiny|small|paper] [--dry-run]
@@ -21,20 +21,44 @@ import sys
 from pathlib import Path
 
 
-def _cmd_run(args) -> int:
-    from bench.config import check_output_dir, load_config
+def run_and_evaluate(cfg, run_dir=None, progress: bool = True, resume: bool = False) -> dict:
+    """bench.launch.run_config, then lm-eval on the final model when `cfg.eval.suite` is set
+    and the run ended ok. The runner of `commbench run` and `commbench sweep`; here because
+    only the command line imports `eval` (module level: Slurm jobs pickle it by name)."""
     from bench.launch import run_config
 
+    summary = run_config(cfg, run_dir, progress=progress, resume=resume)
+    if summary["status"] == "ok" and cfg.eval.suite:
+        from eval.runner import self_evaluate
+
+        summary = {**self_evaluate(cfg, summary["run_dir"]), "run_dir": summary["run_dir"]}
+    return summary
+
+
+def _check_eval_tasks(cfg) -> None:
+    """An unknown eval.tasks entry fails before training, not after it."""
+    if cfg.eval.suite is not None:
+        from eval.suites import get_suite, select_tasks
+
+        select_tasks(get_suite(cfg.eval.suite), cfg.eval.tasks)
+
+
+def _cmd_run(args) -> int:
+    from bench.config import check_output_dir, load_config, preflight
+
+    if args.resume and not (Path(args.resume) / "config.yaml").exists():
+        raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml; "
+                         "give a directory written by `commbench run`)")
     cfg = load_config(args.config, args.set)
-    check_output_dir(cfg.run.output_dir)
     if args.resume:
         run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").exists():
-            raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml)")
         cfg = load_config(run_dir / "config.yaml", args.set)
     else:
         run_dir = Path(args.run_dir) if args.run_dir else None
-    summary = run_config(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
+    _check_eval_tasks(cfg)
+    preflight(cfg)
+    check_output_dir(cfg.run.output_dir)
+    summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
     _print_summary(summary)
     return 0 if summary["status"] == "ok" else 1
 
@@ -67,7 +91,9 @@ def _cmd_sweep(args) -> int:
 
     result = run_sweep(args.spec, dry_run=args.dry_run, retry_failed=args.retry_failed,
                        executor=args.executor, max_parallel=args.max_parallel,
-                       report=not args.no_report)
+                       report=not args.no_report, output_dir=args.output_dir,
+                       overrides=args.set, check_run=_check_eval_tasks,
+                       runner=run_and_evaluate)
     return 0 if result.ok else 1
 
 
@@ -99,8 +125,21 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _check_new_dir(path: str, key: str) -> None:
+    """Fail naming `key` when `path` cannot become a directory (a file in the way)."""
+    p = Path(path).expanduser().absolute()
+    for ancestor in (p, *p.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise ValueError(f"{key} {path!r}: {str(ancestor)!r} is a file, not a directory "
+                                 "(give a directory path)")
+            return
+
+
 def _cmd_report(args) -> int:
+    _check_new_dir(args.output, "report -o")
     from bench.report import build_report
+
 
     print(build_report(args.results_dir, args.output, target_loss=args.target_loss))
     return 0
@@ -147,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="re-run failed runs (their old records are kept aside)")
     sweep.add_argument("--executor", choices=["local", "slurm"], help="override the spec")
     sweep.add_argument("--max-parallel", type=int, help="concurrent local runs")
+    sweep.add_argument("--output-dir", metavar="DIR",
+                       help="write the sweep under DIR instead of the spec's output_dir")
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a run config field in every run (repeatable)")
     sweep.add_argument("--dry-run", action="store_true", help="list the runs, launch nothing")
     sweep.add_argument("--no-report", action="store_true", help="skip the report at the end")
     sweep.set_defaults(func=_cmd_sweep)

@@ -1,24 +1,21 @@
-"""The typed config tree: YAML files plus `--set a.b=value` overrides, validated up front.
+"""The commbench config schema: its sections, cross-field validation and run identity.
 
 `commbench config show configs/ddp-tiny.yaml` prints the resolved tree with each
 field's documentation. Every field is documented by the string literal under it; that
-text is the `--help` of the field. Unknown keys, wrong types and bad cross-field values
-fail here, before any process starts, naming the key path, the value and what is valid.
-The resolved config (minus output paths) hashes to the run's identity.
+text is the `--help` of the field. Reading YAML, `--set a.b=value` overrides, types and
+did-you-mean are the generic engine in bench/typed.py; this module adds the schema and
+the checks that need more than one field. Everything fails here, before any process
+starts, naming the key path, the value and what is valid. The resolved config (minus
+output paths) hashes to the run's identity.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import difflib
 import hashlib
 import inspect
 import json
 import os
-import textwrap
-import types
-import typing
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,12 +23,25 @@ from typing import Any, Literal
 import yaml
 
 from algorithms.base import STRATEGIES, StrategyConfig, config_class
+from bench.typed import (  # noqa: F401  (re-exported: the public names of bench.config)
+    describe_sections,
+    field_docs,
+    from_mapping,
+    load_yaml_mapping,
+    parse_assignment,
+    set_override,
+    set_value,
+    to_dict,
+    without_keys,
+)
+from bench.typed import fail as _fail
 
 
 @dataclass
 class RunConfig:
     name: str = "run"
-    """Human-readable run name; the run directory is NAME-HASH under output_dir."""
+    """Human-readable run name (letters, digits, '.', '_', '-'); the run directory is
+    NAME-HASH under output_dir."""
     seed: int = 0
     """Seed for model init and the data order (same seed => same tokens in the same order)."""
     steps: int = 100
@@ -170,7 +180,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    strategy: StrategyConfig = field(default_factory=lambda: config_class("ddp")())
+    strategy: StrategyConfig = field(default_factory=lambda: config_class("ddp")(),
+                                     metadata={"parse": lambda v, p: _strategy_from_dict(v, p)})
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -181,194 +192,106 @@ class Config:
 
 # Keys that say where things go, not what is computed: left out of the run's identity.
 NON_IDENTITY_KEYS = ("run.output_dir", "data.cache_dir", "launch")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+"""Names that become directory names: no path separators, no leading dot."""
 
 
 # ---------------------------------------------------------------------------- parsing
 
 
-def _fail(path: str, value: Any, valid: str) -> ValueError:
-    return ValueError(f"{path} must be {valid}, got {value!r}")
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        alternatives = [a for a in args if a is not type(None)]
-        errors = []
-        for alternative in alternatives:  # e.g. int | list[int]: the first that fits
-            try:
-                return _coerce(value, alternative, path)
-            except ValueError as err:
-                errors.append(str(err))
-        if len(errors) == 1:
-            raise ValueError(errors[0])
-        raise ValueError(" Or: ".join(errors))
-    if origin is Literal:
-        if value not in args:
-            raise _fail(path, value, f"one of {list(args)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise _fail(path, value, "a list")
-        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:
-        if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise _fail(path, value, f"a list of {len(args)} values")
-        pairs = enumerate(zip(value, args, strict=True))
-        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in pairs)
-    if dataclasses.is_dataclass(tp):
-        return _from_dict(tp, value, path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _fail(path, value, "true or false")
-        return value
-    if tp is int:
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _fail(path, value, "an integer")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 4e-4 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise _fail(path, value, "a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _fail(path, value, "a string")
-        return value
-    raise TypeError(f"{path}: unsupported config type {tp}")  # a bug in a config class
-
-
-def _from_dict(cls: type, data: Any, path: str) -> Any:
+def _strategy_from_dict(data: Any, path: str) -> StrategyConfig:
+    """The strategy section: its `name` picks the config class of the other keys."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path or 'config'} must be a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            hint = difflib.get_close_matches(str(key), names, n=1)
-            maybe = f" (did you mean {hint[0]!r}?)" if hint else ""
-            where = f"{path}.{key}" if path else str(key)
-            raise ValueError(f"unknown config key {where!r}{maybe}; valid keys: {names}")
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        sub = f"{path}.{name}" if path else name
-        if cls is Config and name == "strategy":
-            kwargs[name] = _strategy_from_dict(data[name], sub)
-        else:
-            kwargs[name] = _coerce(data[name], hints[name], sub)
-    try:
-        return cls(**kwargs)
-    except ValueError as err:
-        if path and not str(err).startswith(path):
-            raise ValueError(f"{path}: {err}") from None
-        raise
-
-
-def _strategy_from_dict(data: Any, path: str) -> StrategyConfig:
-    data = dict(data or {})
+        raise _fail(path, data, f"a mapping with a name, e.g. {{name: ddp}} (names: "
+                                f"{sorted(STRATEGIES)})")
     name = data.get("name", "ddp")
-    if name not in STRATEGIES:
+    if not isinstance(name, str) or name not in STRATEGIES:
         raise _fail(f"{path}.name", name, f"one of {sorted(STRATEGIES)}")
-    return _from_dict(config_class(name), data, path)
-
-
-def set_value(data: dict, key: str, value: Any) -> None:
-    """Set the dotted `key` (e.g. strategy.inner_steps) in a raw config dict."""
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ValueError(f"config key must be a dotted path like run.steps, got {key!r}")
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"config key {key!r}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def set_override(data: dict, assignment: str) -> None:
-    """Apply one `a.b.c=value` override to a raw config dict; the value is parsed as YAML."""
-    if "=" not in assignment:
-        raise ValueError(f"--set expects KEY=VALUE (e.g. run.steps=50), got {assignment!r}")
-    key, raw = assignment.split("=", 1)
-    set_value(data, key, yaml.safe_load(raw) if raw.strip() else "")
+    return from_mapping(config_class(name), data, path)
 
 
 def load_raw(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file not found: {str(path)!r}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a mapping of sections, got {data!r}")
-    return data
+    """The raw mapping of a YAML config file (errors name the file and the line)."""
+    return load_yaml_mapping(path, "config file")
 
 
 def from_dict(data: dict) -> Config:
-    config = _from_dict(Config, data, "")
+    config = from_mapping(Config, data, "")
     validate(config)
     return config
+
+
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """Apply `--set KEY=VALUE` overrides to a raw config in place.
+
+    Switching `strategy.name` drops the strategy knobs of the file: they belong to
+    another algorithm (as in sweeps); knobs given with --set are kept."""
+    pairs = [parse_assignment(a) for a in overrides]
+    new_name = dict(pairs).get("strategy.name")
+    strategy = data.get("strategy")
+    if isinstance(strategy, dict) and new_name is not None and \
+            new_name != strategy.get("name", "ddp"):
+        data["strategy"] = {}
+    for key, value in pairs:
+        set_value(data, key, value)
+    return data
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
     """Read YAML (or start from defaults), apply `--set` overrides, parse and validate."""
     data = load_raw(path) if path else {}
-    for assignment in overrides:
-        set_override(data, assignment)
-    return from_dict(data)
+    return from_dict(apply_overrides(data, overrides))
 
 
 # ------------------------------------------------------------------------- validation
 
 
-def _positive(path: str, value: float, minimum: float = 1) -> None:
+def _at_least(path: str, value: float, minimum: float = 1) -> None:
     if value < minimum:
         raise ValueError(f"{path} must be >= {minimum}, got {value!r}")
 
 
+def _in_range(path: str, value: float, low: float, high: float, closed: str = "[)") -> None:
+    ok_low = value >= low if closed[0] == "[" else value > low
+    ok_high = value <= high if closed[1] == "]" else value < high
+    if not (ok_low and ok_high):
+        raise _fail(path, value, f"in {closed[0]}{low}, {high}{closed[1]}")
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks that need more than one section, or the model/network tables."""
-    from bench.model import PRESETS
+    """Checks that need more than one field's type: ranges, tables, cross-section rules."""
+    from bench.data import check_corpus_path
+    from bench.model import PRESETS, gpt_config
     from bench.network import PROFILES
 
-    _positive("run.steps", cfg.run.steps)
-    _positive("run.log_every", cfg.run.log_every)
-    _positive("run.val_every", cfg.run.val_every, 0)
-    _positive("run.val_batches", cfg.run.val_batches)
-    _positive("model.seq_len", cfg.model.seq_len)
-    _positive("data.batch_size", cfg.data.batch_size)
-    _positive("optim.warmup_steps", cfg.optim.warmup_steps, 0)
-    _positive("optim.grad_clip", cfg.optim.grad_clip, 0)
-    _positive("parallel.world_size", cfg.parallel.world_size)
-    _positive("parallel.group_size", cfg.parallel.group_size)
-    _positive("parallel.num_stages", cfg.parallel.num_stages)
-    _positive("parallel.num_microbatches", cfg.parallel.num_microbatches)
-    _positive("parallel.timeout_s", cfg.parallel.timeout_s, 1)
-    _positive("launch.nnodes", cfg.launch.nnodes)
+    if not NAME_RE.match(cfg.run.name):
+        raise _fail("run.name", cfg.run.name, "letters, digits, '.', '_' or '-', not starting "
+                    "with '.' (it names the run directory)")
+    for key in ("run.steps", "run.log_every", "run.val_batches", "model.seq_len",
+                "data.batch_size", "parallel.world_size", "parallel.group_size",
+                "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",
+                "launch.nnodes", "eval.batch_size"):
+        section, name = key.split(".")
+        _at_least(key, getattr(getattr(cfg, section), name))
+    for key in ("run.val_every", "optim.warmup_steps", "optim.grad_clip",
+                "optim.weight_decay", "checkpoint.every", "network.ranks_per_node"):
+        section, name = key.split(".")
+        _at_least(key, getattr(getattr(cfg, section), name), 0)
+    if cfg.eval.limit is not None:
+        _at_least("eval.limit", cfg.eval.limit)
     if cfg.optim.lr <= 0:
         raise _fail("optim.lr", cfg.optim.lr, "> 0")
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise _fail("optim.min_lr_ratio", cfg.optim.min_lr_ratio, "in [0, 1]")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise _fail("data.val_fraction", cfg.data.val_fraction, "in (0, 1)")
+    _in_range("optim.min_lr_ratio", cfg.optim.min_lr_ratio, 0, 1, "[]")
+    for i, beta in enumerate(cfg.optim.betas):
+        _in_range(f"optim.betas[{i}]", beta, 0, 1)
+    _in_range("optim.momentum", cfg.optim.momentum, 0, 1)
+    _in_range("data.val_fraction", cfg.data.val_fraction, 0, 1, "()")
     if cfg.model.preset not in PRESETS:
         raise _fail("model.preset", cfg.model.preset, f"one of {sorted(PRESETS)}")
+    m = cfg.model  # the shape checks (heads divide the width, dropout) live with the model
+    gpt_config(m.preset, 256, m.seq_len, m.dropout, m.n_layer, m.n_head, m.n_embd)
     for i, name in enumerate(cfg.network.profiles):
         if name not in PROFILES:
             raise _fail(f"network.profiles[{i}]", name, f"one of {sorted(PROFILES)}")
@@ -389,31 +312,57 @@ def validate(cfg: Config) -> None:
             f"parallel.num_microbatches ({cfg.parallel.num_microbatches}) must divide "
             f"data.batch_size ({cfg.data.batch_size})"
         )
+    if cfg.parallel.backend == "nccl" and cfg.parallel.device == "cpu":
+        raise ValueError("parallel.backend 'nccl' needs parallel.device cuda (or auto on a "
+                         "GPU machine); with parallel.device cpu use backend gloo or auto")
     if cfg.eval.suite is not None and cfg.eval.suite not in ("smoke", "paper"):
         raise _fail("eval.suite", cfg.eval.suite, "null, 'smoke' or 'paper'")
-    _check_corpus(cfg.data.corpus)
+    if cfg.eval.tasks and cfg.eval.suite is None:
+        raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
+    check_corpus_path(cfg.data.corpus)
+    _check_strategy(cfg)
+
+
+def _check_strategy(cfg: Config) -> None:
+    """The strategy's own cross-section rules (world size, stages, steps, ...)."""
     check = getattr(cfg.strategy, "check", None)
-    if check is not None:  # strategy-specific cross-field rules (world size, steps, ...)
-        check(world_size=world, group_size=group, num_stages=cfg.parallel.num_stages,
-              steps=cfg.run.steps)
-
-
-NAMED_CORPORA = ("embedded", "shakespeare", "openwebtext")
-
-
-def _check_corpus(corpus: str) -> None:
-    if corpus in NAMED_CORPORA:
+    if check is None:
         return
-    if not Path(corpus).expanduser().exists():
-        raise ValueError(
-            f"data.corpus: no such file or directory: {corpus!r} (valid: "
-            f"{', '.join(NAMED_CORPORA)}, a .txt file, a directory of .txt files, or a "
-            "directory prepared by `commbench data prepare`)"
-        )
+    if "world_size" in inspect.signature(check).parameters:  # the keyword form, until every
+        check(world_size=cfg.parallel.world_size,            # strategy takes check(cfg)
+              group_size=cfg.parallel.group_size, num_stages=cfg.parallel.num_stages,
+              steps=cfg.run.steps)
+    else:
+        check(cfg)
 
 
-def check_output_dir(path: str) -> Path:
-    """Create the output directory (or fail naming run.output_dir if it is not writable)."""
+def check_device(cfg: Config) -> None:
+    """Fail unless this machine has the device and backend the config asks for."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if cfg.parallel.device == "cuda" and not has_cuda:
+        raise _fail("parallel.device", "cuda", "auto or cpu on this machine (it has no CUDA "
+                    "device)")
+    on_cuda = cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto" and has_cuda)
+    if cfg.parallel.backend == "nccl" and not on_cuda:
+        raise _fail("parallel.backend", "nccl", "auto or gloo on this machine (nccl needs a "
+                    "CUDA device)")
+
+
+def preflight(cfg: Config) -> None:
+    """Checks against the machine that will train the run, before anything is launched:
+    the device and backend exist here, and the corpus has enough tokens for a window of
+    training and of validation data (tokenising it into the cache if needed)."""
+    from bench.data import check_corpus_size
+
+    check_device(cfg)
+    check_corpus_size(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
+                      cfg.data.val_fraction, cfg.model.seq_len)
+
+
+def check_output_dir(path: str, key: str = "run.output_dir") -> Path:
+    """Create the output directory (or fail naming `key` if it is not writable)."""
     out = Path(path).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -421,42 +370,16 @@ def check_output_dir(path: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise ValueError(f"run.output_dir {path!r} is not writable: {err.strerror}") from None
+        raise ValueError(f"{key} {path!r} is not writable: {err.strerror} (give a directory "
+                         "path whose parents are directories you can write)") from None
     return out
 
 
 # ---------------------------------------------------------------------- serialisation
 
 
-def to_dict(cfg: Any) -> dict:
-    def plain(v):
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        if isinstance(v, list):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return v
-
-    return plain(dataclasses.asdict(cfg))
-
-
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def without_keys(data: dict, keys: tuple[str, ...]) -> dict:
-    """Remove dotted `keys` (a key or a whole section) from nested `data` in place; returns it.
-
-    A key whose section is absent is skipped."""
-    for key in keys:
-        node: Any = data
-        *parents, last = key.split(".")
-        for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(last, None)
-    return data
 
 
 def identity_dict(cfg: Config) -> dict:
@@ -469,42 +392,6 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-# --------------------------------------------------------------------------- field docs
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each dataclass field, keyed by field name."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body
-        for node, nxt in zip(body, body[1:], strict=False):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
 def describe(cfg: Config) -> str:
     """The resolved config as YAML with each field's documentation as a comment."""
-    lines = [f"# identity: {config_hash(cfg)}"]
-    for section in dataclasses.fields(cfg):
-        value = getattr(cfg, section.name)
-        docs = field_docs(type(value))
-        lines.append(f"{section.name}:")
-        for f in dataclasses.fields(value):
-            rendered = yaml.safe_dump(to_dict(value)[f.name], default_flow_style=True).strip()
-            rendered = rendered.removesuffix("\n...").removesuffix("...").strip()
-            doc = docs.get(f.name, "")
-            lines.append(f"  {f.name}: {rendered}" + (f"  # {doc}" if doc else ""))
-    return "\n".join(lines) + "\n"
+    return "\n".join([f"# identity: {config_hash(cfg)}", *describe_sections(cfg)]) + "\n"

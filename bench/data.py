@@ -204,6 +204,37 @@ def _source(corpus: str) -> tuple[str, Callable[[], Pieces]]:
     raise ValueError(f"data.corpus: {why}: {corpus!r} (valid: {_VALID_CORPORA})")
 
 
+def check_corpus_path(corpus: str) -> None:
+    """Fail (naming data.corpus, the value and what is valid) unless `corpus` names a
+    corpus: a named one, a non-empty .txt file, a directory of .txt files with some
+    text, or a prepared shard directory. Cheap: reads no text."""
+    if corpus in NAMED_CORPORA:
+        return
+    path = Path(corpus).expanduser()
+    if (path / "meta.json").exists():
+        return
+    _source(corpus)  # a missing path or one that is not a corpus fails here
+    files = [path] if path.is_file() else sorted(path.glob("*.txt"))
+    if all(f.stat().st_size == 0 for f in files):
+        raise ValueError(f"data.corpus: {corpus!r} is empty (valid: {_VALID_CORPORA}, "
+                         "holding some text)")
+
+
+def check_corpus_size(
+    corpus: str, tokenizer_name: str, cache_dir: str | Path, val_fraction: float, seq_len: int
+) -> None:
+    """Fail unless both splits of the corpus hold one window of seq_len + 1 tokens
+    (tokenises the corpus into the cache, as the first run on it would)."""
+    splits = load_corpus(corpus, tokenizer_name, cache_dir, val_fraction)
+    for split, key in ((splits.train, "the training split"), (splits.val, "the val split")):
+        if len(split) < seq_len + 1:
+            raise ValueError(
+                f"data.corpus {corpus!r}: {key} has {len(split)} tokens, fewer than "
+                f"model.seq_len + 1 = {seq_len + 1}; valid: a larger corpus, a larger "
+                f"data.val_fraction (now {val_fraction:g}) or a smaller model.seq_len"
+            )
+
+
 # ---------------------------------------------------------------------------- shards
 @dataclass
 class TokenSplits:
@@ -265,7 +296,8 @@ def _write_shards(
         num_tokens = os.path.getsize(tmp["train"]) // 2
         num_val = max(1, int(num_tokens * val_fraction))
         if num_tokens - num_val < 2:
-            raise ValueError(f"data.corpus {source!r} has only {num_tokens} tokens")
+            raise ValueError(f"data.corpus {source!r} has only {num_tokens} tokens (valid: a "
+                             "corpus of at least a few windows of model.seq_len tokens)")
         num_train = num_tokens - num_val
         all_tokens = np.memmap(tmp["train"], dtype=np.uint16, mode="r")
         all_tokens[num_train:].tofile(tmp["val"])

@@ -3,9 +3,11 @@
     commbench sweep configs/quickstart.yaml               # the local executor
     commbench sweep configs/sweeps/slurm-example.yaml     # the slurm executor (a login node)
 
-bench.sweep decides which runs to train and where their records go; this module trains
-them and shows their progress. A run that raises is recorded as failed, with its error,
-and never stops the sweep; Ctrl-C does (the run in flight records itself as interrupted).
+bench.sweep decides which runs to train and where their records go; an `Executor` trains
+them: `prepare(runs)` checks it can (before any record changes) and `run(todo, runner,
+progress)` trains and returns each run's summary. Executors know nothing of sweep specs.
+A run that raises is recorded as failed, with its error, and never stops the sweep; Ctrl-C
+does (the run in flight records itself as interrupted).
 
 `local` runs one run at a time, or `max_parallel` at once. `slurm` submits one
 job per run, or one job array (`array: true`, throttled by `max_parallel`), through
@@ -33,23 +35,67 @@ executor) runs the same path on this machine; the tests use it.
 
 from __future__ import annotations
 
-import json
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from tqdm import tqdm
 
 from bench import records
 from bench.config import Config, config_hash, from_dict, to_dict, to_yaml
 
-if TYPE_CHECKING:
-    from bench.sweep import RunOutcome, SweepRun, SweepSpec
+if TYPE_CHECKING:  # executors are given runs; they never import the sweep at run time
+    from bench.sweep.progress import Progress
+    from bench.sweep.spec import SweepRun
+
+
+@dataclass
+class ExecutorSpec:
+    """The `executor:` section of a sweep spec (read by bench/typed.py like run configs)."""
+
+    name: Literal["local", "slurm"] = "local"
+    """local (this machine) or slurm (submitit)."""
+    max_parallel: int | None = None
+    """local: runs at once (default 1); slurm: array jobs running at once (default unlimited)."""
+    cluster: Literal["slurm", "local"] = "slurm"
+    """slurm; or local, submitit's local executor (tests, or a workstation without Slurm)."""
+    array: bool = True
+    """slurm: submit one job array (true) or one job per run (false)."""
+    poll_s: float = 30.0
+    """slurm: seconds between checks of the jobs' state."""
+    partition: str | None = None
+    """slurm partition."""
+    timeout_min: int = 60
+    """Wall-clock limit of each job, minutes."""
+    nodes: int = 1
+    """Nodes per job (multi-node runs also need launch.nnodes and launch.rdzv_endpoint)."""
+    tasks_per_node: int = 1
+    """Tasks per node; 1 = the launcher, which starts the ranks with torchrun."""
+    gpus_per_node: int | None = None
+    """GPUs per node."""
+    cpus_per_task: int | None = None
+    """CPU cores per task."""
+    mem_gb: float | None = None
+    """Memory per node, GB."""
+    sbatch: dict = field(default_factory=dict)
+    """Further #SBATCH options, e.g. {account: proj, qos: high, constraint: a100}."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run in the job before the run starts (module load, venv activation)."""
+
+    def __post_init__(self):
+        if self.max_parallel is not None and self.max_parallel < 1:
+            raise ValueError(f"executor.max_parallel must be >= 1, got {self.max_parallel}")
+        if self.poll_s <= 0:
+            raise ValueError(f"executor.poll_s must be > 0, got {self.poll_s}")
+        for key in ("timeout_min", "nodes", "tasks_per_node"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"executor.{key} must be >= 1, got {getattr(self, key)}")
+
 
 Runner = Callable[..., dict]
 """`runner(cfg, run_dir, progress=bool) -> summary dict`, default bench.launch.run_config."""
@@ -90,119 +136,51 @@ def execute_run(cfg: Config, run_dir: Path, runner: Runner | None = None,
     return summary
 
 
-# --------------------------------------------------------------------------- progress
+# --------------------------------------------------------------------------- interface
 
 
-class _RunLine:
-    """One running run's line: steps done, loss and tokens/s, read from its metrics.jsonl."""
+class Executor:
+    """How a sweep's runs are trained. Built from the spec's `executor:` section."""
 
-    def __init__(self, run: SweepRun, run_dir: Path):
-        self.path = run_dir / "metrics.jsonl"
-        self.offset = 0
-        self.bar = tqdm(total=run.config.run.steps, desc=f"  {run.label} seed={run.seed}",
-                        unit="step", leave=False, dynamic_ncols=True)
+    def __init__(self, spec: ExecutorSpec, name: str, sweep_dir: Path):
+        self.spec, self.name, self.sweep_dir = spec, name, sweep_dir
 
-    def poll(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
-        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written waits
-        self.offset += len(complete)
-        for line in complete.splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            step, loss = row.get("step"), row.get("loss")
-            if not isinstance(step, int) or not isinstance(loss, float) or step <= self.bar.n:
-                continue
-            self.bar.update(step - self.bar.n)
-            elapsed = row.get("elapsed_s") or 0
-            speed = f"  {row.get('tokens', 0) / elapsed:,.0f} tok/s" if elapsed else ""
-            self.bar.set_postfix_str(f"loss {loss:.4f}{speed}", refresh=False)
-        self.bar.refresh()
+    def prepare(self, runs: list[SweepRun]) -> set[str]:
+        """Fail (ValueError) if these runs cannot be trained; called before any record
+        changes. Returns the ids of runs an earlier invocation is still training."""
+        return set()
+
+    def run(self, todo: list[tuple[SweepRun, Path]], runner: Runner | None,
+            progress: Progress) -> dict[str, dict]:
+        """Train `todo` (run, run_dir) pairs; run id -> summary. A failing run is recorded
+        as failed and never stops the others; Ctrl-C does."""
+        raise NotImplementedError
 
 
-class _Progress:
-    """The sweep-level bar (done / failed / remaining, ETA) above one line per running run.
-
-    On a terminal, tqdm draws both and each run's line follows its metrics.jsonl (so runs
-    train with their own progress printing off). Elsewhere (logs, CI, batch jobs) there
-    are no bars: one line per run start and end, and the runs print their own progress."""
-
-    def __init__(self, name: str, outcomes: list[RunOutcome], num_todo: int):
-        self.total = len(outcomes)
-        self.ok = sum(o.status in records.DONE_STATUSES for o in outcomes if not o.launched)
-        self.failed = sum(o.status == "failed" for o in outcomes if not o.launched)
-        self.started = 0
-        self.num_todo = num_todo
-        self.lock = threading.RLock()
-        self.bar = tqdm(total=self.total, initial=self.total - num_todo, unit="run",
-                        desc=f"sweep {name}", position=0, dynamic_ncols=True, disable=None)
-        self.live = not self.bar.disable
-        """Bars are drawn: runs should not print their own progress."""
-        self.lines: dict[str, _RunLine] = {}
-        self.stop = threading.Event()
-        self._postfix()
-        if self.live:
-            self.poller = threading.Thread(target=self._poll, daemon=True)
-            self.poller.start()
-
-    def _postfix(self) -> None:
-        left = self.total - self.ok - self.failed
-        self.bar.set_postfix_str(f"done={self.ok} failed={self.failed} remaining={left}")
-
-    def _poll(self) -> None:
-        while not self.stop.wait(0.5):
-            with self.lock:
-                for line in self.lines.values():
-                    line.poll()
-
-    def start(self, run: SweepRun, run_dir: Path) -> None:
-        with self.lock:
-            self.started += 1
-            tqdm.write(f"[{self.started}/{self.num_todo}] {run.label} seed={run.seed}: "
-                       f"training -> {run_dir}", file=sys.stderr)
-            if self.live:
-                self.lines[run.run_id] = _RunLine(run, run_dir)
-
-    def finish(self, run: SweepRun, summary: dict) -> None:
-        status = summary.get("status", "failed")
-        with self.lock:
-            line = self.lines.pop(run.run_id, None)
-            if line is not None:
-                line.bar.close()
-            if status == "failed":
-                self.failed += 1
-            else:
-                self.ok += 1
-            val = summary.get("final_val_loss")
-            detail = f"final val loss {val:.4f}" if isinstance(val, float) else ""
-            if status == "failed":
-                detail = (summary.get("error") or "").strip().splitlines()[:1]
-                detail = detail[0] if detail else "no error text"
-            tqdm.write(f"  {run.label} seed={run.seed}: {status} {detail}".rstrip(),
-                       file=sys.stderr)
-            self._postfix()
-            self.bar.update(1)
-
-    def close(self) -> None:
-        self.stop.set()
-        with self.lock:
-            for line in self.lines.values():
-                line.bar.close()
-            self.lines.clear()
-        self.bar.close()
+def make_executor(spec: ExecutorSpec, name: str, sweep_dir: Path) -> Executor:
+    """The executor named by `spec.name` for the sweep `name` recorded in `sweep_dir`."""
+    return EXECUTORS[spec.name](spec, name, sweep_dir)
 
 
 # ------------------------------------------------------------------------------- local
 
 
+class LocalExecutor(Executor):
+    """This machine: one run at a time, or `max_parallel` at once."""
+
+    def prepare(self, runs: list[SweepRun]) -> set[str]:
+        from bench.config import check_device
+
+        for run in runs:  # a config this machine cannot run fails the sweep, not the run
+            check_device(run.config)
+        return set()
+
+    def run(self, todo, runner, progress):
+        return _run_local(todo, runner, self.spec.max_parallel or 1, progress)
+
+
 def _run_local(todo: list[tuple[SweepRun, Path]], runner: Runner | None, max_parallel: int,
-               progress: _Progress) -> dict[str, dict]:
+               progress: Progress) -> dict[str, dict]:
     """Train the runs here, one after another or `max_parallel` at once.
 
     Ctrl-C stops the sweep: each run in flight records itself as interrupted (partial:
@@ -256,17 +234,45 @@ _ACTIVE_SLURM_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLE
                         "SUSPENDED", "RESIZING")
 
 
-def _slurm_executor(spec: SweepSpec, folder: Path):
+class SlurmExecutor(Executor):
+    """One job per run, or one job array, through submitit; waits for them, polling."""
+
+    def __init__(self, spec: ExecutorSpec, name: str, sweep_dir: Path):
+        super().__init__(spec, name, sweep_dir)
+        self.folder = sweep_dir / "_slurm"
+        self.active: dict[str, Any] = {}
+        self.submitit = None
+
+    def prepare(self, runs: list[SweepRun]) -> set[str]:
+        self.submitit = _submitit_executor(self.spec, self.name, self.folder)
+        self.active = _still_active_jobs(self.spec, self.folder, {r.run_id for r in runs})
+        return set(self.active)
+
+    def run(self, todo, runner, progress):
+        by_id = {run.run_id: (run, run_dir) for run, run_dir in todo}
+        to_submit = [(r, d) for r, d in todo if r.run_id not in self.active]
+        jobs = submit(self.submitit, self.spec, self.name, to_submit, runner)
+        pending = dict(self.active)
+        pending.update({run.run_id: job for (run, _), job in zip(to_submit, jobs, strict=True)})
+        ids = _load_jobs(self.folder)
+        ids.update({run_id: job.job_id for run_id, job in pending.items()})
+        records.write_json(self.folder / "jobs.json", ids)
+        for run_id, job in pending.items():
+            progress.start(*by_id[run_id])
+            tqdm.write(f"  job {job.job_id}", file=sys.stderr)
+        return _wait(pending, by_id, progress, self.spec.poll_s)
+
+
+def _submitit_executor(ex: ExecutorSpec, name: str, folder: Path):
     import submitit
 
-    ex = spec.executor
     try:
         executor = submitit.AutoExecutor(folder=str(folder / "%j"), cluster=ex.cluster)
     except RuntimeError as err:  # no srun/sbatch here
         raise ValueError(f"executor slurm: {err} Run the sweep on a Slurm login node, or set "
                          "executor.cluster: local (or --executor local) to run here.") from None
     params: dict[str, Any] = {
-        "name": f"commbench-{spec.name}", "timeout_min": ex.timeout_min, "nodes": ex.nodes,
+        "name": f"commbench-{name}", "timeout_min": ex.timeout_min, "nodes": ex.nodes,
         "tasks_per_node": ex.tasks_per_node, "gpus_per_node": ex.gpus_per_node,
         "cpus_per_task": ex.cpus_per_task, "mem_gb": ex.mem_gb,
         "slurm_partition": ex.partition, "slurm_additional_parameters": ex.sbatch or None,
@@ -278,14 +284,28 @@ def _slurm_executor(spec: SweepSpec, folder: Path):
     return executor
 
 
+def submit(executor, ex: ExecutorSpec, name: str, todo: list[tuple[SweepRun, Path]],
+           runner: Runner | None) -> list:
+    """Submit one job per run (an array when `ex.array`); the submitit jobs, in order."""
+    args = [(to_dict(r.config), str(d), runner) for r, d in todo]
+    if ex.array and len(args) > 1:
+        with executor.batch():
+            return [executor.submit(_slurm_job, *a) for a in args]
+    jobs = []
+    for a, (run, _) in zip(args, todo, strict=True):
+        executor.update_parameters(name=f"commbench-{name}-{run.dir_name}")
+        jobs.append(executor.submit(_slurm_job, *a))
+    return jobs
+
+
 def _load_jobs(folder: Path) -> dict[str, str]:
     path = folder / "jobs.json"
     return records.read_json(path) if path.exists() else {}
 
 
-def _still_active_slurm_jobs(spec: SweepSpec, folder: Path, run_ids: set[str]) -> dict:
+def _still_active_jobs(ex: ExecutorSpec, folder: Path, run_ids: set[str]) -> dict:
     """Jobs of an earlier invocation still queued or running, by run id (real Slurm only)."""
-    if spec.executor.cluster != "slurm":
+    if ex.cluster != "slurm":
         return {}
     import submitit
 
@@ -299,30 +319,8 @@ def _still_active_slurm_jobs(spec: SweepSpec, folder: Path, run_ids: set[str]) -
     return active
 
 
-def _run_slurm(spec: SweepSpec, executor, todo: list[tuple[SweepRun, Path]],
-               runner: Runner | None, progress: _Progress, active: dict) -> dict[str, dict]:
-    folder = spec.sweep_dir / "_slurm"
-    by_id = {run.run_id: (run, run_dir) for run, run_dir in todo}
-    to_submit = [(r, d) for r, d in todo if r.run_id not in active]
-    args = [(to_dict(r.config), str(d), runner) for r, d in to_submit]
-    if spec.executor.array and len(args) > 1:
-        with executor.batch():
-            jobs = [executor.submit(_slurm_job, *a) for a in args]
-    else:
-        jobs = []
-        for a, (run, _) in zip(args, to_submit, strict=True):
-            executor.update_parameters(name=f"commbench-{spec.name}-{run.dir_name}")
-            jobs.append(executor.submit(_slurm_job, *a))
-    pending = dict(active)
-    pending.update({run.run_id: job for (run, _), job in zip(to_submit, jobs, strict=True)})
-    ids = _load_jobs(folder)
-    ids.update({run_id: job.job_id for run_id, job in pending.items()})
-    records.write_json(folder / "jobs.json", ids)
-    for run_id, job in pending.items():
-        run, run_dir = by_id[run_id]
-        progress.start(run, run_dir)
-        tqdm.write(f"  job {job.job_id}", file=sys.stderr)
-
+def _wait(pending: dict, by_id: dict, progress: Progress, poll_s: float) -> dict[str, dict]:
+    """Poll the jobs until all ended; run id -> summary (failed when a job died)."""
     summaries: dict[str, dict] = {}
     try:
         while pending:
@@ -342,7 +340,7 @@ def _run_slurm(spec: SweepSpec, executor, todo: list[tuple[SweepRun, Path]],
                 progress.finish(run, summary)
                 del pending[run_id]
             if pending:
-                time.sleep(spec.executor.poll_s)
+                time.sleep(poll_s)
     except KeyboardInterrupt:
         tqdm.write(f"stopped waiting; {len(pending)} job(s) keep running. Re-run the sweep to "
                    "wait for them and report.", file=sys.stderr)
@@ -353,3 +351,8 @@ def _run_slurm(spec: SweepSpec, executor, todo: list[tuple[SweepRun, Path]],
 def _slurm_job(config_data: dict, run_dir: str, runner: Runner | None) -> dict:
     """Entry point inside a submitit job (pickled by reference: keep it at module level)."""
     return execute_run(from_dict(config_data), Path(run_dir), runner, progress=False)
+
+
+EXECUTORS: dict[str, Callable[[ExecutorSpec, str, Path], Executor]] = {
+    "local": LocalExecutor, "slurm": SlurmExecutor,
+}

@@ -6,7 +6,9 @@ line, and leaves summary.json with status ok, diverged or failed (with the error
 A rank that crashes makes torchrun stop the others; a rank stuck in a collective fails
 after `parallel.timeout_s`; either way the run ends with status failed, never a hang.
 Ctrl-C stops torchrun, records the run failed with `interrupted: true` (partial: a sweep
-trains it again) and re-raises the KeyboardInterrupt to the caller.
+trains it again) and re-raises the KeyboardInterrupt to the caller. Self-evaluation
+(`eval.suite`) is the command line's job (bench/cli.py), after `run_config` returns: the
+harness does not import `eval`.
 
 Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
 `commbench run CONFIG --run-dir SHARED_DIR` once per node; torchrun's c10d rendezvous
@@ -22,8 +24,9 @@ import time
 from collections import deque
 from pathlib import Path
 
-from bench import records
 from bench.config import Config, check_output_dir, config_hash, to_yaml
+from bench.records import RunDir, write_text
+from bench.summary import running_header
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -55,45 +58,39 @@ def torchrun_command(cfg: Config, run_dir: Path) -> list[str]:
 
 def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
                resume: bool = False) -> dict:
-    """Train one run into `run_dir` (a new directory when None); returns summary.json."""
-    run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    for stale in (run_dir / "logs").glob("error-rank*.txt"):
-        stale.unlink()
-    records.write_text(run_dir / "config.yaml", to_yaml(cfg))
-    summary = records.update_summary(run_dir, {
-        "status": "running", "run_name": cfg.run.name, "config_hash": config_hash(cfg),
-        "strategy": cfg.strategy.name, "world_size": cfg.parallel.world_size,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    })
+    """Train one run into `run_dir` (a new directory when None); returns summary.json
+    with `run_dir` added."""
+    run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
+    run.prepare()
+    write_text(run.config, to_yaml(cfg))
+    run.update_summary(running_header(
+        cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
     env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     if resume:
         env["COMMBENCH_RESUME"] = "1"
     started = time.perf_counter()
-    log_path = run_dir / "logs" / "torchrun.log"
     try:
-        rc, tail = _run_torchrun(torchrun_command(cfg, run_dir), env, log_path, progress)
+        rc, tail = _run_torchrun(torchrun_command(cfg, run.path), env, run.torchrun_log,
+                                 progress)
     except KeyboardInterrupt:  # torchrun is stopped: record the run, let the caller stop too
-        records.update_summary(run_dir, {
+        run.update_summary({
             "status": "failed", "error": "interrupted by the user", "interrupted": True,
             "launcher_wall_s": time.perf_counter() - started,
         })
-        print(f"\ninterrupted; continue with: commbench run --resume {run_dir}", file=sys.stderr)
+        print(f"\ninterrupted; continue with: commbench run --resume {run.path}",
+              file=sys.stderr)
         raise
-    summary = records.read_summary(run_dir) or {}
+    summary = run.read_summary() or {}
     if rc != 0 or summary.get("status") == "running":
-        summary = records.update_summary(run_dir, {
-            "status": "failed", "error": _error_text(run_dir, rc, tail),
+        summary = run.update_summary({
+            "status": "failed", "error": _error_text(run, rc, tail),
             "launcher_wall_s": time.perf_counter() - started,
         })
     else:
-        wall = time.perf_counter() - started
-        summary = records.update_summary(run_dir, {"launcher_wall_s": wall})
-    if summary["status"] == "ok" and cfg.eval.suite:
-        summary = _self_evaluate(cfg, run_dir)
-    return {**summary, "run_dir": str(run_dir)}
+        summary = run.update_summary({"launcher_wall_s": time.perf_counter() - started})
+    return {**summary, "run_dir": str(run.path)}
 
 
 def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
@@ -128,9 +125,9 @@ def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
     return rc, list(tail)
 
 
-def _error_text(run_dir: Path, rc: int, tail: list[str]) -> str:
+def _error_text(run: RunDir, rc: int, tail: list[str]) -> str:
     # The first rank to fail is the cause; the others usually fail on the broken collective.
-    errors = sorted((run_dir / "logs").glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
+    errors = run.error_logs()
     if errors:
         first = errors[0]
         lines = first.read_text().strip().splitlines()
@@ -141,28 +138,3 @@ def _error_text(run_dir: Path, rc: int, tail: list[str]) -> str:
             text += f" (then {others} failed too)"
         return text + "\n" + "\n".join(lines[-15:])
     return f"torchrun exited with code {rc}\n" + "\n".join(tail[-15:])
-
-
-def _self_evaluate(cfg: Config, run_dir: Path) -> dict:
-    """lm-eval on the final model; its chatter goes to logs/eval.log, not the terminal."""
-    import contextlib
-    import logging
-
-    from eval.runner import evaluate_run
-
-    log_path = run_dir / "logs" / "eval.log"
-    with open(log_path, "a") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
-        handler = logging.StreamHandler(log)
-        root = logging.getLogger()
-        saved = root.handlers[:]
-        root.handlers = [handler]
-        try:
-            evaluate_run(run_dir, suite=cfg.eval.suite, tasks=cfg.eval.tasks or None,
-                         limit=cfg.eval.limit, batch_size=cfg.eval.batch_size)
-        except Exception as err:  # the training record stays valid; say what went wrong
-            return records.update_summary(
-                run_dir, {"eval_error": f"{type(err).__name__}: {err} (see {log_path})"})
-        finally:
-            root.handlers = saved
-    return records.read_summary(run_dir)

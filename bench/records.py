@@ -1,4 +1,4 @@
-"""Run records: the run directory layout, atomic writes and environment capture.
+"""Run records: the run directory (`RunDir`, the one owner of its paths) and atomic writes.
 
 A run directory (`commbench run` prints its path) holds:
 
@@ -7,32 +7,27 @@ A run directory (`commbench run` prints its path) holds:
     metrics.jsonl   one object per logged step; validation rows carry val_loss
     comm.jsonl      CommLedger aggregates by (phase, op, tier, group size)
     summary.json    status ok|failed|diverged|running, totals, projections, eval numbers
+                    (its schema: bench/summary.py)
     eval.json       lm-eval results (after `commbench eval`)
-    checkpoints/    final.pt (evaluation model), step-N.pt (resumable state)
-    logs/           per-rank stdout/stderr and error texts
+    checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
+                    state at the last `checkpoint.every` step)
+    logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log
 
-JSON files are replaced atomically (temp file + rename), so a reader never sees half a
-file; metrics.jsonl is appended line by line and readers skip a torn last line.
+Every file is replaced atomically (temp file + rename; `torch.save` too), so a reader
+never sees half a file; metrics.jsonl is appended line by line and readers skip a torn
+last line. Nothing outside this module spells a file name of the run directory.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 ENDED_STATUSES = ("ok", "failed", "diverged")
 """How a run ended, as summary.json records it."""
-STATUSES = ("running", *ENDED_STATUSES)
 DONE_STATUSES = ("ok", "diverged")
 """Statuses of a finished run that a re-run keeps (a diverged run is a result)."""
 
@@ -90,16 +85,13 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 def read_summary(run_dir: str | os.PathLike) -> dict | None:
-    path = Path(run_dir) / "summary.json"
-    return read_json(path) if path.exists() else None
+    """The run's summary.json, or None when it has none yet."""
+    return RunDir(run_dir).read_summary()
 
 
 def update_summary(run_dir: str | os.PathLike, updates: dict) -> dict:
     """Merge `updates` into summary.json atomically; returns the new summary."""
-    summary = read_summary(run_dir) or {}
-    summary.update(updates)
-    write_json(Path(run_dir) / "summary.json", summary)
-    return summary
+    return RunDir(run_dir).update_summary(updates)
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
@@ -139,51 +131,121 @@ def read_jsonl(path: str | os.PathLike, skipped: list[str] | None = None) -> lis
     return rows
 
 
-def git_identity(repo: Path) -> dict:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=repo, capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-
-    try:
-        commit = git("rev-parse", "HEAD").strip()
-        diff = git("diff", "HEAD")
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None, "diff_sha256": None}
-    return {
-        "commit": commit,
-        "dirty": bool(diff),
-        "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None,
-    }
 
 
-PACKAGES = ("torch", "numpy", "deepspeed", "lm_eval", "tiktoken", "pandas", "commbench")
+class RunDir:
+    """One run directory: where each record and checkpoint lives and how it is written.
 
+        run = RunDir("results/ddp-tiny-1a2b3c4d")
+        run.summary                       # .../summary.json
+        run.update_summary({"status": "failed", "error": "..."})
+        run.save_torch(payload, run.state_checkpoint(rank=0))
 
-def capture_env(world_size: int, backend: str, device: str) -> dict:
-    import torch
+    The trainer, the launcher, lm-eval and the test fixtures (`RunDir.write_fake_run`) go
+    through this class, so a file name is spelled in one place.
+    """
 
-    versions = {}
-    for name in PACKAGES:
+    FINAL_CHECKPOINT = Path("checkpoints") / "final.pt"
+    """The evaluation model, relative to the run directory (what `commbench eval` loads)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # ------------------------------------------------------------------------ paths
+
+    config = property(lambda self: self.path / "config.yaml")
+    env = property(lambda self: self.path / "env.json")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    comm = property(lambda self: self.path / "comm.jsonl")
+    summary = property(lambda self: self.path / "summary.json")
+    eval = property(lambda self: self.path / "eval.json")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    final_checkpoint = property(lambda self: self.path / RunDir.FINAL_CHECKPOINT)
+    logs = property(lambda self: self.path / "logs")
+    torchrun_log = property(lambda self: self.logs / "torchrun.log")
+    eval_log = property(lambda self: self.logs / "eval.log")
+
+    def state_checkpoint(self, rank: int) -> Path:
+        """Rank `rank`'s resumable state (strategy, loop state, RNG, ledger)."""
+        return self.checkpoints / f"state-rank{rank}.pt"
+
+    def error_log(self, rank: int) -> Path:
+        """The traceback of the exception that ended rank `rank`."""
+        return self.logs / f"error-rank{rank}.txt"
+
+    def error_logs(self) -> list[Path]:
+        """Every rank's error text, first written first (the first is usually the cause)."""
+        return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
+
+    # ----------------------------------------------------------------------- writes
+
+    def prepare(self) -> None:
+        """Create the directory and logs/, and drop error texts of an earlier attempt."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for stale in self.error_logs():
+            stale.unlink()
+
+    def read_summary(self) -> dict | None:
+        return read_json(self.summary) if self.summary.exists() else None
+
+    def update_summary(self, updates: dict) -> dict:
+        """Merge `updates` into summary.json atomically; returns the new summary."""
+        summary = self.read_summary() or {}
+        summary.update(updates)
+        write_json(self.summary, summary)
+        return summary
+
+    def append_metrics(self, row: dict) -> None:
+        append_jsonl(self.metrics, row)
+
+    def read_metrics(self, skipped: list[str] | None = None) -> list[dict]:
+        return read_jsonl(self.metrics, skipped)
+
+    def write_metrics(self, rows: list[dict]) -> None:
+        write_jsonl(self.metrics, rows)
+
+    @staticmethod
+    def save_torch(obj: Any, path: Path) -> None:
+        """`torch.save` atomically: a crash mid-write leaves the previous file intact."""
+        import torch
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    gpus = []
-    if torch.cuda.is_available():
-        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {
-        "git": git_identity(Path(__file__).resolve().parent.parent),
-        "packages": versions,
-        "python": sys.version.split()[0],
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "gpus": gpus,
-        "cuda": torch.version.cuda,
-        "world_size": world_size,
-        "backend": backend,
-        "device": device,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+            with os.fdopen(fd, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_UMASK)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    # --------------------------------------------------------------------- fixtures
+
+    @classmethod
+    def write_fake_run(cls, path: str | os.PathLike, config: dict | str,
+                       rows: list[dict] = (), summary: dict | None = None,
+                       torn_tail: str | None = None) -> RunDir:
+        """A run directory as a finished (or killed) run leaves it, for tests and demos.
+
+        `config` is a config mapping (or YAML text), `rows` the metrics rows in order,
+        `summary` the summary.json content (build it with `bench.summary.make_summary`;
+        None = killed before writing one), `torn_tail` a partial last metrics line.
+        """
+        run = cls(path)
+        run.path.mkdir(parents=True, exist_ok=True)
+        if not isinstance(config, str):
+            import yaml
+
+            config = yaml.safe_dump(config, sort_keys=False)
+        write_text(run.config, config)
+        text = "".join(json.dumps(row, default=_jsonable) + "\n" for row in rows)
+        write_text(run.metrics, text + (torn_tail or ""))
+        if summary is not None:
+            write_json(run.summary, summary)
+        return run

@@ -25,11 +25,12 @@ from tqdm import tqdm
 
 from bench.data import get_tokenizer
 from bench.model import GPT, GPTConfig
+from bench.records import RunDir
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT = Path("checkpoints") / "final.pt"
-"""The evaluation model inside a run directory (written by the training loop)."""
+CHECKPOINT = RunDir.FINAL_CHECKPOINT
+"""The evaluation model inside a run directory (written by bench/checkpoint.py)."""
 
 # (input ids, target ids, number of trailing targets that are scored)
 Window = tuple[list[int], list[int], int]
@@ -40,7 +41,7 @@ def checkpoint_path(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
-    path = run_dir / CHECKPOINT
+    path = RunDir(run_dir).final_checkpoint
     if not path.is_file():
         raise ValueError(
             f"run directory {str(run_dir)!r} has no evaluation model {CHECKPOINT}: the run "

@@ -1,5 +1,8 @@
 """Evaluate a finished run with lm-eval: `commbench eval RUN_DIR --suite smoke|paper`.
 
+`self_evaluate` is the same after training (`eval.suite` in the run's config): the
+command line calls it once `commbench run` or a sweep's run ends ok.
+
 `evaluate_run` checks everything a user can get wrong (run directory, checkpoint,
 config, suite, task names, datasets available) before evaluating, then writes
 RUN_DIR/eval.json atomically and puts the key numbers into summary.json under `eval`
@@ -15,6 +18,8 @@ eval.json:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import time
@@ -23,13 +28,14 @@ from pathlib import Path
 
 import yaml
 
-from bench.records import read_json, update_summary, write_json
+from bench.config import Config
+from bench.records import RunDir, read_json, write_json
 from eval.lm import CommbenchLM, checkpoint_path
 from eval.suites import get_suite, load_tasks, select_tasks
 
 
 def _read_config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
+    path = RunDir(run_dir).config
     if not path.is_file():
         raise ValueError(f"run directory {str(run_dir)!r} has no config.yaml")
     try:
@@ -100,7 +106,7 @@ def evaluate_run(
     names = select_tasks(spec, tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"eval.limit must be an integer >= 1 or null, got {limit!r}")
-    eval_path = run_dir / "eval.json"
+    eval_path = RunDir(run_dir).eval
     previous = read_json(eval_path) if eval_path.exists() else {}
     lm = CommbenchLM.from_run(run_dir, batch_size=batch_size, device=device)
     manager, task_objects = load_tasks(spec, names, config.get("data") or {})
@@ -151,5 +157,27 @@ def evaluate_run(
         "summary": summary,
     }
     write_json(eval_path, out)
-    update_summary(run_dir, {"eval": summary})
+    RunDir(run_dir).update_summary({"eval": summary})
     return out
+
+
+def self_evaluate(cfg: Config, run_dir: str | Path) -> dict:
+    """Evaluate a run that just trained with its config's `eval` section; returns its
+    summary.json. lm-eval's chatter goes to logs/eval.log, not the terminal; a failure
+    is recorded as `eval_error` (the training record stays valid), never raised."""
+    run = RunDir(run_dir)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    with open(run.eval_log, "a") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        root = logging.getLogger()
+        saved = root.handlers[:]
+        root.handlers = [logging.StreamHandler(log)]
+        try:
+            evaluate_run(run.path, suite=cfg.eval.suite, tasks=cfg.eval.tasks or None,
+                         limit=cfg.eval.limit, batch_size=cfg.eval.batch_size)
+        except Exception as err:
+            return run.update_summary(
+                {"eval_error": f"{type(err).__name__}: {err} (see {run.eval_log})"})
+        finally:
+            root.handlers = saved
+    return run.read_summary()

@@ -19,3 +19,21 @@ def assert_same_params(a: dict, b: dict, atol: float = 2e-5, rtol: float = 1e-4)
 def max_change(a: dict, b: dict) -> float:
     """Largest absolute difference between two states: shows training really moved."""
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_bad_config(config: str | None, overrides: list[str] | str, *expected: str) -> str:
+    """`load_config(config, overrides)` fails before launch with a ValueError whose message
+    holds each of `expected` (the key, the value, what is valid); returns the message.
+
+    The one bad-config table helper: test modules parametrise over (overrides, message)."""
+    import pytest
+
+    from bench.config import load_config
+
+    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
+    with pytest.raises(ValueError) as err:
+        load_config(config, overrides)
+    message = str(err.value)
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+    return message

@@ -15,6 +15,7 @@ from bench.config import (
     load_config,
     to_dict,
 )
+from tests.helpers import assert_bad_config
 
 DDP_TINY = "configs/ddp-tiny.yaml"
 
@@ -57,9 +58,14 @@ def test_overrides_are_typed():
     ],
 )
 def test_bad_values_name_key_value_and_valid_choices(override, message):
-    with pytest.raises(ValueError) as err:
-        load_config(DDP_TINY, [override])
-    assert message in str(err.value)
+    assert_bad_config(DDP_TINY, override, message)
+
+
+def test_set_strategy_name_switches_and_drops_the_old_knobs():
+    cfg = load_config(DDP_TINY, ["strategy.name=diloco", "strategy.inner_steps=5"])
+    assert cfg.strategy.name == "diloco" and cfg.strategy.inner_steps == 5
+    assert not hasattr(cfg.strategy, "backend")  # DDP's knob, from the file, is gone
+    assert load_config(DDP_TINY, ["strategy.name=ddp"]).strategy.backend == "torch"
 
 
 def test_override_syntax_errors():
@@ -109,3 +115,26 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci_command = open(".ci/run").read().strip().splitlines()[-1]
     assert ci_command.endswith(".venv/bin/pytest")  # the test command, not the main job
     assert f"```bash\n{ci_command}\n```" in readme
+
+
+def test_the_typed_engine_reads_any_dataclass():
+    from dataclasses import dataclass, field
+
+    from bench.typed import from_mapping
+
+    @dataclass
+    class Inner:
+        size: int = 1
+
+    @dataclass
+    class Outer:
+        inner: Inner = field(default_factory=Inner)
+        tags: list[str] = field(default_factory=list)
+        picked: str = field(default="a", metadata={"parse": lambda v, p: f"{p}={v}"})
+
+    got = from_mapping(Outer, {"inner": {"size": 3.0}, "tags": ["x"], "picked": "b"})
+    assert got == Outer(Inner(3), ["x"], "picked=b")
+    with pytest.raises(ValueError, match=r"unknown config key 'inner.sise' \(did you mean"):
+        from_mapping(Outer, {"inner": {"sise": 3}})
+    with pytest.raises(ValueError, match=r"tags\[0\] must be a string, got 5"):
+        from_mapping(Outer, {"tags": [5]})

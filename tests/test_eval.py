@@ -9,14 +9,16 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from lm_eval.api.instance import Instance
 
+from bench.config import load_config
 from bench.data import get_tokenizer
 from bench.model import GPT, GPTConfig
+from bench.records import RunDir
+from bench.summary import make_summary
 from eval.export import export_hf
 from eval.lm import CommbenchLM, score_windows
-from eval.runner import evaluate_run
+from eval.runner import evaluate_run, self_evaluate
 
 SEQ_LEN = 32
 
@@ -46,19 +48,11 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+FAKE_SUMMARY = make_summary(status="ok", run_name="fake", strategy="ddp", world_size=1)
+
+
 @pytest.fixture
 def run_dir(tmp_path, model, cache_dir):
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "gpt_config": dataclasses.asdict(model.cfg),
-            "tokenizer": "byte",
-            "step": 3,
-        },
-        run / "checkpoints" / "final.pt",
-    )
     config = {
         "data": {
             "corpus": "embedded",
@@ -69,9 +63,11 @@ def run_dir(tmp_path, model, cache_dir):
         "model": {"seq_len": SEQ_LEN},
         "eval": {"suite": "smoke", "tasks": [], "limit": 4, "batch_size": 8},
     }
-    (run / "config.yaml").write_text(yaml.safe_dump(config))
-    (run / "summary.json").write_text(json.dumps({"status": "ok"}))
-    return run
+    run = RunDir.write_fake_run(tmp_path / "run", config, summary=FAKE_SUMMARY)
+    payload = {"model": model.state_dict(), "gpt_config": dataclasses.asdict(model.cfg),
+               "tokenizer": "byte", "step": 3}
+    run.save_torch(payload, run.final_checkpoint)
+    return run.path
 
 
 def _requests(kind, args_list):
@@ -191,7 +187,7 @@ def test_smoke_suite_runs_offline_and_records_results(run_dir):
     out = evaluate_run(run_dir, suite="smoke", limit=4, batch_size=8)
     assert time.perf_counter() - start < 60
 
-    written = json.loads((run_dir / "eval.json").read_text())
+    written = json.loads(RunDir(run_dir).eval.read_text())
     assert written == out
     assert written["lm_eval_version"]
     assert set(written["tasks"]) == {"smoke_cloze", "smoke_choice", "smoke_gen", "smoke_ppl"}
@@ -201,7 +197,7 @@ def test_smoke_suite_runs_offline_and_records_results(run_dir):
     choice = written["tasks"]["smoke_choice"]["metrics"]["acc"]
     assert 0 <= choice["value"] <= 1 and choice["stderr"] is not None
     assert written["tasks"]["smoke_ppl"]["metrics"]["bits_per_byte"]["value"] > 0
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunDir(run_dir).read_summary()
     assert summary["status"] == "ok"
     assert summary["eval"]["smoke_choice/acc"] == choice["value"]
     assert "smoke_gen/exact_match" in summary["eval"]
@@ -213,9 +209,8 @@ def test_smoke_suite_runs_offline_and_records_results(run_dir):
 
 
 def _unchanged(run_dir):
-    return not (run_dir / "eval.json").exists() and json.loads(
-        (run_dir / "summary.json").read_text()
-    ) == {"status": "ok"}
+    run = RunDir(run_dir)
+    return not run.eval.exists() and run.read_summary() == FAKE_SUMMARY
 
 
 @pytest.mark.parametrize(
@@ -235,10 +230,19 @@ def test_bad_arguments_fail_clearly_and_write_nothing(run_dir, kwargs, message):
 def test_missing_run_or_checkpoint_fails_clearly(tmp_path, run_dir):
     with pytest.raises(ValueError, match="does not exist"):
         evaluate_run(tmp_path / "missing")
-    (run_dir / "checkpoints" / "final.pt").unlink()
+    RunDir(run_dir).final_checkpoint.unlink()
     with pytest.raises(ValueError, match="no evaluation model checkpoints/final.pt"):
         evaluate_run(run_dir)
     assert _unchanged(run_dir)
+
+
+def test_self_evaluation_failure_is_recorded_not_raised(run_dir):
+    """After training (eval.suite set), a failing evaluation leaves the record ok with the
+    error in eval_error, and lm-eval's output in logs/eval.log rather than the terminal."""
+    cfg = load_config(None, ["eval.suite=paper", "eval.tasks=[hellaswag]", "eval.limit=2"])
+    summary = self_evaluate(cfg, run_dir)
+    assert summary["status"] == "ok" and "'hellaswag'" in summary["eval_error"]
+    assert RunDir(run_dir).read_summary() == summary and RunDir(run_dir).eval_log.exists()
 
 
 def test_offline_hub_task_fails_fast_naming_it(run_dir):

@@ -31,21 +31,31 @@ PROJECTED_TOTAL = {"ddp": {"nvlink": 20.0, "wan-1g": 400.0},
 def write_run(sweep_dir: Path, sweep: dict, name: str, strategy: str, seed: int,
               val: list[float] | None, seconds_per_step: float, status: str | None = "ok",
               error: str | None = None, point: dict | None = None, torn: bool = False,
-              eval_scores: dict | None = None) -> Path:
+              eval_scores: dict | None = None, config: dict | None = None,
+              projected_elapsed: dict | None = None, summary_extra: dict | None = None) -> Path:
+    """One run record. `config` is merged into config.yaml (e.g. {"optim": {...}});
+    `projected_elapsed` {profile: cumulative seconds at each of STEPS} adds the harness's
+    `projected_elapsed_s` to every metrics row; `summary_extra` is merged into summary.json."""
     run_id = hashlib.sha256(f"{name}{seed}{point}".encode()).hexdigest()[:12]
     run_dir = sweep_dir / f"{name}-{run_id}"
     run_dir.mkdir(parents=True)
-    config = {"run": {"name": name, "seed": seed, "steps": 40}, "strategy": {"name": strategy}}
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    full_config = {"run": {"name": name, "seed": seed, "steps": 40},
+                   "strategy": {"name": strategy}}
+    for section, values in (config or {}).items():
+        full_config.setdefault(section, {}).update(values)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(full_config))
     lines = []
     for i, step in enumerate(STEPS[: len(val or [])]):
         row = {"step": step, "tokens": 1000 * step, "elapsed_s": seconds_per_step * step,
                "loss": val[i] + 0.05, "lr": 1e-3, "step_s": seconds_per_step,
                "compute_s": 0.8 * seconds_per_step, "comm_s": 0.2 * seconds_per_step,
                "comm_bytes": 1e6}
+        keep = ["step", "tokens", "elapsed_s"]
+        if projected_elapsed:
+            row["projected_elapsed_s"] = {p: t[i] for p, t in projected_elapsed.items()}
+            keep.append("projected_elapsed_s")
         lines.append(json.dumps(row))
-        lines.append(json.dumps({k: row[k] for k in ("step", "tokens", "elapsed_s")}
-                                | {"val_loss": val[i]}))
+        lines.append(json.dumps({k: row[k] for k in keep} | {"val_loss": val[i]}))
     text = "\n".join(lines) + "\n"
     if torn:
         text += '{"step": 50, "tokens": 500'
@@ -62,6 +72,7 @@ def write_run(sweep_dir: Path, sweep: dict, name: str, strategy: str, seed: int,
                "compute_s_total": 0.8 * seconds_per_step * steps,
                "comm_s_total": 0.2 * seconds_per_step * steps,
                "comm_bytes_total": 4e7 if strategy == "ddp" else 4e6,
+               "comm_bytes_per_rank": 1e7 if strategy == "ddp" else 1e6,
                "final_val_loss": val[-1] if val else None, "best_val_loss": min(val or [9]),
                "projected": {p: {"step_s": t / steps, "comm_s": t / steps / 4, "total_s": t,
                                  "throughput_tokens_per_s": 1000 * steps / t}
@@ -70,6 +81,7 @@ def write_run(sweep_dir: Path, sweep: dict, name: str, strategy: str, seed: int,
         summary["error"] = error
     if eval_scores:
         summary["eval"] = eval_scores
+    summary.update(summary_extra or {})
     (run_dir / "summary.json").write_text(json.dumps(summary))
     return run_dir
 
@@ -92,6 +104,10 @@ def make_results(root: Path, target_loss: float | None = None) -> Path:
 
 
 # --------------------------------------------------------------------------- the numbers
+
+
+def _geomean(values) -> float:
+    return float(np.exp(np.mean(np.log(values))))
 
 
 def test_t_quantiles_and_confidence_interval():
@@ -142,23 +158,23 @@ def test_speedup_and_time_to_target_against_ddps_final_loss(tmp_path):
     diloco = rows.loc[("diloco-H10", "measured")]
     per_seed = np.array([40 / 15, 40 / 17.5])
     assert diloco["time_to_target_s"] == pytest.approx(16.25)
-    assert diloco["speedup"] == pytest.approx(per_seed.mean())
-    assert diloco["speedup_ci"] == pytest.approx(12.7062 * per_seed.std(ddof=1) / math.sqrt(2),
-                                                 rel=1e-4)
+    assert diloco["speedup"] == pytest.approx(_geomean(per_seed))
     assert diloco["reached"] == "2/2" and diloco["baseline"] == "ddp"
     # projected: total time on the profile x fraction of tokens at the crossing
     wan = rows.loc[("diloco-H10", "wan-1g")]
     assert wan["time_to_target_s"] == pytest.approx((0.75 * 40 + 0.875 * 40) / 2)
-    assert wan["speedup"] == pytest.approx(np.mean([400 / 30, 400 / 35]))
-    assert rows.loc[("diloco-H10", "nvlink")]["speedup"] == pytest.approx(per_seed.mean())
+    assert wan["speedup"] == pytest.approx(_geomean([400 / 30, 400 / 35]))
+    assert rows.loc[("diloco-H10", "nvlink")]["speedup"] == pytest.approx(_geomean(per_seed))
     # convergence: tokens to target and the final loss gap to DDP
     c = conv.set_index("label").loc["diloco-H10"]
     assert c["tokens_to_target"] == pytest.approx(32500)
-    assert c["token_ratio"] == pytest.approx(0.8125)
+    assert c["token_ratio"] == pytest.approx(_geomean([30 / 40, 35 / 40]))
     assert c["val_loss_diff"] == pytest.approx(-0.15)
     assert c["final_val_loss"] == pytest.approx(1.85)
-    # failed, diverged and partial runs are not in the comparison
-    assert set(speedup["label"]) == {"ddp", "diloco-H10"}
+    # failed, diverged and partial runs are counted in their groups, with no speedup
+    bad = speedup[speedup["clock"] == "measured"].set_index("label")
+    assert bad.loc["pier", "failed"] == 1 and math.isnan(bad.loc["pier", "speedup"])
+    assert bad.loc["diloco-H50", "diverged"] == 1 and bad.loc["gasloc", "partial"] == 1
 
 
 def test_default_target_is_reached_by_every_ddp_seed(tmp_path):
@@ -179,10 +195,11 @@ def test_given_target_loss_overrides_the_default(tmp_path):
     res = load_results(make_results(tmp_path))
     speedup, _ = compare(res.runs, res.steps, res.profiles, target_loss=2.5)
     rows = speedup.set_index(["label", "clock"])
+    assert rows.loc[("ddp", "measured"), "at_first_validation"] == 0
     assert rows.loc[("ddp", "measured")]["time_to_target_s"] == pytest.approx(30)
     # DiLoCo crosses 2.5 between 2.8 (step 20) and 2.0 / 2.2 (step 30): steps 23.75 and 25
     speeds = [30 / (0.5 * 23.75), 30 / (0.5 * 25)]
-    assert rows.loc[("diloco-H10", "measured")]["speedup"] == pytest.approx(np.mean(speeds))
+    assert rows.loc[("diloco-H10", "measured")]["speedup"] == pytest.approx(_geomean(speeds))
     assert set(speedup["target_source"]) == {"given"}
 
 
@@ -234,7 +251,7 @@ def test_runs_without_a_sweep_json_are_grouped_by_config_minus_seed(tmp_path):
         "ddp": [0, 1], "diloco-H10": [0, 1]}
     speedup, _ = compare(res.runs, res.steps, res.profiles)
     assert speedup.set_index(["label", "clock"]).loc[("diloco-H10", "measured"), "speedup"] \
-        == pytest.approx(np.mean([40 / 15, 40 / 17.5]))
+        == pytest.approx(_geomean([40 / 15, 40 / 17.5]))
 
 
 # ------------------------------------------------------------------------------- report
@@ -250,11 +267,12 @@ def test_report_from_results_with_a_failed_and_a_partial_run(tmp_path):
         assert (out / "figures" / f"{name}.png").stat().st_size > 10_000
         assert f"figures/{name}.png" in md
     assert html.count("data:image/png;base64,") == 4
+    assert "One-step delay" not in md and "## Pipelines" not in md  # no such runs
     assert "<img" in html and 'src="figures' not in html  # self-contained
     for text in ("RuntimeError: rank 2 exploded", "loss is nan at step 21",
-                 "no summary: killed midway, or still running", "Runs not in the comparison",
-                 "2.48× ± 2.4", "truncated last line"):
-        assert text in html and text in md, text
+                 "no summary: killed midway, or still running", "Runs that did not finish ok",
+                 "2.47× [0.93, 6.6] n<3", "truncated last line"):
+        assert text.replace("<", "&lt;") in html and text in md, text
     runs = pd.read_csv(out / "runs.csv")
     assert sorted(runs["status"]) == ["diverged", "failed", "ok", "ok", "ok", "ok", "partial"]
     steps = pd.read_csv(out / "steps.csv")
@@ -276,14 +294,14 @@ def test_report_from_results_with_a_failed_and_a_partial_run(tmp_path):
     assert comm.loc["diloco-H10", "comm_bytes_per_step"] == pytest.approx(1e5)
     assert comm.loc["diloco-H10", "comm_s.wan-1g"] == pytest.approx(10)
     assert comm.loc["diloco-H10", "throughput.measured"] == pytest.approx(2000)
-    assert "| ddp | ddp | 40 MB | 1 MB | 8 | 32 | 20.0% | 25.0% | 25.0% |" in md
+    assert "| ddp | ddp | 10 MB | 250 kB | n/a | n/a | 8 | 32 | 20.0% | 25.0% | 25.0% |" in md
 
 
 def test_report_says_when_a_target_is_not_reached(tmp_path):
     results = make_results(tmp_path / "results")
     md = (build_report(results, tmp_path / "out", target_loss=1.85).parent / "report.md")
     line = next(x for x in md.read_text().splitlines() if x.startswith("| ddp |"))
-    assert "not reached" in line and "0/2" in line
+    assert "no speedup: 2 of 2 seeds did not reach" in line and "0/2" in line
     assert "1.85 (given" in md.read_text()
 
 
@@ -301,3 +319,280 @@ def test_report_input_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no run records"):
         build_report(tmp_path / "empty", tmp_path / "out")
+
+
+# ------------------------------------------------------- honest numbers (issue #10)
+
+
+def _sweep(root: Path, name: str = "s") -> tuple[Path, dict]:
+    return root / name, {"name": name, "runs": {}}
+
+
+def _save(sweep_dir: Path, sweep: dict) -> Path:
+    (sweep_dir / "sweep.json").write_text(json.dumps(sweep))
+    return sweep_dir
+
+
+def test_groups_with_missed_diverged_or_failed_seeds_get_no_speedup(tmp_path):
+    """Defect 4 (survivorship): a seed that misses the target, diverges or fails voids the
+    group's speedup, and the counts are shown instead of silently dropped."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+    write_run(sweep_dir, sweep, "late", "diloco", 0, DILOCO_VAL[0], 0.5)
+    write_run(sweep_dir, sweep, "late", "diloco", 1, [3.8, 2.8, 2.4, 2.3], 0.5)  # never 2.0
+    write_run(sweep_dir, sweep, "unstable", "pier", 0, DILOCO_VAL[0], 0.5)
+    write_run(sweep_dir, sweep, "unstable", "pier", 1, [3.8, 9.0], 0.5, status="diverged")
+    write_run(sweep_dir, sweep, "broken", "gasloc", 0, [3.9], 0.5, status="failed",
+              error="boom")
+    res = load_results(_save(sweep_dir, sweep))
+    speedup, conv = compare(res.runs, res.steps, res.profiles)
+    rows = speedup[speedup["clock"] == "measured"].set_index("label")
+    late = rows.loc["late"]
+    assert math.isnan(late["speedup"]) and math.isnan(late["time_to_target_s"])
+    assert late["did_not_reach"] == 1 and late["reached"] == "1/2"
+    assert "1 of 2 seeds did not reach" in late["reason"]
+    unstable = rows.loc["unstable"]
+    assert unstable["diverged"] == 1 and math.isnan(unstable["speedup"])
+    assert "1 diverged" in unstable["reason"]
+    assert rows.loc["broken", "failed"] == 1 and "1 failed" in rows.loc["broken", "reason"]
+    assert rows.loc["ddp", "speedup"] == pytest.approx(1.0) and rows.loc["ddp", "reason"] == ""
+    assert math.isnan(conv.set_index("label").loc["late", "tokens_to_target"])
+    assert rows.loc["ddp", "at_first_validation"] == 0
+    md = (build_report(sweep_dir, tmp_path / "out").parent / "report.md").read_text()
+    assert "no speedup: 1 of 2 seeds did not reach" in md
+    assert "no speedup: 1 diverged" in md and "no speedup: 1 failed" in md
+    assert "Upper bounds" not in md
+
+
+def test_projected_time_to_target_is_accumulated_step_by_step(tmp_path):
+    """Defect 5: a Pier-like run whose first 10 steps cost 10 s each on the profile (DDP
+    warmup traffic) and the rest 1 s: the uniform estimate (total x token fraction)
+    understates its time to target; the step-wise one interpolates the cumulative clock."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    ddp_clock = {"wan-1g": [100.0, 200.0, 300.0, 400.0]}  # 10 s every step
+    pier_clock = {"wan-1g": [100.0, 110.0, 120.0, 130.0]}
+    for seed in (0, 1, 2):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0,
+                  projected_elapsed=ddp_clock,
+                  summary_extra={"projected": {"wan-1g": {"total_s": 400.0}}})
+        write_run(sweep_dir, sweep, "pier", "pier", seed, DDP_VAL, 1.0,
+                  projected_elapsed=pier_clock,
+                  summary_extra={"projected": {"wan-1g": {"total_s": 130.0}}})
+    res = load_results(_save(sweep_dir, sweep))
+    speedup, _ = compare(res.runs, res.steps, res.profiles, target_loss=2.25)
+    rows = speedup.set_index(["label", "clock"])
+    # DDP_VAL crosses 2.25 halfway between steps 30 (2.5) and 40 (2.0): step 35
+    pier = rows.loc[("pier", "wan-1g")]
+    assert pier["time_to_target_s"] == pytest.approx(125.0)  # uniform: 130 x 35/40 = 113.75
+    assert pier["projection"] == "step-wise"
+    assert rows.loc[("ddp", "wan-1g"), "time_to_target_s"] == pytest.approx(350.0)
+    assert pier["speedup"] == pytest.approx(350.0 / 125.0)
+    # an old record without projected_elapsed_s falls back to the uniform estimate, marked
+    old = load_results(make_results(tmp_path / "old"))
+    old_rows = compare(old.runs, old.steps, old.profiles)[0].set_index(["label", "clock"])
+    assert old_rows.loc[("diloco-H10", "wan-1g"), "projection"] == "uniform-step estimate"
+    assert old_rows.loc[("diloco-H10", "wan-1g"), "time_to_target_s"] == pytest.approx(32.5)
+
+
+def test_speedup_is_a_geometric_mean_with_a_log_ratio_interval(tmp_path):
+    """Defect 6: per-seed speedups 40/15 and 40/17.5, paired by seed: the geometric mean,
+    and the t-interval (1 degree of freedom) on the log-ratios, exponentiated."""
+    res = load_results(make_results(tmp_path))
+    speedup, _ = compare(res.runs, res.steps, res.profiles)
+    row = speedup.set_index(["label", "clock"]).loc[("diloco-H10", "measured")]
+    logs = np.log([40 / 15, 40 / 17.5])
+    half = 12.7062 * logs.std(ddof=1) / math.sqrt(2)
+    assert row["speedup"] == pytest.approx(math.exp(logs.mean()))
+    assert row["speedup_low"] == pytest.approx(math.exp(logs.mean() - half), rel=1e-4)
+    assert row["speedup_high"] == pytest.approx(math.exp(logs.mean() + half), rel=1e-4)
+    assert row["speedup_method"] == "paired log-ratio" and row["flag"] == "n<3"
+
+
+def test_unpaired_speedup_counts_the_baselines_spread(tmp_path):
+    """Defect 6: DDP ran seeds 0 and 1, the method seeds 2 and 3: Welch on the logs, so a
+    baseline whose times spread widens the interval (the old fallback ignored it)."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    write_run(sweep_dir, sweep, "ddp", "ddp", 0, DDP_VAL, 1.0)   # 40 s to 2.0
+    write_run(sweep_dir, sweep, "ddp", "ddp", 1, DDP_VAL, 2.0)   # 80 s
+    write_run(sweep_dir, sweep, "fast", "diloco", 2, DDP_VAL, 0.25)  # 10 s
+    write_run(sweep_dir, sweep, "fast", "diloco", 3, DDP_VAL, 0.5)   # 20 s
+    res = load_results(_save(sweep_dir, sweep))
+    speedup, _ = compare(res.runs, res.steps, res.profiles, target_loss=2.0)
+    row = speedup.set_index(["label", "clock"]).loc[("fast", "measured")]
+    # logs: DDP {ln 40, ln 80}, fast {ln 10, ln 20}: equal variances (ln 2)^2 / 2 each, so
+    # SE = ln 2 / sqrt(2), Welch df = 2, t = 4.3027; estimate ln 4
+    se = math.log(2) / math.sqrt(2)
+    assert row["speedup"] == pytest.approx(4.0)  # old: mean of 60/10 and 60/20 = 4.5
+    assert row["speedup_method"] == "welch log-ratio"
+    assert row["speedup_low"] == pytest.approx(4 * math.exp(-4.3027 * se), rel=1e-4)
+    assert row["speedup_high"] == pytest.approx(4 * math.exp(4.3027 * se), rel=1e-4)
+
+
+def test_stats_known_intervals():
+    from bench.report import stats
+    # paired log-ratios ln 4, ln 2, 0: geometric mean 2, half-width t(2) ln2 / sqrt(3)
+    ci = stats.ratio_interval({0: 40, 1: 40, 2: 40}, {0: 10, 1: 20, 2: 40})
+    half = 4.302653 * math.log(2) / math.sqrt(3)
+    assert (ci.estimate, ci.n, ci.method, ci.flag) == (pytest.approx(2.0), 3,
+                                                       "paired log-ratio", "")
+    assert ci.low == pytest.approx(2 * math.exp(-half)) and ci.high == pytest.approx(
+        2 * math.exp(half))
+    # Welch, unequal sizes and variances (reference: scipy.stats.ttest_ind, equal_var=False)
+    w = stats.welch_interval([1.0, 2.0, 4.0], [2.0, 2.5, 3.5, 3.0])
+    assert w.estimate == pytest.approx(-5 / 12)
+    assert (w.low, w.high) == (pytest.approx(-3.7350705, abs=1e-6),
+                               pytest.approx(2.9017372, abs=1e-6))
+    # seed 2 only on one side: no pairs (none dropped), Welch on the logs of all five
+    mixed = stats.ratio_interval({0: 40, 1: 40}, {0: 10, 1: 20, 2: 40})
+    assert mixed.method == "welch log-ratio" and mixed.n == 2
+    assert mixed.estimate == pytest.approx(40 / (10 * 20 * 40) ** (1 / 3))
+    p = stats.paired_interval({0: 3.0, 1: 5.0, 2: 4.0, 9: 1.0}, {0: 1.0, 1: 2.0, 2: 2.0})
+    assert (p.estimate, p.n) == (pytest.approx(7 / 3), 3)  # key 9 has no pair
+    assert p.half_width == pytest.approx(4.302653 * math.sqrt(1 / 3) / math.sqrt(3))
+    one = stats.mean_interval([2.0])
+    assert one.estimate == 2.0 and math.isnan(one.low) and one.flag == "n<3"
+    assert not one.excludes(0.0) and p.excludes(0.0)
+    assert stats.t_quantile(0.975, 2.5) == pytest.approx(3.574655, abs=1e-5)
+    with pytest.raises(ValueError, match="degrees of freedom must be > 0, got 0"):
+        stats.t_quantile(0.975, 0)
+
+
+def test_stats_match_scipy_on_random_samples():
+    sp = pytest.importorskip("scipy.stats")
+    from bench.report import stats
+    rng = np.random.default_rng(0)
+    for n_a, n_b in ((2, 3), (3, 3), (5, 2), (7, 11)):
+        a, b = rng.normal(1, 2, n_a), rng.normal(0, 0.5, n_b)
+        expected = sp.ttest_ind(a, b, equal_var=False).confidence_interval()
+        got = stats.welch_interval(a, b)
+        assert (got.low, got.high) == (pytest.approx(expected.low, rel=1e-6),
+                                       pytest.approx(expected.high, rel=1e-6))
+    for df in (1, 1.7, 3, 12.4, 200):
+        assert stats.t_quantile(0.975, df) == pytest.approx(sp.t.ppf(0.975, df), rel=1e-8)
+
+
+def test_report_shows_logical_and_wire_bytes_under_separate_captions(tmp_path):
+    """Defect 9: logical payload bytes and modelled wire bytes never share a column; a
+    record without wire bytes shows n/a."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0,
+                  summary_extra={"comm_wire_bytes_per_rank": 1.5e7})
+        write_run(sweep_dir, sweep, "diloco", "diloco", seed, DILOCO_VAL[seed], 0.5)
+    out = tmp_path / "out"
+    build_report(_save(sweep_dir, sweep), out)
+    md = (out / "report.md").read_text()
+    comm = pd.read_csv(out / "communication.csv").set_index("label")
+    assert comm.loc["ddp", "comm_bytes_per_rank"] == pytest.approx(1e7)
+    assert comm.loc["ddp", "comm_wire_bytes_per_rank"] == pytest.approx(1.5e7)
+    assert math.isnan(comm.loc["diloco", "comm_wire_bytes_per_rank"])
+    header = next(x for x in md.splitlines() if "logical payload" in x)
+    assert "modelled wire" in header and "Bytes sent" not in md
+    assert "| ddp | ddp | 10 MB | 250 kB | 15 MB | 375 kB |" in md
+    assert "| diloco | diloco | 1 MB | 25 kB | n/a | n/a |" in md
+
+
+def test_quickstart_runs_two_seeds_and_the_report_flags_small_samples(tmp_path):
+    """Defect 11: the quickstart has 2+ seeds, so the report shows an interval, flagged
+    n<3 (an interval from 2 seeds rests on one degree of freedom)."""
+    spec = yaml.safe_load((Path(__file__).parents[1] / "configs/quickstart.yaml").read_text())
+    assert len(spec["seeds"]) >= 2
+    md = (build_report(make_results(tmp_path / "r"), tmp_path / "o").parent
+          / "report.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("| diloco-H10 |"))
+    assert "2.47× [0.93, 6.6] n<3" in line
+
+
+# ------------------------------------------------------------------ study sections
+
+
+DELAY_FINALS = {  # optimizer -> setting -> final validation loss per seed 0, 1, 2
+    "adamw": {"sync": [2.00, 2.02, 1.98], "delayed": [2.20, 2.25, 2.18],
+              "ef": [2.05, 2.08, 2.02]},
+    "muon": {"sync": [1.90, 1.91, 1.89], "delayed": [1.91, 1.93, 1.90],
+             "ef": [1.90, 1.92, 1.89]},
+}
+
+
+def test_delay_study_section_gaps_to_sync_per_optimizer(tmp_path):
+    sweep_dir, sweep = _sweep(tmp_path, "delay")
+    settings = {"sync": (0, "none"), "delayed": (1, "none"), "ef": (1, "ef")}
+    for name, cells in DELAY_FINALS.items():
+        for setting, finals in cells.items():
+            delay, correction = settings[setting]
+            for seed, final in enumerate(finals):
+                write_run(sweep_dir, sweep, f"{name}-{setting}", "ddp", seed,
+                          [3.5, 3.0, 2.5, final], 1.0,
+                          config={"optim": {"name": name, "delay": delay,
+                                            "delay_correction": correction}})
+    out = tmp_path / "out"
+    build_report(_save(sweep_dir, sweep), out)
+    cells = pd.read_csv(out / "delay_study.csv").set_index("label")
+    diffs = np.array(DELAY_FINALS["adamw"]["delayed"]) - DELAY_FINALS["adamw"]["sync"]
+    adamw = cells.loc["adamw-delayed"]
+    assert adamw["gap"] == pytest.approx(0.21) and adamw["gap_n"] == 3
+    assert adamw["gap_ci"] == pytest.approx(4.302653 * diffs.std(ddof=1) / math.sqrt(3))
+    assert adamw["gap_method"] == "paired" and adamw["sync"] == "adamw-sync"
+    assert cells.loc["adamw-ef", "gap"] == pytest.approx(0.05)
+    assert cells.loc["adamw-ef", "ef_recovered"] == pytest.approx(1 - 0.05 / 0.21)
+    assert cells.loc["muon-delayed", "gap"] == pytest.approx(0.04 / 3)
+    assert cells.loc["muon-sync", "final_val_loss"] == pytest.approx(1.90)
+    assert math.isnan(cells.loc["muon-sync", "gap"])
+    md = (out / "report.md").read_text()
+    assert "## One-step delay: optimizers, delay and correction" in md
+    assert "figures/delay_gaps.png" in md and (out / "figures/delay_gaps.png").exists()
+    caption = next(x for x in md.splitlines() if x.startswith("_Gap of the final"))
+    assert "reconstruct" in caption
+    line = next(x for x in md.splitlines() if x.startswith("| adamw-ef | adamw |"))
+    assert "delayed + EF" in line and "76.2%" in line
+
+
+def test_records_without_delay_settings_count_as_adamw_sync(tmp_path):
+    res = load_results(make_results(tmp_path))
+    assert set(res.runs["optim.name"]) == {"adamw"}
+    assert set(res.runs["optim.delay"]) == {0}
+    assert set(res.runs["optim.delay_correction"]) == {"none"}
+    from bench.report.studies import delay_study
+    assert delay_study(res.runs) is None  # nothing differs by delay: no section
+
+
+def test_pipeline_section_bubbles_and_speedups_against_1f1b_and_ddp(tmp_path):
+    sweep_dir, sweep = _sweep(tmp_path, "pipes")
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+        write_run(sweep_dir, sweep, "1f1b", "pipeline", seed, DDP_VAL, 0.5,
+                  config={"strategy": {"schedule": "1f1b"}},
+                  summary_extra={"bubble_fraction_measured": 0.22,
+                                 "bubble_fraction_theory": 0.2})
+        write_run(sweep_dir, sweep, "2bw", "pipedream-2bw", seed, DDP_VAL, 0.25,
+                  summary_extra={"bubble_fraction_measured": 0.05})
+    md = (build_report(_save(sweep_dir, sweep), tmp_path / "out").parent
+          / "report.md").read_text()
+    assert "## Pipelines" in md
+    # to DDP's final loss 2.0: DDP 40 s, 1F1B 20 s, 2BW 10 s on every seed
+    assert "| 2bw | pipedream-2bw | — | 2 (2) | 5.0% | — | 4 k | 2× [2, 2] n<3 | " \
+           "4× [4, 4] n<3 |" in md
+    assert "| 1f1b | pipeline | 1f1b | 2 (2) | 22.0% | 20.0% | 2 k | 1× [1, 1] n<3 | " \
+           "2× [2, 2] n<3 |" in md
+
+
+def test_a_baseline_that_misses_voids_the_speedup_but_not_the_groups_time(tmp_path):
+    res = load_results(make_results(tmp_path))
+    speedup, conv = compare(res.runs, res.steps, res.profiles, target_loss=1.9)
+    row = speedup.set_index(["label", "clock"]).loc[("diloco-H10", "measured")]
+    assert row["reason"] == "no speedup: baseline 2 of 2 seeds did not reach"
+    assert math.isnan(row["speedup"]) and row["misses"] == ""
+    # seed 0 reaches 1.9 at step 40 (20 s), seed 1 between 2.2 and 1.8: step 37.5 (18.75 s)
+    assert row["time_to_target_s"] == pytest.approx((20 + 18.75) / 2)
+    assert conv.set_index("label").loc["diloco-H10", "tokens_to_target"] == pytest.approx(
+        38750)
+
+
+def test_runs_below_the_target_at_their_first_validation_are_counted(tmp_path):
+    res = load_results(make_results(tmp_path))
+    speedup, _ = compare(res.runs, res.steps, res.profiles, target_loss=3.9)
+    rows = speedup[speedup["clock"] == "measured"].set_index("label")
+    assert rows.loc["diloco-H10", "at_first_validation"] == 2  # 3.8 at step 10
+    assert rows.loc["ddp", "at_first_validation"] == 0  # 4.0, then 3.0: crosses at step 11
+    assert rows.loc["ddp", "time_to_target_s"] == pytest.approx(11)

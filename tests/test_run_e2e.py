@@ -1,5 +1,7 @@
-"""`commbench run` end to end, as a user runs it: records, failure handling, resume."""
+"""`commbench run` end to end, as a user runs it: records, failure handling, resume; and
+the harness's layering (only the command line imports `eval`)."""
 
+import ast
 import json
 import os
 import subprocess
@@ -8,8 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from bench.records import read_jsonl
+from bench.records import RunDir
 
 SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=20", "--set", "run.log_every=5",
          "--set", "run.val_every=10", "--set", "run.val_batches=2"]
@@ -20,9 +23,9 @@ def commbench(*args, env=None, timeout=240):
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def only_run_dir(out: Path) -> Path:
+def only_run_dir(out: Path) -> RunDir:
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    return run_dir
+    return RunDir(run_dir)
 
 
 @pytest.mark.timeout(300)
@@ -30,30 +33,33 @@ def test_run_writes_every_record_and_loss_falls(tmp_path):
     proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set",
                      f"run.output_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
-    run_dir = only_run_dir(tmp_path)
-    assert proc.stdout.strip().endswith(str(run_dir))
-    for name in ("config.yaml", "env.json", "metrics.jsonl", "comm.jsonl", "summary.json",
-                 "checkpoints/final.pt"):
-        assert (run_dir / name).exists(), name
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run = only_run_dir(tmp_path)
+    assert proc.stdout.strip().endswith(str(run.path))
+    for path in (run.config, run.env, run.metrics, run.comm, run.summary, run.final_checkpoint):
+        assert path.exists(), path
+    summary = run.read_summary()
     for key in ("status", "strategy", "num_params", "world_size", "steps", "total_tokens",
                 "throughput_tokens_per_s", "compute_s_total", "comm_s_total",
                 "comm_bytes_total", "final_val_loss", "projected"):
         assert summary[key] is not None, key
     assert summary["status"] == "ok" and summary["steps"] == 20
     assert summary["total_tokens"] == 20 * 2 * 8 * 128
-    assert set(summary["projected"]) == {"nvlink", "ib-400g", "eth-100g", "eth-10g", "wan-1g"}
+    profiles = {"nvlink", "ib-400g", "eth-100g", "eth-10g", "wan-1g"}
+    assert set(summary["projected"]) == profiles
     # a slower network can only make the projected step slower
     assert summary["projected"]["wan-1g"]["step_s"] > summary["projected"]["nvlink"]["step_s"]
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = run.read_metrics()
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in train] == [5, 10, 15, 20]
     assert [r["step"] for r in val] == [10, 20]
-    for key in ("step", "tokens", "loss", "lr", "step_s", "compute_s", "comm_s", "comm_bytes"):
+    for key in ("step", "tokens", "loss", "lr", "step_s", "compute_s", "comm_s", "comm_bytes",
+                "elapsed_s", "projected_elapsed_s"):
         assert key in train[0], key
+    assert set(val[0]["projected_elapsed_s"]) == profiles
+    assert summary["projected"]["wan-1g"]["total_s"] == train[-1]["projected_elapsed_s"]["wan-1g"]
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
-    env = json.loads((run_dir / "env.json").read_text())
+    env = json.loads(run.env.read_text())
     assert env["world_size"] == 2 and env["packages"]["torch"].startswith("2.")
 
 
@@ -65,7 +71,7 @@ def test_dead_or_stuck_rank_ends_run_as_failed(tmp_path, mode):
                      f"run.output_dir={tmp_path}", "--set", "parallel.timeout_s=15",
                      env={"COMMBENCH_FAULT": f"1:3:{mode}"})
     assert proc.returncode == 1
-    summary = json.loads((only_run_dir(tmp_path) / "summary.json").read_text())
+    summary = only_run_dir(tmp_path).read_summary()
     assert summary["status"] == "failed"
     if mode == "crash":
         assert "injected fault on rank 1 at step 3" in summary["error"]
@@ -82,16 +88,16 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path):
     broken = commbench("run", "configs/ddp-tiny.yaml", *common, "--set",
                        f"run.output_dir={tmp_path / 'cut'}", env={"COMMBENCH_FAULT": "0:15:crash"})
     assert broken.returncode == 1
-    run_dir = only_run_dir(tmp_path / "cut")
-    resumed = commbench("run", "--resume", str(run_dir))
+    cut = only_run_dir(tmp_path / "cut")
+    resumed = commbench("run", "--resume", str(cut.path))
     assert resumed.returncode == 0, resumed.stderr
-    a = json.loads((only_run_dir(tmp_path / "full") / "summary.json").read_text())
-    b = json.loads((run_dir / "summary.json").read_text())
+    full = only_run_dir(tmp_path / "full")
+    a, b = full.read_summary(), cut.read_summary()
     assert b["status"] == "ok"
     assert b["final_val_loss"] == a["final_val_loss"]
-    losses = [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
-    assert losses == [r["loss"] for r in read_jsonl(only_run_dir(tmp_path / "full") /
-                                                      "metrics.jsonl") if "loss" in r]
+    assert (b["steps"], b["total_tokens"]) == (a["steps"], a["total_tokens"])
+    losses = [r["loss"] for r in cut.read_metrics() if "loss" in r]
+    assert losses == [r["loss"] for r in full.read_metrics() if "loss" in r]
 
 
 def test_records_are_ordinary_readable_files(tmp_path):
@@ -102,3 +108,24 @@ def test_records_are_ordinary_readable_files(tmp_path):
     write_json(tmp_path / "summary.json", {"status": "ok"})
     # as open() would create it (mkstemp alone makes 0600, unreadable to others)
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_records_are_replaced_atomically_torch_save_too(tmp_path):
+    run = RunDir(tmp_path)
+    run.save_torch({"step": 1}, run.state_checkpoint(0))
+    run.save_torch({"step": 2}, run.state_checkpoint(0))
+    assert torch.load(run.state_checkpoint(0))["step"] == 2
+    assert [p.name for p in run.checkpoints.iterdir()] == ["state-rank0.pt"]  # no temp left
+
+
+def test_only_the_command_line_imports_eval():
+    """bench is the layer below the command line; eval depends on bench, not the reverse."""
+    offenders = []
+    for path in sorted(Path("bench").rglob("*.py")):
+        if path == Path("bench/cli.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path}: {n}" for n in names if n == "eval" or n.startswith("eval.")]
+    assert offenders == []

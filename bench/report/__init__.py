@@ -9,15 +9,21 @@ directory, a folder of sweeps, or single runs) and writes to `out_dir`:
     report.md           the same as markdown, figures linked from figures/
     runs.csv            one row per run (status, totals, projections, eval numbers)
     steps.csv           one row per logged step of every run
-    speedup.csv         time to target and speedup vs DDP, per group and clock
+    speedup.csv         time to target and speedup vs DDP, per group and clock, with the
+                        group's tallies (reached, did not reach, diverged, failed, partial)
     convergence.csv     tokens to target, final validation loss and its gap to DDP
     communication.csv   throughput, bytes, seconds and share of the step, per group
     downstream.csv      lm-eval metrics per group (when runs were evaluated)
+    delay_study.csv     final loss and gap to sync per optimizer/delay cell (delay studies)
     figures/*.png
 
+Sections for particular studies (one-step delay, pipelines) appear when such runs are
+present: bench/report/studies.py.
+
 Failed, diverged and partial (killed) runs are listed with their error, never dropped
-silently; only runs with status ok enter the comparisons. How times to target, speedups
-and confidence intervals are computed: see bench/report/analysis.py.
+silently: they count in their group's tallies (a group gets a speedup only when every seed
+reached the target), while only ok runs contribute numbers. How times to target, speedups
+and confidence intervals are computed: see bench/report/analysis.py and stats.py.
 """
 
 from __future__ import annotations
@@ -29,18 +35,24 @@ from pathlib import Path
 import pandas as pd
 
 from bench import records
-from bench.report import analysis, figures, render
+from bench.report import analysis, figures, render, studies, tables
 from bench.report.load import Results, load_results
 
 __all__ = ["build_report", "load_results", "Results"]
 
 _METHOD = (
     "Time to target = first crossing of the validation curve, linearly interpolated "
-    "between the two validation points around it. Projected time to target on a profile = "
-    "the run's projected total time on that profile × the fraction of its tokens seen at "
-    "the crossing (assumes uniform steps). Speedup = DDP time / run time, paired by seed "
-    "when DDP ran that seed (else vs the DDP mean); values are the mean over seeds "
-    "± the 95% confidence half-width (t-distribution), shown only with 2+ seeds."
+    "between the two validation points around it; seconds and tokens at that step are "
+    "interpolated linearly between the logged rows around it. Projected time to target on "
+    "a profile: the cumulative projected clock the run logged (`projected_elapsed_s`), "
+    "interpolated the same way (\"step-wise\"); records without it use the projected "
+    "total × the fraction of tokens at the crossing, which assumes uniform steps "
+    "(\"uniform-step estimate\", marked per group). Only ok runs can reach the target; "
+    "a group (or its baseline) with a seed that did not reach it, diverged or failed gets "
+    "no speedup, and the cell says why. Speedup = DDP time / run time: geometric mean over "
+    "seeds [95% interval on the log-ratios, t-distribution], paired by seed when both "
+    "groups ran the same seeds, else Welch's two-sample interval on the logs; \"n<3\" "
+    "marks an interval from fewer than 3 seeds."
 )
 
 
@@ -85,7 +97,9 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
             fig.savefig(path)
             drawn[name] = path
 
-    blocks = _blocks(results_dir, res, speedup, convergence, comm, evals, drawn, profiles)
+    extra = studies.blocks(res, out_dir, target_loss, speedup)
+    blocks = _blocks(results_dir, res, speedup, convergence, comm, evals, drawn, profiles,
+                     extra)
     title = f"commbench report: {results_dir.resolve().name}"
     records.write_text(out_dir / "report.md", render.to_markdown(blocks, out_dir))
     html_path = out_dir / "report.html"
@@ -94,7 +108,8 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
 
 def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence: pd.DataFrame,
-            comm: pd.DataFrame, evals: pd.DataFrame, drawn: dict, profiles: list[str]) -> list:
+            comm: pd.DataFrame, evals: pd.DataFrame, drawn: dict, profiles: list[str],
+            extra: list[tuple]) -> list:
     runs = res.runs
     counts = runs["status"].value_counts()
     status_text = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "failed", "diverged",
@@ -102,32 +117,47 @@ def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence:
     blocks: list[tuple] = [
         ("h1", f"commbench report: {results_dir.resolve().name}"),
         ("p", f"Generated {time.strftime('%Y-%m-%d %H:%M')} from `{results_dir}`: "
-              f"{_plural(len(runs), 'run')} in {_plural(runs['group'].nunique(), 'group')} "
-              f"({status_text}). "
+              f"{tables.plural(len(runs), 'run')} in "
+              f"{tables.plural(runs['group'].nunique(), 'group')} ({status_text}). "
               "A group is one config minus its seed."),
     ]
     if res.warnings:
         blocks.append(("p", "Warnings:\n\n" + "\n".join(f"- {w}" for w in res.warnings)))
 
     blocks.append(("h2", "Speedup vs DDP (time to target loss)"))
-    if speedup.empty:
+    if not counts.get("ok", 0):
         blocks.append(("p", "No run finished ok: nothing to compare."))
-    else:
-        blocks.append(("p", _target_text(speedup) + " " + _METHOD))
-        blocks.append(("table", _wide_by_clock(speedup, profiles, "speedup", "speedup_ci",
-                                               suffix="×")))
-        blocks.append(("p", "Time to target, seconds (measured here, then projected):"))
-        blocks.append(("table", _wide_by_clock(speedup, profiles, "time_to_target_s",
-                                               "time_to_target_ci")))
+    if not speedup.empty:
+        blocks.append(("p", tables.target_text(speedup) + " " + _METHOD))
+        blocks.append(("table", tables.wide_by_clock(speedup, profiles, "speedup")))
+        early = speedup[(speedup["clock"] == "measured")
+                        & (speedup["at_first_validation"].fillna(0) > 0)]
+        if not early.empty:
+            names = ", ".join(f"`{g}` ({int(n)} of {int(r)} runs)" for g, n, r in
+                              zip(early["label"], early["at_first_validation"],
+                                  early["runs"], strict=True))
+            blocks.append(("p", "**Upper bounds:** already below the target at the first "
+                                f"validation: {names}. Their time to target is at most the "
+                                "time of that validation (the crossing happened earlier); "
+                                "validate more often or lower the target to resolve it."))
+        blocks.append(("p", "Time to target, seconds (measured here, then projected; mean "
+                            "± 95% half-width over seeds):"))
+        blocks.append(("table", tables.wide_by_clock(speedup, profiles, "time")))
         blocks.append(("h2", "Convergence"))
-        blocks.append(("table", _convergence_table(convergence)))
+        blocks.append(("p", "Tokens to target and its ratio to DDP (geometric mean [95% "
+                            "interval]); final validation loss over the ok runs and its "
+                            "difference from DDP (paired by seed when both ran the same "
+                            "seeds, else Welch)."))
+        blocks.append(("table", tables.convergence_table(convergence)))
+    blocks += extra
 
     blocks.append(("h2", "Loss curves"))
     for name, caption in (
         ("loss_vs_tokens", "Loss vs tokens (mean over seeds; band: min-max over seeds; "
                            "dashed: target)."),
         ("loss_vs_time", "Loss vs time: measured on this machine, and projected onto each "
-                         "network profile (projected run time × fraction of tokens)."),
+                         "network profile (the run's cumulative projected clock where it "
+                         "logged one, else projected run time × fraction of tokens)."),
     ):
         if name in drawn:
             blocks.append(("figure", drawn[name], caption))
@@ -138,160 +168,43 @@ def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence:
     else:
         for name, caption in (
             ("throughput", "Throughput in tokens/s over the whole run (log scale)."),
-            ("communication", "Bytes sent (all ranks), communication seconds over the run "
-                              "(measured = exposed, not overlapped with compute; projected = "
-                              "modelled per profile) and communication share of the step."),
+            ("communication", "Bytes per rank over the run: logical payload (tensor bytes "
+                              "handed to collectives and sends) beside modelled wire bytes "
+                              "(what the algorithm puts on the link, e.g. 2(n−1)/n × payload "
+                              "for a ring all-reduce; absent in older records); "
+                              "communication seconds (measured = exposed, not overlapped "
+                              "with compute; projected = modelled per profile) and "
+                              "communication share of the step."),
         ):
             if name in drawn:
                 blocks.append(("figure", drawn[name], caption))
-        blocks.append(("table", _throughput_table(comm, profiles)))
-        blocks.append(("table", _comm_table(comm, profiles)))
+        blocks.append(("table", tables.throughput_table(comm, profiles)))
+        blocks.append(("p", "Logical payload bytes = the tensor bytes each rank hands to "
+                            "collectives and sends; modelled wire bytes = the bytes each "
+                            "rank puts on the link under the network model (ring "
+                            "all-reduce: 2(n−1)/n × payload); n/a: not recorded (older "
+                            "records). Averages over the group's ok runs."))
+        blocks.append(("table", tables.comm_table(comm, profiles)))
 
     if not evals.empty:
         blocks.append(("h2", "Downstream evaluation"))
-        blocks.append(("table", _downstream_table(evals)))
+        blocks.append(("table", tables.downstream_table(evals)))
 
-    blocks.append(("h2", "Runs not in the comparison"))
+    blocks.append(("h2", "Runs that did not finish ok"))
     bad = runs[runs["status"] != "ok"]
     if bad.empty:
         blocks.append(("p", "None: every run finished ok."))
     else:
         blocks.append(("p", "Failed, diverged and partial runs (killed midway, or still "
-                            "running); only ok runs enter the comparisons above."))
-        blocks.append(("table", _problem_table(bad)))
+                            "running). They count in their group's tallies above (and void "
+                            "its speedup); they contribute no numbers."))
+        blocks.append(("table", tables.problem_table(bad)))
 
     blocks.append(("h2", "All runs"))
-    blocks.append(("table", _runs_table(runs)))
+    blocks.append(("table", tables.runs_table(runs)))
     files = ["runs.csv", "steps.csv", "speedup.csv", "convergence.csv", "communication.csv"]
     if not evals.empty:
         files.append("downstream.csv")
     blocks.append(("p", "Tables as CSV beside this report: " + ", ".join(f"`{f}`" for f in files)
                    + "."))
     return blocks
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-def _target_text(speedup: pd.DataFrame) -> str:
-    rows = speedup.dropna(subset=["target_loss"]).drop_duplicates(["baseline", "target_loss"])
-    if rows.empty:
-        return "No DDP baseline to compare with (strategy name `ddp`)."
-    parts = [f"{render.num(r.target_loss)} ({r.target_source}, baseline `{r.baseline}`)"
-             for r in rows.itertuples()]
-    return "Target validation loss: " + "; ".join(parts) + "."
-
-
-def _group_columns(table: pd.DataFrame) -> pd.DataFrame:
-    out = pd.DataFrame({"group": table["label"], "strategy": table["strategy"]})
-    if table["sweep"].nunique() > 1:
-        out.insert(0, "sweep", table["sweep"])
-    return out
-
-
-def _wide_by_clock(speedup: pd.DataFrame, profiles: list[str], value: str, ci: str,
-                   suffix: str = "") -> pd.DataFrame:
-    first = speedup.drop_duplicates(["sweep", "label"])
-    out = _group_columns(first).reset_index(drop=True)
-    out["baseline"] = first["baseline"].astype(object).fillna("—").to_numpy()
-    out["reached target"] = first["reached"].astype(object).fillna("—").to_numpy()
-    for clock in ["measured", *profiles]:
-        rows = speedup[speedup["clock"] == clock].set_index(["sweep", "label"])
-        cells = []
-        for key in zip(first["sweep"], first["label"], strict=True):
-            if key not in rows.index:
-                cells.append("—")
-                continue
-            row = rows.loc[key]
-            text = render.with_ci(row[value], row[ci], 3 if suffix else 4, suffix)
-            if text == "—" and str(row["reached"]).startswith("0/"):
-                text = "not reached"
-            cells.append(text)
-        out[clock if clock == "measured" else f"proj. {clock}"] = cells
-    return out
-
-
-def _convergence_table(conv: pd.DataFrame) -> pd.DataFrame:
-    out = _group_columns(conv).reset_index(drop=True)
-    out["runs"] = conv["runs"].to_numpy()
-    out["tokens to target"] = [render.with_ci(m, c) for m, c in
-                               zip(conv["tokens_to_target"], conv["tokens_to_target_ci"],
-                                   strict=True)]
-    out["tokens vs DDP"] = [render.with_ci(m, c, 3, "×") for m, c in
-                            zip(conv["token_ratio"], conv["token_ratio_ci"], strict=True)]
-    out["final val loss"] = [render.with_ci(m, c) for m, c in
-                             zip(conv["final_val_loss"], conv["final_val_loss_ci"], strict=True)]
-    out["Δ val loss vs DDP"] = [render.with_ci(m, c, 3) for m, c in
-                                zip(conv["val_loss_diff"], conv["val_loss_diff_ci"], strict=True)]
-    return out
-
-
-def _throughput_table(comm: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
-    out = _group_columns(comm).reset_index(drop=True)
-    out["tokens/s measured"] = [render.si(v) for v in comm["throughput.measured"]]
-    for p in profiles:
-        if f"throughput.{p}" in comm:
-            out[f"tokens/s proj. {p}"] = [render.si(v) for v in comm[f"throughput.{p}"]]
-    return out
-
-
-def _comm_table(comm: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
-    out = _group_columns(comm).reset_index(drop=True)
-    out["bytes (run, all ranks)"] = [render.si(v, "B") for v in comm["comm_bytes_total"]]
-    out["bytes/step"] = [render.si(v, "B") for v in comm["comm_bytes_per_step"]]
-    out["comm s measured"] = [render.num(v) for v in comm["comm_s_total"]]
-    out["compute s measured"] = [render.num(v) for v in comm["compute_s_total"]]
-    out["comm share measured"] = [render.percent(v) for v in comm["comm_share.measured"]]
-    for p in profiles:
-        if f"comm_share.{p}" in comm:
-            out[f"comm share {p}"] = [render.percent(v) for v in comm[f"comm_share.{p}"]]
-    return out
-
-
-def _downstream_table(evals: pd.DataFrame) -> pd.DataFrame:
-    """One row per task/metric, one column per group (metrics outnumber groups)."""
-    names = (evals["sweep"] + "/" + evals["label"] if evals["sweep"].nunique() > 1
-             else evals["label"])
-    metrics = [c for c in evals.columns
-               if c not in ("sweep", "label", "strategy", "runs") and not c.endswith("_ci")]
-    out = pd.DataFrame({"task/metric": ["runs", *metrics]})
-    for i, name in enumerate(names):
-        row = evals.iloc[i]
-        out[name] = [str(row["runs"]), *[render.with_ci(row[m], row[f"{m}_ci"])
-                                         for m in metrics]]
-    return out
-
-
-def _first_line(text) -> str:
-    if not isinstance(text, str) or not text.strip():
-        return ""
-    line = text.strip().splitlines()[0]
-    return line if len(line) <= 160 else line[:157] + "..."
-
-
-_PARTIAL = "no summary: killed midway, or still running"
-
-
-def _problem_table(bad: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame({
-        "run": bad["run_id"], "group": bad["label"], "seed": bad["seed"].map(render.num),
-        "status": bad["status"],
-        "steps": [f"{render.num(d)}/{render.num(p)}" for d, p in
-                  zip(bad["steps_done"], bad["steps_planned"], strict=True)],
-        "last train loss": bad["last_train_loss"].map(render.num),
-        "error": [_first_line(e) or (_PARTIAL if s == "partial" else "")
-                  for e, s in zip(bad["error"], bad["status"], strict=True)],
-    })
-
-
-def _runs_table(runs: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame({
-        "run": runs["run_id"], "group": runs["label"], "seed": runs["seed"].map(render.num),
-        "strategy": runs["strategy"], "status": runs["status"],
-        "steps": runs["steps_done"].map(render.num),
-        "tokens": runs["total_tokens"].map(render.si),
-        "wall s": runs["wall_s"].map(render.num),
-        "tokens/s": runs["throughput_tokens_per_s"].map(render.si),
-        "final val loss": runs["final_val_loss"].map(render.num),
-    })

@@ -1,55 +1,48 @@
-"""The numbers of a report: time and tokens to a target loss, speedup vs DDP, confidence.
+"""The numbers of a report: time and tokens to a target loss, speedup vs a baseline.
 
-Time to target is the first crossing of the validation curve, linearly interpolated
-between the two validation points around it (tokens and seconds alike); a run whose
-first validation point is already below the target crosses there. A projected time to
-target on a network profile is the run's projected total time on that profile times the
-fraction of the run's tokens seen at the crossing (it assumes every step costs the same).
+    commbench report results/quickstart -o reports/quickstart
+
+Time to target: the step where the validation curve first reaches the target, linearly
+interpolated between the two validation points around it (a run whose first validation
+is already below the target crosses there). Tokens and measured seconds at that step are
+interpolated linearly in the step between the logged metrics rows around it. Projected
+seconds on a network profile come from the cumulative `projected_elapsed_s` the harness
+writes into every metrics row, interpolated the same way ("step-wise"); records without it
+fall back to the run's projected total times the fraction of its tokens seen at the
+crossing, which assumes every step costs the same ("uniform-step estimate", marked).
 
 Each group (a config minus its seed) is compared with the DDP group of the same sweep
 and grid point (else the only DDP group). The target is the caller's, else the sweep
-spec's, else the DDP group's final validation loss (the highest over its seeds, so
-that every DDP seed reaches it). Per seed, a speedup is the
-baseline's time over the run's time, paired by seed when the baseline ran that seed, else
-against the baseline mean; groups report the mean over seeds ± the 95% confidence
-half-width of the t-distribution (blank with one seed).
+spec's, else the DDP group's final validation loss (the highest over its seeds, so that
+every DDP seed reaches it). Only runs with status ok can reach the target: a diverged,
+failed or partial run counts as a miss. A group gets a time to target and a speedup only
+when every one of its runs (and of its baseline's) reached the target; otherwise the
+table says why (no survivorship: counts of misses, divergences and failures are shown).
+A run already below the target at its first validation has an upper bound for a time
+to target (`at_first_validation` counts them; the report warns).
+Speedup = baseline time / run time, as the geometric mean over seeds with the 95%
+t-interval on the log-ratios (bench/report/stats.py): paired by seed when both groups ran
+the same seeds, else Welch's two-sample interval on the logs. Intervals from fewer than 3
+seeds are flagged "n<3".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
 
-# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
-_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
-_Z975 = 1.959964
+from bench.report.stats import (  # noqa: F401  (t_quantile_975: re-exported)
+    mean_ci,
+    mean_interval,
+    paired_interval,
+    ratio_interval,
+    t_quantile_975,
+    welch_interval,
+)
 
-
-def t_quantile_975(df: int) -> float:
-    """The 0.975 quantile of Student's t with `df` degrees of freedom."""
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975  # Cornish-Fisher expansion: error < 1e-4 beyond 30 degrees of freedom
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-
-
-def mean_ci(values: Iterable[float]) -> tuple[float, float, int]:
-    """(mean, 95% half-width, n) over the finite values; half-width NaN when n < 2."""
-    x = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
-    if len(x) == 0:
-        return math.nan, math.nan, 0
-    if len(x) == 1:
-        return float(x[0]), math.nan, 1
-    half = t_quantile_975(len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-    return float(x.mean()), float(half), len(x)
+STEPWISE, UNIFORM = "step-wise", "uniform-step estimate"
 
 
 def first_crossing(val: pd.DataFrame, target: float) -> dict[str, float]:
@@ -74,21 +67,41 @@ def first_crossing(val: pd.DataFrame, target: float) -> dict[str, float]:
     return {c: before[c] + frac * (at[c] - before[c]) for c in cols}
 
 
-def validation_rows(steps: pd.DataFrame, run_id: str) -> pd.DataFrame:
-    if steps.empty or "val_loss" not in steps:
+def value_at_step(rows: pd.DataFrame, column: str, step: float) -> float:
+    """`column` linearly interpolated in the step over the rows that carry it (NaN: none)."""
+    if column not in rows or not np.isfinite(step):
+        return math.nan
+    part = rows[["step", column]].dropna().sort_values("step")
+    if part.empty:
+        return math.nan
+    steps, values = part["step"].to_numpy(dtype=float), part[column].to_numpy(dtype=float)
+    if step < steps[0] or step > steps[-1]:
+        return math.nan
+    return float(np.interp(step, steps, values))
+
+
+def run_rows(steps: pd.DataFrame, run_id: str) -> pd.DataFrame:
+    if steps.empty or "run_id" not in steps:
         return pd.DataFrame(columns=["step", "tokens", "elapsed_s", "val_loss"])
-    rows = steps[(steps["run_id"] == run_id) & steps["val_loss"].notna()]
-    return rows.reindex(columns=["step", "tokens", "elapsed_s", "val_loss"])
+    return steps[steps["run_id"] == run_id]
 
 
-def _baselines(groups: pd.DataFrame) -> dict[str, str | None]:
-    """group -> the DDP group it is compared with (same sweep and grid point, else unique)."""
-    ddp = groups[groups["strategy"] == "ddp"]
+def validation_rows(steps: pd.DataFrame, run_id: str) -> pd.DataFrame:
+    rows = run_rows(steps, run_id)
+    if "val_loss" not in rows:
+        return pd.DataFrame(columns=["step", "tokens", "elapsed_s", "val_loss"])
+    return rows[rows["val_loss"].notna()].reindex(columns=["step", "tokens", "elapsed_s",
+                                                           "val_loss"])
+
+
+def _baselines(groups: pd.DataFrame, is_baseline) -> dict[str, str | None]:
+    """group -> the baseline group (same sweep and grid point, else same sweep, else unique)."""
+    base = groups[[bool(is_baseline(row)) for _, row in groups.iterrows()]]
     chosen: dict[str, str | None] = {}
     for group, row in groups.iterrows():
-        same_point = ddp[(ddp["sweep"] == row["sweep"]) & (ddp["point"] == row["point"])]
-        same_sweep = ddp[ddp["sweep"] == row["sweep"]]
-        for candidates in (same_point, same_sweep, ddp):
+        same_point = base[(base["sweep"] == row["sweep"]) & (base["point"] == row["point"])]
+        same_sweep = base[base["sweep"] == row["sweep"]]
+        for candidates in (same_point, same_sweep, base):
             if len(candidates) == 1:
                 chosen[group] = candidates.index[0]
                 break
@@ -97,112 +110,186 @@ def _baselines(groups: pd.DataFrame) -> dict[str, str | None]:
     return chosen
 
 
-def _clocks(profiles: list[str]) -> list[str]:
-    return ["measured", *profiles]
-
-
 def run_times_to_target(runs: pd.DataFrame, steps: pd.DataFrame, target: float,
                         profiles: list[str]) -> pd.DataFrame:
-    """Per run: tokens_to_target and time_to_target.CLOCK (measured and per profile)."""
+    """Per run: tokens_to_target, time_to_target.CLOCK and projection.PROFILE (the method).
+
+    Only runs with status ok can reach the target (others get NaN)."""
     rows = []
     for _, run in runs.iterrows():
+        mine = run_rows(steps, run["run_id"])
         cross = first_crossing(validation_rows(steps, run["run_id"]), target)
-        row = {"run_id": run["run_id"], "seed": run["seed"], "final_val_loss":
-               run["final_val_loss"], "tokens_to_target": cross["tokens"],
-               "time_to_target.measured": cross["elapsed_s"]}
-        fraction = cross["tokens"] / run["total_tokens"] if run["total_tokens"] else math.nan
+        if run["status"] != "ok":
+            cross = {k: math.nan for k in cross}
+        val = validation_rows(steps, run["run_id"])
+        # below the target at its first validation: the crossing is at or before that point
+        first_val = bool(np.isfinite(cross["step"]) and len(val)
+                         and cross["step"] == val["step"].min())
+        step = cross["step"]
+        tokens = value_at_step(mine, "tokens", step)
+        elapsed = value_at_step(mine, "elapsed_s", step)
+        row = {"run_id": run["run_id"], "seed": run["seed"], "status": run["status"],
+               "final_val_loss": run["final_val_loss"], "at_first_validation": first_val,
+               "tokens_to_target": tokens if np.isfinite(tokens) else cross["tokens"],
+               "time_to_target.measured": elapsed if np.isfinite(elapsed)
+               else cross["elapsed_s"]}
+        fraction = (row["tokens_to_target"] / run["total_tokens"] if run["total_tokens"]
+                    else math.nan)
         for profile in profiles:
-            total = run.get(f"proj.{profile}.total_s", math.nan)
-            row[f"time_to_target.{profile}"] = fraction * total
+            column = f"proj_elapsed.{profile}"
+            if column in mine and mine[column].notna().any():
+                row[f"time_to_target.{profile}"] = value_at_step(mine, column, step)
+                row[f"projection.{profile}"] = STEPWISE
+            else:
+                row[f"time_to_target.{profile}"] = fraction * run.get(
+                    f"proj.{profile}.total_s", math.nan)
+                row[f"projection.{profile}"] = UNIFORM
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def _paired(values: pd.Series, seeds: pd.Series, reference: pd.DataFrame, column: str,
-            combine) -> list[float]:
-    """combine(run value, baseline value of the same seed, else the baseline mean)."""
-    ref_mean = mean_ci(reference[column])[0]
-    by_seed = dict(zip(reference["seed"], reference[column], strict=True))
-    out = []
-    for value, seed in zip(values, seeds, strict=True):
-        ref = by_seed.get(seed, ref_mean)
-        ref = ref if ref is not None and np.isfinite(ref) else ref_mean
-        out.append(combine(value, ref))
-    return out
+def _by_seed(times: pd.DataFrame, column: str) -> dict:
+    """seed -> value; keyed by run id when seeds repeat (then nothing pairs)."""
+    key = "seed" if times["seed"].is_unique else "run_id"
+    return dict(zip(times[key], times[column], strict=True))
+
+
+def _counts(times: pd.DataFrame) -> dict:
+    status = times["status"].value_counts()
+    reached = int(times["tokens_to_target"].notna().sum())
+    ok = int(status.get("ok", 0))
+    return {"runs": len(times), "ok": ok, "reached": reached, "did_not_reach": ok - reached,
+            "diverged": int(status.get("diverged", 0)), "failed": int(status.get("failed", 0)),
+            "partial": int(status.get("partial", 0)),
+            "at_first_validation": int(times["at_first_validation"].sum())}
+
+
+def miss_reason(counts: dict) -> str:
+    """Why a group has no time to target ("" when every run reached it)."""
+    parts = []
+    if counts["did_not_reach"]:
+        parts.append(f"{counts['did_not_reach']} of {counts['runs']} seeds did not reach")
+    parts += [f"{counts[k]} {k}" for k in ("diverged", "failed", "partial") if counts[k]]
+    return ", ".join(parts)
+
+
+def _target(info, base_ok: pd.DataFrame, target_loss, sweep_targets,
+            baseline_name: str) -> tuple[float, str]:
+    if target_loss is not None:
+        return float(target_loss), "given"
+    if info["sweep"] in sweep_targets:
+        return sweep_targets[info["sweep"]], "sweep spec"
+    if base_ok.empty:
+        return math.nan, "no ok baseline run"
+    # the worst baseline seed's final loss: every baseline seed reaches it
+    return (float(base_ok["final_val_loss"].max()),
+            f"{baseline_name} final val loss (highest over seeds)")
+
+
+SPEED_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
+              "clock", "runs", "ok", "reached", "did_not_reach", "diverged", "failed",
+              "partial", "at_first_validation", "misses", "reason", "projection",
+              "time_to_target_s", "time_to_target_ci",
+              "baseline_time_to_target_s", "speedup", "speedup_low", "speedup_high",
+              "speedup_n", "speedup_method", "flag"]
+CONV_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
+             "runs", "ok", "reached", "did_not_reach", "diverged", "failed", "partial",
+             "misses", "reason", "tokens_to_target", "tokens_to_target_ci",
+             "baseline_tokens_to_target",
+             "token_ratio", "token_ratio_low", "token_ratio_high", "final_val_loss",
+             "final_val_loss_ci", "final_val_loss_n", "val_loss_diff", "val_loss_diff_ci",
+             "flag"]
 
 
 def compare(runs: pd.DataFrame, steps: pd.DataFrame, profiles: list[str],
-            target_loss: float | None = None,
-            sweep_targets: dict[str, float] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(speedup, convergence) tables over the runs with status ok.
+            target_loss: float | None = None, sweep_targets: dict[str, float] | None = None,
+            is_baseline=lambda group: group["strategy"] == "ddp",
+            baseline_name: str = "DDP") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(speedup, convergence) tables over every group, whatever its runs' status.
 
     speedup: one row per group and clock (measured, then each network profile).
-    convergence: one row per group: tokens to target, final validation loss and its
-    difference from the baseline."""
-    ok = runs[runs["status"] == "ok"]
-    speed_cols = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
-                  "clock", "runs", "reached", "time_to_target_s", "time_to_target_ci",
-                  "baseline_time_to_target_s", "speedup", "speedup_ci"]
-    conv_cols = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
-                 "runs", "reached", "tokens_to_target", "tokens_to_target_ci",
-                 "baseline_tokens_to_target", "token_ratio", "token_ratio_ci", "final_val_loss",
-                 "final_val_loss_ci", "val_loss_diff", "val_loss_diff_ci"]
-    if ok.empty:
-        return pd.DataFrame(columns=speed_cols), pd.DataFrame(columns=conv_cols)
-    groups = ok.groupby("group", sort=False).agg(
+    convergence: one row per group: tokens to target, final validation loss (ok runs) and
+    its difference from the baseline. `is_baseline(group row)` picks baseline groups (row
+    fields: sweep, label, strategy, point, schedule)."""
+    if runs.empty:
+        return pd.DataFrame(columns=SPEED_COLS), pd.DataFrame(columns=CONV_COLS)
+    groups = runs.groupby("group", sort=False).agg(
         sweep=("sweep", "first"), label=("label", "first"), strategy=("strategy", "first"),
-        point=("point", "first"))
-    baselines = _baselines(groups)
+        point=("point", "first"), schedule=("schedule", "first"))
+    baselines = _baselines(groups, is_baseline)
     sweep_targets = sweep_targets or {}
     speed_rows, conv_rows = [], []
     for group, info in groups.iterrows():
-        mine = ok[ok["group"] == group]
+        mine = runs[runs["group"] == group]
         base_group = baselines[group]
         common = {"sweep": info["sweep"], "label": info["label"], "strategy": info["strategy"]}
         if base_group is None:
-            note = {"baseline": "none (no unique DDP group)", "runs": len(mine)}
+            note = {"baseline": f"none (no unique {baseline_name} group)", "runs": len(mine)}
             conv_rows.append({**common, **note})
             speed_rows.append({**common, **note, "clock": "measured"})
             continue
-        base = ok[ok["group"] == base_group]
-        if target_loss is not None:
-            target, source = float(target_loss), "given"
-        elif info["sweep"] in sweep_targets:
-            target, source = sweep_targets[info["sweep"]], "sweep spec"
-        else:
-            # the worst DDP seed's final loss: every DDP seed reaches it
-            target = float(base["final_val_loss"].max())
-            source = "DDP final val loss (highest over seeds)"
+        base = runs[runs["group"] == base_group]
+        target, source = _target(info, base[base["status"] == "ok"], target_loss,
+                                 sweep_targets, baseline_name)
         mine_t = run_times_to_target(mine, steps, target, profiles)
         base_t = run_times_to_target(base, steps, target, profiles)
-        reached = int(mine_t["tokens_to_target"].notna().sum())
+        counts, base_counts = _counts(mine_t), _counts(base_t)
+        reason = miss_reason(counts)
+        base_reason = miss_reason(base_counts)
+        complete = not reason and not base_reason
+        why = ("no speedup: " + reason if reason
+               else f"no speedup: baseline {base_reason}" if base_reason else "")
         common.update(baseline=groups.loc[base_group, "label"], target_loss=target,
-                      target_source=source, runs=len(mine), reached=f"{reached}/{len(mine)}")
-        for clock in _clocks(profiles):
-            column = f"time_to_target.{clock}"  # run_times_to_target has every clock
-            t_mean, t_ci, _ = mean_ci(mine_t[column])
-            speedups = _paired(mine_t[column], mine_t["seed"], base_t, column,
-                               lambda v, ref: ref / v if v > 0 else math.nan)
-            s_mean, s_ci, _ = mean_ci(speedups)
-            speed_rows.append({**common, "clock": clock, "time_to_target_s": t_mean,
-                               "time_to_target_ci": t_ci,
-                               "baseline_time_to_target_s": mean_ci(base_t[column])[0],
-                               "speedup": s_mean, "speedup_ci": s_ci})
-        tok_mean, tok_ci, _ = mean_ci(mine_t["tokens_to_target"])
-        ratios = _paired(mine_t["tokens_to_target"], mine_t["seed"], base_t,
-                         "tokens_to_target", lambda v, ref: v / ref if ref > 0 else math.nan)
-        r_mean, r_ci, _ = mean_ci(ratios)
-        v_mean, v_ci, _ = mean_ci(mine_t["final_val_loss"])
-        diffs = _paired(mine_t["final_val_loss"], mine_t["seed"], base_t, "final_val_loss",
-                        lambda v, ref: v - ref)
-        d_mean, d_ci, _ = mean_ci(diffs)
-        conv_rows.append({**common, "tokens_to_target": tok_mean, "tokens_to_target_ci": tok_ci,
-                          "baseline_tokens_to_target": mean_ci(base_t["tokens_to_target"])[0],
-                          "token_ratio": r_mean, "token_ratio_ci": r_ci,
-                          "final_val_loss": v_mean, "final_val_loss_ci": v_ci,
-                          "val_loss_diff": d_mean, "val_loss_diff_ci": d_ci})
-    return (pd.DataFrame(speed_rows).reindex(columns=speed_cols),
-            pd.DataFrame(conv_rows).reindex(columns=conv_cols))
+                      target_source=source,
+                      **{**counts, "reached": f"{counts['reached']}/{counts['runs']}"},
+                      misses=reason, reason=why)
+        for clock in ["measured", *profiles]:
+            column = f"time_to_target.{clock}"
+            methods = set(mine_t.get(f"projection.{clock}", [])) | set(
+                base_t.get(f"projection.{clock}", []))
+            projection = ("measured" if clock == "measured"
+                          else UNIFORM if UNIFORM in methods else STEPWISE)
+            own = mean_interval(mine_t[column]) if not reason else mean_interval([])
+            ratio = (ratio_interval(_by_seed(base_t, column), _by_seed(mine_t, column))
+                     if complete else None)
+            speed_rows.append({
+                **common, "clock": clock, "projection": projection,
+                "time_to_target_s": own.estimate, "time_to_target_ci": own.half_width,
+                "baseline_time_to_target_s": mean_ci(base_t[column])[0]
+                if not base_reason else math.nan,
+                **_ratio_columns("speedup", ratio)})
+        conv_rows.append({**common, **_convergence(mine_t, base_t, reason, base_reason)})
+    return (pd.DataFrame(speed_rows).reindex(columns=SPEED_COLS),
+            pd.DataFrame(conv_rows).reindex(columns=CONV_COLS))
+
+
+def _ratio_columns(name: str, ci) -> dict:
+    if ci is None:
+        return {name: math.nan, f"{name}_low": math.nan, f"{name}_high": math.nan}
+    out = {name: ci.estimate, f"{name}_low": ci.low, f"{name}_high": ci.high}
+    if name == "speedup":
+        out.update(speedup_n=ci.n, speedup_method=ci.method, flag=ci.flag)
+    return out
+
+
+def _convergence(mine_t: pd.DataFrame, base_t: pd.DataFrame, reason: str,
+                 base_reason: str) -> dict:
+    tokens = mean_interval(mine_t["tokens_to_target"] if not reason else [])
+    ratio = (ratio_interval(_by_seed(mine_t, "tokens_to_target"),
+                            _by_seed(base_t, "tokens_to_target"))
+             if not reason and not base_reason else None)
+    ok, base_ok = mine_t[mine_t["status"] == "ok"], base_t[base_t["status"] == "ok"]
+    final = mean_interval(ok["final_val_loss"])
+    mine_v, base_v = _by_seed(ok, "final_val_loss"), _by_seed(base_ok, "final_val_loss")
+    diff = (paired_interval(mine_v, base_v) if set(mine_v) == set(base_v)
+            else welch_interval(mine_v.values(), base_v.values()))
+    return {"tokens_to_target": tokens.estimate, "tokens_to_target_ci": tokens.half_width,
+            "baseline_tokens_to_target": mean_ci(base_t["tokens_to_target"])[0]
+            if not base_reason else math.nan,
+            **_ratio_columns("token_ratio", ratio),
+            "final_val_loss": final.estimate, "final_val_loss_ci": final.half_width,
+            "final_val_loss_n": final.n, "val_loss_diff": diff.estimate,
+            "val_loss_diff_ci": diff.half_width, "flag": final.flag}
 
 
 def communication(runs: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
@@ -210,12 +297,24 @@ def communication(runs: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
 
     Measured share = exposed communication seconds / wall seconds of training; projected
     share = projected communication seconds / projected step seconds on the profile.
-    Projected seconds for the whole run = projected per-step seconds x steps."""
+    Projected seconds for the whole run = projected per-step seconds x steps. Bytes per
+    rank come in two kinds, never mixed: logical payload (`comm_bytes_per_rank`, the tensor
+    bytes handed to each collective or send) and modelled wire bytes
+    (`comm_wire_bytes_per_rank`, e.g. 2(n-1)/n x S per rank for a ring all-reduce; NaN in
+    records that predate it)."""
     ok = runs[runs["status"] == "ok"].copy()
+    world = ok["world_size"].where(ok["world_size"] > 0)
+    ok["comm_bytes_per_rank"] = ok["comm_bytes_per_rank"].fillna(ok["comm_bytes_total"] / world)
+    ok["comm_bytes_per_rank_step"] = ok["comm_bytes_per_rank"] / ok["steps"].where(
+        ok["steps"] > 0)
+    ok["comm_wire_bytes_per_rank_step"] = ok["comm_wire_bytes_per_rank"] / ok["steps"].where(
+        ok["steps"] > 0)
     ok["comm_share.measured"] = ok["comm_s_total"] / ok["wall_s"].where(ok["wall_s"] > 0)
     ok["comm_bytes_per_step"] = ok["comm_bytes_total"] / ok["steps"].where(ok["steps"] > 0)
     ok["throughput.measured"] = ok["throughput_tokens_per_s"]
     columns = ["throughput.measured", "comm_bytes_total", "comm_bytes_per_step",
+               "comm_bytes_per_rank", "comm_bytes_per_rank_step", "comm_wire_bytes_per_rank",
+               "comm_wire_bytes_per_rank_step",
                "comm_s_total", "compute_s_total", "comm_share.measured"]
     for profile in profiles:
         step, comm = f"proj.{profile}.step_s", f"proj.{profile}.comm_s"
@@ -232,8 +331,14 @@ def communication(runs: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
         return pd.DataFrame(columns=["sweep", "label", "strategy", "runs", *columns])
     table = ok.groupby("group", sort=False).agg(
         sweep=("sweep", "first"), label=("label", "first"), strategy=("strategy", "first"),
-        runs=("run_id", "count"), **{c: (c, "mean") for c in columns})
+        runs=("run_id", "count"),
+        # a group where some runs lack wire bytes shows none rather than a partial mean
+        **{c: (c, _strict_mean if "wire" in c else "mean") for c in columns})
     return table.reset_index(drop=True)
+
+
+def _strict_mean(values: pd.Series) -> float:
+    return float(values.mean(skipna=False))
 
 
 def downstream(runs: pd.DataFrame) -> pd.DataFrame:

@@ -30,14 +30,17 @@ def colors(labels: list[str]) -> dict[str, str]:
 
 
 def _curves(steps: pd.DataFrame, column: str) -> dict[str, pd.DataFrame]:
-    """label -> per-step mean over seeds of tokens, elapsed_s, fraction and `column`."""
+    """label -> per-step mean over seeds of tokens, elapsed_s, fraction, the projected
+    clocks (proj_elapsed.PROFILE, NaN where a seed lacks one) and `column`."""
     rows = steps[steps[column].notna()] if column in steps else steps.iloc[0:0]
+    clocks = [c for c in steps.columns if c.startswith("proj_elapsed.")]
     out = {}
     for label, part in rows.groupby("label", sort=False):
         agg = part.groupby("step").agg(
             tokens=("tokens", "mean"), elapsed_s=("elapsed_s", "mean"),
             fraction=("fraction", "mean"), value=(column, "mean"), low=(column, "min"),
-            high=(column, "max"), seeds=(column, "count"))
+            high=(column, "max"), seeds=(column, "count"),
+            **{c: (c, lambda x: x.mean(skipna=False)) for c in clocks})
         out[label] = agg.reset_index()
     return out
 
@@ -112,8 +115,10 @@ def loss_vs_time(runs, steps, palette, target: float | None,
             column = f"proj.{clock}.total_s"
             totals = ok.groupby("label")[column].mean() if column in ok else pd.Series()
 
-            def x_of(label, curve, totals=totals):
-                return curve["fraction"] * totals.get(label, math.nan)
+            def x_of(label, curve, totals=totals, clock=f"proj_elapsed.{clock}"):
+                if clock in curve and curve[clock].notna().all():
+                    return curve[clock]  # the cumulative projected clock the run logged
+                return curve["fraction"] * totals.get(label, math.nan)  # uniform steps
         _plot_curves(ax, train, val, x_of, palette)
         _finish_axes(ax, "seconds" if clock == "measured" else "projected seconds", target)
         ax.set_title(clock if clock == "measured" else f"projected: {clock}", fontsize=10)
@@ -123,7 +128,7 @@ def loss_vs_time(runs, steps, palette, target: float | None,
     axes[0].set_ylabel("loss")
     axes[0].legend(fontsize=7)
     fig.suptitle("Loss vs time: measured here, and projected onto each network profile "
-                 "(markers: validation, faint: training)")
+                 "(markers: validation, faint: training)", fontsize=10)
     return fig
 
 
@@ -176,13 +181,14 @@ def communication(comm: pd.DataFrame, profiles: list[str],
         return None
     fig = _figure(13, 4.2)
     ax_bytes, ax_secs, ax_share = fig.subplots(1, 3)
-    x = np.arange(len(comm))
-    ax_bytes.bar(x, comm["comm_bytes_total"].to_numpy(dtype=float),
-                 color=[palette.get(label, "#777777") for label in comm["label"]])
-    ax_bytes.set_xticks(x, comm["label"], rotation=20, ha="right", fontsize=8)
+    # two kinds of bytes, two bar series: logical payload and modelled wire (n/a: no bar)
+    wire_known = comm["comm_wire_bytes_per_rank"].notna().any()
+    _grouped_bars(ax_bytes, comm, ["comm_bytes_per_rank", "comm_wire_bytes_per_rank"],
+                  ["logical payload", "modelled wire" if wire_known
+                   else "modelled wire: n/a (not recorded)"], ["#4c72b0", "#dd8452"])
     ax_bytes.yaxis.set_major_formatter(EngFormatter(unit="B"))
-    ax_bytes.set_title("Bytes communicated (whole run)", fontsize=10)
-    ax_bytes.grid(axis="y", alpha=0.3)
+    ax_bytes.set_title("Bytes per rank (whole run)", fontsize=10)
+    ax_bytes.legend(fontsize=7)
 
     sec_clocks = [p for p in profiles if f"comm_s.{p}" in comm]
     _grouped_bars(ax_secs, comm, ["comm_s_total", *[f"comm_s.{p}" for p in sec_clocks]],
@@ -200,4 +206,34 @@ def communication(comm: pd.DataFrame, profiles: list[str],
     ax_share.set_ylim(0, 1)
     ax_share.set_title("Communication share of the step", fontsize=10)
     ax_share.legend(fontsize=7)
+    return fig
+
+
+def delay_gaps(cells: pd.DataFrame) -> Figure | None:
+    """Bars: gap to sync per optimizer, delayed and delayed + EF, 95% error bars.
+
+    `cells` is bench/report/studies.py's delay_study table."""
+    gaps = cells[cells["delay"] > 0].dropna(subset=["gap"])
+    if gaps.empty:
+        return None
+    names = list(dict.fromkeys(gaps["optimizer"]))
+    settings = [("none", "delayed", "#c44e52"), ("ef", "delayed + EF (reconstruction)",
+                                                  "#4c72b0")]
+    fig = _figure(max(5.0, 1.4 * len(names) + 2), 3.8)
+    ax = fig.add_subplot()
+    x = np.arange(len(names))
+    for i, (corr, label, color) in enumerate(settings):
+        part = gaps[gaps["correction"] == corr].drop_duplicates("optimizer").set_index(
+            "optimizer")
+        values = [part["gap"].get(n, np.nan) for n in names]
+        errors = [part["gap_ci"].get(n, np.nan) for n in names]
+        errors = [0 if not np.isfinite(e) else e for e in errors]
+        ax.bar(x + (i - 0.5) * 0.38, values, 0.38, yerr=errors, capsize=3, color=color,
+               label=label)
+    ax.axhline(0, color="grey", linewidth=1)
+    ax.set_xticks(x, names)
+    ax.set_ylabel("final val loss − sync")
+    ax.set_title("One-step delay: validation-loss gap to the synchronous run", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
     return fig

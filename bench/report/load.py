@@ -9,8 +9,12 @@ reads its files and returns `Results(runs, steps, warnings)`:
   diverged, or partial for a run killed midway: config.yaml without summary.json, or
   summary status running), summary totals, `proj.PROFILE.KEY` projected columns, and
   `eval.TASK/METRIC` columns.
+  Config columns: `optim.name`, `optim.delay`, `optim.delay_correction`, `schedule`
+  (strategy.schedule) with the defaults of older records (adamw, 0, none), and `delay_ref`
+  (the config minus seed and delay settings: runs that differ only by delay share it).
 - `steps`: one row per logged metrics row (training rows carry `loss`, validation rows
-  `val_loss`), tagged with the run's identity columns.
+  `val_loss`), tagged with the run's identity columns; the harness's cumulative
+  `projected_elapsed_s: {profile: s}` becomes one `proj_elapsed.PROFILE` column each.
 
 Runs are grouped for comparison by their config minus the seed: the `label` a sweep
 recorded in sweep.json (variant name plus grid point), else the run name.
@@ -35,8 +39,14 @@ from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
 IDENTITY = ["run_id", "sweep", "variant", "label", "group", "seed", "strategy", "status"]
 SUMMARY_NUMBERS = [
     "num_params", "world_size", "steps", "total_tokens", "wall_s", "throughput_tokens_per_s",
-    "compute_s_total", "comm_s_total", "comm_bytes_total", "final_val_loss", "best_val_loss",
+    "compute_s_total", "comm_s_total", "comm_bytes_total", "comm_bytes_per_rank",
+    "comm_wire_bytes_per_rank", "final_val_loss", "best_val_loss",
+    "bubble_fraction_measured", "bubble_fraction_theory",
 ]
+# Config fields the study sections read; absent in older records: these defaults.
+CONFIG_FIELDS = {"optim.name": "adamw", "optim.delay": 0, "optim.delay_correction": "none",
+                 "strategy.schedule": None}
+_DELAY_KEYS = ("run.name", "optim.delay", "optim.delay_correction", "optim.ef_lambda")
 # Config keys that say where things go or which repetition it is: not what is compared.
 _NOT_COMPARED = ("run.seed", *NON_IDENTITY_KEYS)
 
@@ -89,8 +99,8 @@ def _read_config(path: Path, warnings: list[str]) -> dict:
         return {}
 
 
-def _compared_config_key(config: dict) -> str:
-    data = without_keys(json.loads(json.dumps(config, default=str)), _NOT_COMPARED)
+def _compared_config_key(config: dict, extra: tuple[str, ...] = ()) -> str:
+    data = without_keys(json.loads(json.dumps(config, default=str)), (*_NOT_COMPARED, *extra))
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
@@ -178,6 +188,13 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             "error": (summary or {}).get("error") or (summary or {}).get("eval_error"),
             "steps_planned": run_cfg.get("steps"),
         }
+        for key, default in CONFIG_FIELDS.items():
+            section, name = key.split(".")
+            value = (config.get(section) or {}).get(name) if isinstance(
+                config.get(section), dict) else None
+            row["schedule" if key == "strategy.schedule" else key] = (
+                default if value is None else value)
+        row["delay_ref"] = f"{row['sweep']}#{_compared_config_key(config, _DELAY_KEYS)}"
         for key in SUMMARY_NUMBERS:
             value = (summary or {}).get(key)
             row[key] = float(value) if _is_number(value) else math.nan
@@ -199,6 +216,13 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             row[f"eval.{key}"] = value
         run_rows.append(row)
         for m in metrics:
+            m = dict(m)
+            clock = m.pop("projected_elapsed_s", None)
+            for profile, seconds in (clock.items() if isinstance(clock, dict) else ()):
+                if _is_number(seconds):
+                    m[f"proj_elapsed.{profile}"] = float(seconds)
+                    if profile not in profiles:
+                        profiles.append(profile)
             step_rows.append({**{k: row[k] for k in IDENTITY}, **m})
 
     runs = pd.DataFrame(run_rows)

@@ -53,6 +53,23 @@ def with_ci(mean, ci, digits: int = 4, suffix: str = "") -> str:
     return text
 
 
+def ratio_ci(estimate, low, high, n) -> str:
+    """A ratio with its (asymmetric) 95% interval: "2.47× [0.93, 6.6] n<3".
+
+    Flags "n<3" when fewer than 3 seeds (or pairs) went in; "(n=1: no interval)" for one."""
+    text = num(estimate, 3)
+    if text == "—":
+        return text
+    text += "×"
+    if low is not None and math.isfinite(low) and math.isfinite(high):
+        text += f" [{low:.2g}, {high:.2g}]"
+        if n is not None and math.isfinite(n) and n < 3:
+            text += " n<3"
+    elif n is not None and math.isfinite(n) and n < 3:
+        text += f" (n={int(n)}: no interval)"
+    return text
+
+
 def si(value, unit: str = "") -> str:
     """1234567 -> '1.23 M' (+unit)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):

@@ -1,0 +1,178 @@
+"""What the training loop measures: the step-synchronised clock and the metrics window.
+
+Exercised by every `commbench run`: bench/train.py keeps a `LoopState`, calls the
+clock's and the window's `add` after each timed step, and `settle`/`flush` at its
+metrics rows, validations and checkpoints.
+
+Wall clock under stragglers (docs/architecture.md, "Timing"). Each rank times its own
+steps, with the device synchronised before and after. Between two settle points the
+ranks run on their own (GASLoC's idle workers, a slow link's late rank) and then meet in
+the harness's reductions, where the fast ranks wait, untimed, for the slow one. So the
+wall time of the interval is at least the slowest rank's timed steps, and the clock
+advances by the MAXIMUM over ranks of the step seconds since the previous settle point
+(not by rank 0's). Waits inside a strategy's own collectives are already in the waiting
+rank's timed step; validation, metrics and checkpoint time stay outside the clock.
+
+Tokens are the tokens actually consumed: the SUM over ranks of `StepStats.tokens` (an
+idle worker reports 0), not the nominal global batch.
+
+Projected time: for every step, each rank's measured compute (step_s - comm_s) plus its
+modelled communication on a profile (`bench.network.project` of that step's ledger
+records); the step takes the MAXIMUM over ranks of that sum, and the projected elapsed
+time is the sum over steps. Per-step values are buffered and reduced at settle points, so
+measuring adds no synchronisation to the steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from algorithms.base import StepStats
+from algorithms.comm import CommLedger, CommRecord
+from bench.network import Profile, project
+
+
+def all_reduce_floats(values: list[float], device: torch.device,
+                      op=dist.ReduceOp.SUM) -> list[float]:
+    """`values` reduced element-wise over all ranks (float64), outside the CommLedger."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from step to step; saved in checkpoints, restored on resume."""
+
+    step: int = 0
+    """Steps done."""
+    elapsed_s: float = 0.0
+    """Step-synchronised wall clock (the module docstring says how)."""
+    tokens: int = 0
+    """Tokens consumed, summed over ranks."""
+    projected_s: dict[str, float] = field(default_factory=dict)
+    """Projected elapsed seconds per network profile."""
+    compute_s: float = 0.0
+    """This rank's measured compute seconds."""
+    comm_s: float = 0.0
+    """This rank's exposed communication seconds."""
+    last_val: float | None = None
+    best_val: float = math.inf
+    extra_val: dict[str, float] = field(default_factory=dict)
+    target: dict | None = None
+    """Clock, tokens and projected clock at the first validation reaching run.target_loss."""
+    status: str = "ok"
+
+    def advance(self, settled: Settled) -> None:
+        """Move the clock, tokens and projected clocks on by what the ranks did together."""
+        self.elapsed_s += settled.elapsed_s
+        self.tokens += settled.tokens
+        for name, seconds in settled.projected_s.items():
+            self.projected_s[name] = self.projected_s.get(name, 0.0) + seconds
+
+
+@dataclass
+class Settled:
+    """What the ranks did together since the previous settle point."""
+
+    elapsed_s: float
+    """Max over ranks of their timed step seconds."""
+    tokens: int
+    """Sum over ranks of the tokens consumed."""
+    projected_s: dict[str, float]
+    """Per profile: sum over steps of the max over ranks of compute + modelled comm."""
+
+
+class StepClock:
+    """This rank's timed steps since the last settle point; `settle` reduces them."""
+
+    def __init__(self, profiles: dict[str, Profile], rank: int, ranks_per_node: int,
+                 device: torch.device):
+        self.profiles, self.rank, self.ranks_per_node = profiles, rank, ranks_per_node
+        self.num_profiles, self.device = len(profiles), device
+        self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
+        self.projected: list[float] = []  # num_profiles values per pending step
+
+    def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord]) -> None:
+        """One timed step: its seconds, its stats and its training-traffic ledger records."""
+        compute_s = step_s - stats.comm_s
+        self.step_s += step_s
+        self.tokens += stats.tokens
+        self.projected.extend(compute_s + project(step_records, p, self.rank,
+                                                  self.ranks_per_node)
+                              for p in self.profiles.values())
+        self.num_steps += 1
+
+    def settle(self) -> Settled:
+        """Reduce over ranks (a collective: every rank calls it at the same step)."""
+        if self.num_steps == 0:  # the same on every rank
+            return Settled(0.0, 0, dict.fromkeys(self.profiles, 0.0))
+        maxima = all_reduce_floats([self.step_s, *self.projected], self.device,
+                                   dist.ReduceOp.MAX)
+        (tokens,) = all_reduce_floats([float(self.tokens)], self.device)
+        per_step = maxima[1:]
+        projected = {name: sum(per_step[i::self.num_profiles])
+                     for i, name in enumerate(self.profiles)}
+        self.num_steps, self.step_s, self.tokens, self.projected = 0, 0.0, 0, []
+        return Settled(maxima[0], int(tokens), projected)
+
+
+class MetricsWindow:
+    """This rank's sums over the steps since the last metrics row; `flush` averages them."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_steps, self.loss, self.step_s, self.comm_s, self.bytes = 0, 0.0, 0.0, 0.0, 0
+        self.nonfinite = 0
+        self.extras: dict[str, float] = {}
+
+    def add(self, stats: StepStats, step_s: float, nbytes: int) -> None:
+        self.num_steps += 1
+        if math.isfinite(stats.loss):
+            self.loss += stats.loss
+        else:
+            self.nonfinite += 1
+        self.step_s += step_s
+        self.comm_s += stats.comm_s
+        self.bytes += nbytes
+        self.extras.update(stats.extras)  # latest value of each algorithm scalar
+
+    def flush(self, device: torch.device, world: int) -> tuple[dict, bool]:
+        """(means over ranks and steps, whether any rank saw a non-finite loss)."""
+        sums = all_reduce_floats([self.loss, self.step_s, self.comm_s, self.bytes,
+                                  self.nonfinite], device)
+        n = self.num_steps * world
+        finite = n - sums[4]
+        row = {
+            "loss": sums[0] / finite if finite else float("nan"),
+            "step_s": sums[1] / n,
+            "compute_s": (sums[1] - sums[2]) / n,
+            "comm_s": sums[2] / n,
+            "comm_bytes": sums[3] / n,
+            **self.extras,
+        }
+        self.reset()
+        return row, bool(sums[4])
+
+
+def run_totals(ledger: CommLedger, phases: tuple[str, ...], profiles: dict[str, Profile],
+               rank: int, ranks_per_node: int, steps: int,
+               device: torch.device) -> tuple[dict[str, float], int, list[dict]]:
+    """At the end of a run (a collective): per profile the slowest rank's modelled comm
+    seconds per step, the logical bytes summed over ranks, and every rank's ledger
+    aggregates (comm.jsonl rows, tagged with the rank)."""
+    train = [r for r in ledger.records if r.phase in phases]
+    comm_per_step = all_reduce_floats(
+        [project(train, p, rank, ranks_per_node) / max(1, steps) for p in profiles.values()],
+        device, dist.ReduceOp.MAX)
+    (nbytes,) = all_reduce_floats([sum(r.nbytes for r in train)], device)
+    aggregates = [None] * dist.get_world_size()
+    dist.all_gather_object(aggregates, ledger.aggregate())
+    rows = [{"rank": r, **row} for r, agg in enumerate(aggregates) for row in agg]
+    return dict(zip(profiles, comm_per_step, strict=True)), int(nbytes), rows

@@ -1,0 +1,154 @@
+"""The record schema: summary.json and the metrics.jsonl rows, defined once.
+
+`commbench run` writes them through these builders (bench/train.py at the end of the
+loop, bench/launch.py for the launcher's fields); tests build fixtures with the same
+builders: `make_summary(...)`, `train_row(...)`, `val_row(...)`, then
+`bench.records.RunDir.write_fake_run(path, config, rows, summary)`.
+
+How the times are measured (max over ranks, real tokens, step-by-step projection) is in
+bench/meter.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Projection:
+    """The run's time on one network profile (bench/network.py), modelled from its ledger."""
+
+    total_s: float
+    """Sum over steps of the max over ranks of (measured compute + modelled comm)."""
+    step_s: float
+    """total_s / steps."""
+    comm_s: float
+    """Modelled communication seconds per step of the slowest rank."""
+    throughput_tokens_per_s: float | None
+    """Tokens consumed / total_s."""
+
+    @classmethod
+    def of(cls, total_s: float, comm_s_per_step: float, steps: int, tokens: int) -> Projection:
+        return cls(total_s=total_s, step_s=total_s / max(1, steps), comm_s=comm_s_per_step,
+                   throughput_tokens_per_s=tokens / total_s if total_s > 0 else None)
+
+
+@dataclass
+class Summary:
+    """summary.json of a run that ended (status ok, diverged or failed).
+
+    `to_dict()` is the record: these fields, plus the derived throughput_tokens_per_s,
+    comm_share and comm_bytes_per_rank, plus final_val_loss_NAME for each extra eval model.
+    Optional fields that are None are left out.
+    """
+
+    status: str
+    """ok | diverged | failed (running while training; see bench.records.status_of)."""
+    run_name: str
+    strategy: str
+    world_size: int
+    steps: int = 0
+    """Steps trained."""
+    total_tokens: int = 0
+    """Tokens consumed, summed over ranks (StepStats.tokens)."""
+    wall_s: float = 0.0
+    """Step-synchronised wall clock: max over ranks between settle points (bench/meter.py)."""
+    compute_s_total: float = 0.0
+    """Rank 0's measured compute seconds."""
+    comm_s_total: float = 0.0
+    """Rank 0's exposed communication seconds."""
+    comm_bytes_total: int = 0
+    """Logical bytes of training traffic, summed over ranks."""
+    final_val_loss: float | None = None
+    best_val_loss: float | None = None
+    final_val_loss_extra: dict[str, float] = field(default_factory=dict)
+    """Final validation loss of each extra eval model, recorded as final_val_loss_NAME."""
+    target_loss: float | None = None
+    time_to_target_s: float | None = None
+    """wall_s at the first validation at or below target_loss."""
+    tokens_to_target: int | None = None
+    projected_time_to_target_s: dict[str, float] | None = None
+    """Per profile: projected elapsed seconds at that validation."""
+    projected: dict[str, Projection] = field(default_factory=dict)
+    num_params: int | None = None
+    flops_per_token: int | None = None
+    device: str | None = None
+    backend: str | None = None
+    data: dict | None = None
+    """The corpus's metadata (name, tokenizer, token counts)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation (on known GPUs only)."""
+    config_hash: str | None = None
+    error: str | None = None
+    eval: dict[str, float] | None = None
+    """lm-eval's key numbers {"task/metric": value} (eval/runner.py)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        extra = record.pop("final_val_loss_extra")
+        wall = self.wall_s
+        record.update(
+            throughput_tokens_per_s=self.total_tokens / wall if wall > 0 else None,
+            comm_share=self.comm_s_total / wall if wall > 0 else None,
+            comm_bytes_per_rank=int(self.comm_bytes_total) // max(1, self.world_size),
+            **{f"final_val_loss_{name}": value for name, value in extra.items()},
+        )
+        for key in _LEFT_OUT_WHEN_NONE:
+            if record[key] is None:
+                del record[key]
+        return record
+
+
+_LEFT_OUT_WHEN_NONE = ("num_params", "flops_per_token", "device", "backend", "data", "mfu",
+                       "config_hash", "error", "eval")
+
+
+def make_summary(**fields: Any) -> dict[str, Any]:
+    """summary.json content from `Summary`'s fields; `projected` may map profile -> Projection
+    or profile -> total seconds (then comm_s is 0 and step_s is total / steps)."""
+    projected = fields.pop("projected", {}) or {}
+    steps, tokens = fields.get("steps", 0), fields.get("total_tokens", 0)
+    fields["projected"] = {
+        name: p if isinstance(p, Projection) else Projection.of(float(p), 0.0, steps, tokens)
+        for name, p in projected.items()
+    }
+    return Summary(**fields).to_dict()
+
+
+def running_header(run_name: str, config_hash: str, strategy: str, world_size: int,
+                   **more: Any) -> dict[str, Any]:
+    """The summary fields known before training starts (status running, or failed early)."""
+    return {"status": "running", "run_name": run_name, "config_hash": config_hash,
+            "strategy": strategy, "world_size": world_size, **more}
+
+
+# ------------------------------------------------------------------- metrics.jsonl rows
+
+
+def train_row(step: int, tokens: int, elapsed_s: float, projected_elapsed_s: dict[str, float],
+              lr: float, loss: float, step_s: float, compute_s: float, comm_s: float,
+              comm_bytes: float, **extras: float) -> dict[str, Any]:
+    """A training row: means over ranks and over the steps since the previous row (loss,
+    step_s, compute_s, comm_s, comm_bytes), the clock and tokens at `step` (as in
+    `Summary`), and the strategy's scalars (`extras`)."""
+    return {"step": step, "tokens": tokens, "elapsed_s": elapsed_s,
+            "projected_elapsed_s": dict(projected_elapsed_s), "lr": lr, "loss": loss,
+            "step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
+            "comm_bytes": comm_bytes, **extras}
+
+
+def val_row(step: int, tokens: int, elapsed_s: float, projected_elapsed_s: dict[str, float],
+            val_loss: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
+    """A validation row: val_loss of the eval model, val_loss_NAME of each extra one."""
+    return {"step": step, "tokens": tokens, "elapsed_s": elapsed_s,
+            "projected_elapsed_s": dict(projected_elapsed_s), "val_loss": val_loss,
+            **{f"val_loss_{name}": value for name, value in (extra or {}).items()}}
+
+
+def progress_line(row: dict, steps: int) -> str:
+    """The PROGRESS line a rank prints for a training row (bench/launch.py shows it)."""
+    share = row["comm_s"] / row["step_s"] if row["step_s"] else 0.0
+    tps = row["tokens"] / row["elapsed_s"] if row["elapsed_s"] else 0.0
+    return (f"PROGRESS step {row['step']}/{steps} loss {row['loss']:.4f} "
+            f"tok/s {tps:,.0f} comm {share:.0%}")

@@ -1,0 +1,109 @@
+"""The sweep's record store: which runs are recorded, moving old records aside, the lock,
+and NAME/sweep.json (run id -> variant, seed, grid point), which the report reads.
+
+    commbench sweep configs/quickstart.yaml    # skips runs recorded here, retires partial ones
+
+A run's record is OUTPUT_DIR/NAME/RUN_NAME-ID/ (see bench/sweep/__init__.py); records are
+never deleted: a record that is trained again moves to NAME/_retired/ first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench import records
+
+if TYPE_CHECKING:
+    from bench.sweep.spec import SweepRun, SweepSpec
+
+
+def record_state(run_dir: Path) -> str:
+    """`new` when nothing is recorded at run_dir, else records.status_of its summary
+    (a torn summary.json, from a run killed while writing it, reads as partial)."""
+    if not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists():
+        return "new"
+    try:
+        summary = records.read_summary(run_dir)
+    except ValueError:
+        summary = None
+    return records.status_of(summary)
+
+
+def find_run_dir(sweep_dir: Path, run: SweepRun) -> Path:
+    """The run's record, keyed on the hash (any NAME-HASH directory), else the new path."""
+    expected = sweep_dir / run.dir_name
+    if expected.exists():
+        return expected
+    matches = sorted(p for p in sweep_dir.glob(f"*{run.run_id}")
+                     if p.is_dir() and (p.name == run.run_id or p.name.endswith("-" + run.run_id)))
+    return matches[0] if matches else expected
+
+
+def retire(run_dir: Path, sweep_dir: Path) -> Path:
+    """Move a record aside to SWEEP/_retired/NAME.N (never deleted)."""
+    retired = sweep_dir / "_retired"
+    retired.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while (retired / f"{run_dir.name}.{n}").exists():
+        n += 1
+    dest = retired / f"{run_dir.name}.{n}"
+    shutil.move(str(run_dir), str(dest))
+    return dest
+
+
+@contextlib.contextmanager
+def sweep_lock(sweep_dir: Path):
+    """One sweep process per sweep directory: a second one would retire the first's runs."""
+    path = sweep_dir / ".sweep.lock"
+    me = f"{socket.gethostname()} {os.getpid()}"
+    try:
+        host, pid = path.read_text().split()
+    except (OSError, ValueError):
+        host, pid = None, "0"
+    if host is not None and (host != socket.gethostname() or _alive(int(pid))):
+        raise ValueError(f"sweep directory {str(sweep_dir)!r} is in use by process {pid} on "
+                         f"{host} (another `commbench sweep` of this spec). Wait for it, or "
+                         f"delete {path} if that process is gone.")
+    records.write_text(path, me)
+    try:
+        yield
+    finally:
+        if path.exists() and path.read_text() == me:
+            path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_sweep_json(spec: SweepSpec, run_dirs: dict[str, Path]) -> None:
+    path = spec.sweep_dir / "sweep.json"
+    old = records.read_json(path) if path.exists() else {}
+    entries = dict(old.get("runs", {}))
+    for run in spec.runs:
+        entries[run.run_id] = {
+            "dir": run_dirs[run.run_id].name, "variant": run.variant, "seed": run.seed,
+            "label": run.label, "point": run.point, "overrides": run.overrides,
+            "strategy": run.config.strategy.name,
+        }
+    records.write_json(path, {
+        "name": spec.name,
+        "spec": str(spec.path),
+        "description": spec.description,
+        "target_loss": spec.target_loss,
+        "axes": {"grid": list(spec.grid), "zip": [list(g) for g in spec.zip],
+                 "seeds": spec.seeds, "variants": list(spec.variants)},
+        "runs": entries,
+    })
+

@@ -1,0 +1,226 @@
+"""The bad-input matrix: every input a user can get wrong fails cleanly, before any work.
+
+Each row runs the real command line (`bench.cli.main`, as `commbench ...` would) and
+asserts the exit code, that the message holds each expected part (the key or path, the
+bad value and what is valid) and that nothing on disk changed (the temporary directory
+is snapshotted before and after; the tokeniser cache is not a record and is left out).
+
+Adding a case is one row: `Case(id, argv, expect, files=...)`. In `argv` and `files`,
+{tmp} is the test's directory and {repo} the repository; `run_argv(...)` builds a
+`commbench run` of configs/ddp-tiny.yaml writing under {tmp}/out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+DDP_TINY = "{repo}/configs/ddp-tiny.yaml"
+OUT = ["--set", "run.output_dir={tmp}/out", "--set", "data.cache_dir={tmp}/cache"]
+
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]
+    expect: list[str]
+    """Parts the error message must hold: the key or path, the value, what is valid."""
+    files: dict[str, str | bytes] = field(default_factory=dict)
+    """Files to create under {tmp} first (name -> text or bytes)."""
+    code: int = 2
+    marks: tuple = ()
+
+
+def run_argv(*sets: str, config: str | None = DDP_TINY) -> list[str]:
+    argv = ["run"] + ([config] if config else []) + OUT  # a case's own --set comes later
+    for s in sets:
+        argv += ["--set", s]
+    return argv + ["--quiet"]
+
+
+def spec(body: str) -> dict[str, str]:
+    """A sweep spec file {tmp}/spec.yaml over configs/ddp-tiny.yaml, writing under {tmp}/out."""
+    return {"spec.yaml": f"base: {{repo}}/configs/ddp-tiny.yaml\noutput_dir: {{tmp}}/out\n"
+                         f"report_dir: {{tmp}}/report\n{body}"}
+
+
+SWEEP = ["sweep", "{tmp}/spec.yaml", "--no-report"]
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+SMALL_TEXT = "To be, or not to be: that is the question.\n" * 25  # ~1100 bytes
+
+CASES = [
+    # ---- config values and overrides
+    Case("unknown-key", run_argv("run.stepz=3"), ["run.stepz", "did you mean 'steps'"]),
+    Case("not-an-int", run_argv("run.steps=abc"), ["run.steps", "'abc'", "an integer"]),
+    Case("zero-steps", run_argv("run.steps=0"), ["run.steps", ">= 1", "got 0"]),
+    Case("bad-preset", run_argv("model.preset=huge"), ["model.preset", "'huge'", "one of"]),
+    Case("bad-emulate", run_argv("network.emulate=dialup"),
+         ["network.emulate", "'dialup'", "null or one of"]),
+    Case("bad-profile", run_argv("network.profiles=[eth-10g, pigeon]"),
+         ["network.profiles[1]", "'pigeon'", "one of"]),
+    Case("group-size", run_argv("parallel.group_size=3"),
+         ["parallel.group_size (3)", "parallel.world_size (4)", "divisible"]),
+    Case("tokenizer", run_argv("data.tokenizer=sentencepiece"),
+         ["data.tokenizer", "'sentencepiece'", "['byte', 'gpt2']"]),
+    Case("strategy-name", run_argv("strategy.name=magic"),
+         ["strategy.name", "'magic'", "one of", "'ddp'"]),
+    Case("bool", run_argv("model.compile=maybe"), ["model.compile", "'maybe'", "true or false"]),
+    Case("betas-length", run_argv("optim.betas=[0.9]"), ["optim.betas", "a list of 2 values"]),
+    Case("section-scalar", run_argv("run=5"), ["run", "got 5", "a mapping"]),
+    Case("val-fraction", run_argv("data.val_fraction=1.5"),
+         ["data.val_fraction", "1.5", "in (0, 1)"]),
+    # ---- #16.7: checks that used to wait for torchrun
+    Case("cuda-without-cuda", run_argv("parallel.device=cuda"),
+         ["parallel.device", "'cuda'", "auto or cpu"], marks=(NO_CUDA,)),
+    Case("nccl-on-cpu", run_argv("parallel.backend=nccl"),
+         ["parallel.backend", "'nccl'", "auto or gloo"], marks=(NO_CUDA,)),
+    Case("nccl-with-device-cpu", run_argv("parallel.backend=nccl", "parallel.device=cpu"),
+         ["parallel.backend 'nccl'", "parallel.device", "gloo or auto"]),
+    Case("timeout-inf", run_argv("parallel.timeout_s=.inf"),
+         ["parallel.timeout_s", "inf", "a finite number"]),
+    # ---- #16.8: crashes and an escape
+    Case("strategy-int", run_argv("strategy=5"), ["strategy", "5", "a mapping with a name"]),
+    Case("strategy-name-list", run_argv("strategy.name=[ddp]"),
+         ["strategy.name", "['ddp']", "one of"]),
+    Case("strategy-string", run_argv("strategy=ddp"), ["strategy", "'ddp'", "{name: ddp}"]),
+    Case("strategy-string-file", run_argv(config="{tmp}/c.yaml"),
+         ["strategy", "'ddp'", "{name: ddp}"], files={"c.yaml": "strategy: ddp\n"}),
+    Case("report-under-file", ["report", "{tmp}/out", "-o", "{tmp}/file/report"],
+         ["report -o", "{tmp}/file", "is a file", "a directory"], files={"file": "x"}),
+    Case("run-name-escape", run_argv("run.name=../../escape"),
+         ["run.name", "'../../escape'", "letters, digits"]),
+    Case("switch-keeps-typed-knob", run_argv("strategy.name=diloco", "strategy.backend=torch"),
+         ["strategy.backend", "unknown config key", "valid keys"]),
+    # ---- #16.9: validation that used to wait for launch, or accepted bad values
+    Case("heads-not-dividing", run_argv("model.n_head=5"),
+         ["model.n_embd (64)", "model.n_head (5)", "divisible"]),
+    Case("dropout", run_argv("model.dropout=1.5"), ["model.dropout", "1.5", "[0, 1)"]),
+    Case("lr-nan", run_argv("optim.lr=.nan"), ["optim.lr", "nan", "a finite number"]),
+    Case("lr-zero", run_argv("optim.lr=0"), ["optim.lr", "0", "> 0"]),
+    Case("checkpoint-every", run_argv("checkpoint.every=-1"),
+         ["checkpoint.every", "-1", ">= 0"]),
+    Case("weight-decay", run_argv("optim.weight_decay=-0.1"),
+         ["optim.weight_decay", "-0.1", ">= 0"]),
+    Case("betas-range", run_argv("optim.betas=[1.5, 2]"), ["optim.betas[0]", "1.5", "[0, 1)"]),
+    Case("eval-task", run_argv("eval.suite=smoke", "eval.tasks=[nosuch]"),
+         ["eval.tasks", "nosuch", "valid", "smoke_cloze"]),
+    Case("eval-tasks-without-suite", run_argv("eval.tasks=[smoke_cloze]"),
+         ["eval.tasks", "smoke_cloze", "needs eval.suite"]),
+    Case("eval-suite", run_argv("eval.suite=huge"), ["eval.suite", "'huge'", "'smoke'"]),
+    # ---- config files
+    Case("duplicate-yaml-key", run_argv(config="{tmp}/c.yaml"),
+         ["{tmp}/c.yaml", "line 3", "'run'", "given twice", "keep one"],
+         files={"c.yaml": "run: {steps: 5}\nmodel: {preset: tiny}\nrun: {steps: 6}\n"}),
+    Case("empty-yaml", run_argv(config="{tmp}/c.yaml"), ["{tmp}/c.yaml", "is empty", "mapping"],
+         files={"c.yaml": "# nothing\n"}),
+    Case("binary-config", run_argv(config="{tmp}/c.yaml"),
+         ["{tmp}/c.yaml", "not a text file", "YAML"], files={"c.yaml": b"\xff\xfe\x00\x81" * 8}),
+    Case("yaml-syntax", run_argv(config="{tmp}/c.yaml"), ["{tmp}/c.yaml", "not valid YAML"],
+         files={"c.yaml": "run: {steps: 5\n"}),
+    Case("yaml-list", run_argv(config="{tmp}/c.yaml"),
+         ["{tmp}/c.yaml", "top level must be a mapping", "[1, 2]"], files={"c.yaml": "[1, 2]\n"}),
+    Case("missing-config", run_argv(config="{tmp}/nope.yaml"),
+         ["config file not found", "{tmp}/nope.yaml"]),
+    # ---- corpora
+    Case("corpus-missing", run_argv("data.corpus={tmp}/none.txt"),
+         ["data.corpus", "{tmp}/none.txt", "no such file", "a .txt file"]),
+    Case("corpus-empty", run_argv("data.corpus={tmp}/empty.txt"),
+         ["data.corpus", "{tmp}/empty.txt", "is empty", "a .txt file"], files={"empty.txt": ""}),
+    Case("corpus-dir-without-text", run_argv("data.corpus={tmp}/corpus"),
+         ["data.corpus", "{tmp}/corpus", "not a corpus", "a directory of .txt files"],
+         files={"corpus/notes.md": "hello"}),
+    Case("corpus-val-too-small", run_argv("data.corpus={tmp}/small.txt"),
+         ["data.corpus", "{tmp}/small.txt", "val split", "model.seq_len + 1 = 129",
+          "data.val_fraction"], files={"small.txt": SMALL_TEXT}),
+    # ---- command-line arguments
+    Case("set-without-equals", run_argv("run.steps"), ["--set", "KEY=VALUE", "'run.steps'"]),
+    Case("output-dir-under-file", run_argv("run.output_dir={tmp}/file/sub"),
+         ["run.output_dir", "{tmp}/file/sub", "not writable", "directory"], files={"file": "x"}),
+    Case("resume-not-a-run", run_argv() + ["--resume", "{tmp}/nothing"],
+         ["--resume", "{tmp}/nothing", "not a run directory"]),
+    Case("config-show-bad-key", ["config", "show", DDP_TINY, "--set", "optim.lrr=1"],
+         ["optim.lrr", "did you mean 'lr'"]),
+    # ---- sweep specs and sweep arguments (#16.9 empty spec, #16.10 --output-dir/--set)
+    Case("sweep-empty-spec", SWEEP, ["{tmp}/spec.yaml", "sweep spec is empty"],
+         files={"spec.yaml": ""}),
+    Case("sweep-unknown-key", SWEEP, ["'gird'", "did you mean 'grid'", "{tmp}/spec.yaml"],
+         files=spec("gird: {optim.lr: [1]}\n")),
+    Case("sweep-empty-grid", SWEEP, ["grid is empty", "at least one axis"],
+         files=spec("grid: {}\n")),
+    Case("sweep-zip-lengths", SWEEP, ["zip", "same length", "'optim.warmup_steps': 1"],
+         files=spec("zip: {optim.lr: [0.001, 0.002], optim.warmup_steps: [1]}\n")),
+    Case("sweep-seeds", SWEEP, ["seeds", "3", "a non-empty list of integers"],
+         files=spec("seeds: 3\n")),
+    Case("sweep-base-missing", SWEEP, ["base config", "'missing.yaml'", "relative to the spec"],
+         files={"spec.yaml": "base: missing.yaml\n"}),
+    Case("sweep-variant-strategy", SWEEP, ["variant 'x'", "strategy.name", "'nosuch'", "one of"],
+         files=spec("variants: {x: {strategy.name: nosuch}}\n")),
+    Case("sweep-executor-name", SWEEP,
+         ["executor.name", "'kubernetes'", "['local', 'slurm']"],
+         files=spec("executor: {name: kubernetes}\n")),
+    Case("sweep-executor-typo", SWEEP, ["executor.partiton", "did you mean 'partition'"],
+         files=spec("executor: {name: slurm, partiton: gpu}\n")),
+    Case("sweep-max-parallel", SWEEP + ["--max-parallel", "0"],
+         ["executor.max_parallel", ">= 1", "got 0"], files=spec("")),
+    Case("sweep-set-bad-value", SWEEP + ["--set", "optim.lr=abc"],
+         ["optim.lr", "'abc'", "a number"], files=spec("")),
+    Case("sweep-set-twice", SWEEP + ["--set", "run.seed=3"],
+         ["'run.seed' is set twice", "--set", "seeds"], files=spec("seeds: [0, 1]\n")),
+    Case("sweep-set-syntax", SWEEP + ["--set", "optim.lr"], ["--set", "KEY=VALUE"],
+         files=spec("")),
+    Case("sweep-output-dir-under-file", SWEEP + ["--output-dir", "{tmp}/file/sub"],
+         ["output_dir", "{tmp}/file/sub", "not writable"], files={**spec(""), "file": "x"}),
+    Case("sweep-cuda-without-cuda", SWEEP + ["--set", "parallel.device=cuda"],
+         ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
+    Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
+         ["eval.tasks", "nosuch", "valid"], files=spec("")),
+]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every path under root (but the tokeniser cache) with a hash of its content."""
+    seen = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "cache" or rel.startswith("cache/"):
+            continue
+        seen[rel] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
+    return seen
+
+
+def _fill(text: str, tmp: Path) -> str:
+    return text.replace("{tmp}", str(tmp)).replace("{repo}", str(REPO))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
+def test_bad_input_fails_cleanly_and_changes_nothing(case, tmp_path, capsys):
+    for name, content in case.files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(_fill(content, tmp_path))
+    repo_results = _snapshot(REPO / "results") if (REPO / "results").exists() else {}
+    before = _snapshot(tmp_path)
+
+    code = main([_fill(a, tmp_path) for a in case.argv])
+
+    err = capsys.readouterr().err
+    assert code == case.code, err
+    for part in case.expect:
+        assert _fill(part, tmp_path) in err, f"{part!r} missing from: {err}"
+    assert _snapshot(tmp_path) == before
+    if repo_results:
+        assert _snapshot(REPO / "results") == repo_results
+
+
+def test_the_matrix_covers_enough_cases():
+    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)

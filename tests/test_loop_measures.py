@@ -1,0 +1,133 @@
+"""What the training loop records when ranks differ: the clock, the tokens, the projection.
+
+A test strategy (`Straggler`, registered in the rank processes only) does no training:
+rank 1 sleeps in every step and consumes half a batch; every rank all-reduces a large
+tensor in the first steps only, like Pier's DDP warmup. Issue 10, defects 2, 3 and 5:
+- the clock must be the slowest rank's (rank 0 waits for rank 1 outside its timed steps);
+- tokens are those consumed, summed over ranks, not the nominal global batch;
+- projected time accumulates step by step, so time to target sees the front-loaded traffic.
+
+Only lower bounds on seconds are asserted (sleeps guarantee them), never upper bounds.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
+from bench.config import load_config
+from bench.network import get_profile, project
+from bench.records import RunDir
+from bench.train import TRAIN_PHASES, Trainer
+from tests.distributed import run_distributed
+
+SLEEP_S = 0.15
+"""Seconds rank 1 sleeps in each step."""
+STEPS = 6
+FRONT_STEPS = 2
+"""Steps at the start that all-reduce FRONT_FLOATS floats (training traffic)."""
+FRONT_FLOATS = 1 << 20
+SETTINGS = [f"run.steps={STEPS}", "run.log_every=2", "run.val_every=3", "run.val_batches=1",
+            "run.target_loss=100", "checkpoint.final=false", "parallel.world_size=2",
+            "network.profiles=[nvlink, wan-1g]"]
+
+
+@dataclass
+class StragglerConfig(StrategyConfig):
+    name: str = "straggler"
+
+
+class Straggler(Strategy):
+    """Rank 1 is late and reads half its batch; all ranks talk only in the first steps."""
+
+    Config = StragglerConfig
+
+    def train_step(self, batch):
+        if self.comm.rank == 1:
+            time.sleep(SLEEP_S)
+        if self.comm.step < FRONT_STEPS:
+            self.comm.all_reduce(torch.zeros(FRONT_FLOATS))
+        tokens = batch[1].numel() // (2 if self.comm.rank == 1 else 1)
+        return StepStats(loss=1.0, tokens=tokens)
+
+    def set_lr(self, lr):
+        pass
+
+    def eval_model(self):
+        return self.setup.model
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def train_straggler(rank, world_size, run_dir):
+    STRATEGIES["straggler"] = f"{__name__}:Straggler"  # in this rank's process only
+    cfg = load_config("configs/ddp-tiny.yaml", SETTINGS)
+    cfg.strategy = StragglerConfig()
+    trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo")
+    summary = trainer.run()
+    train = [r for r in trainer.ledger.records if r.phase in TRAIN_PHASES]
+    modelled = {name: project(train, get_profile(name), rank, 1)
+                for name in ("nvlink", "wan-1g")}
+    return summary, modelled, cfg.data.batch_size * cfg.model.seq_len
+
+
+@pytest.fixture(scope="module")
+def straggler_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straggler")
+    results = run_distributed(train_straggler, 2, str(run_dir), timeout=120)
+    return results, RunDir(run_dir).read_metrics()
+
+
+@pytest.mark.timeout(150)
+def test_clock_is_the_slowest_ranks(straggler_run):
+    """Defect 2: rank 0 waits for rank 1 only in the harness's untimed reductions."""
+    results, rows = straggler_run
+    for summary, _, _ in results:  # every rank returns the same, settled clock
+        assert summary["wall_s"] >= STEPS * SLEEP_S
+        assert summary["wall_s"] == results[0][0]["wall_s"]
+        assert summary["throughput_tokens_per_s"] <= summary["total_tokens"] / (STEPS * SLEEP_S)
+    # metrics rows (steps 2, 4, 6) and validation rows (steps 3, 6) alike
+    assert [r["step"] for r in rows] == [2, 3, 4, 6, 6]
+    for row in rows:
+        assert row["elapsed_s"] >= row["step"] * SLEEP_S, row
+    assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
+
+
+@pytest.mark.timeout(150)
+def test_tokens_are_those_consumed(straggler_run):
+    """Defect 3: rank 1 reads half a batch per step; the nominal rate would count a full one."""
+    results, rows = straggler_run
+    summary, _, rank_batch_tokens = results[0]
+    per_step = rank_batch_tokens + rank_batch_tokens // 2
+    assert summary["total_tokens"] == STEPS * per_step
+    assert [r["tokens"] for r in rows] == [r["step"] * per_step for r in rows]
+    assert summary["tokens_to_target"] == 3 * per_step  # the first validation, step 3
+
+
+@pytest.mark.timeout(150)
+def test_projected_time_accumulates_step_by_step(straggler_run):
+    """Defect 5: all traffic is in steps 0-1, so at step 3 of 6 the projected time on a
+    slow network is over half the total (uniform scaling would say exactly half)."""
+    results, rows = straggler_run
+    summary = results[0][0]
+    comm_extra = max(m["wan-1g"] - m["nvlink"] for _, m, _ in results)
+    assert comm_extra > 0.01  # the front-loaded traffic costs something on wan-1g
+    for row in rows:
+        gap = row["projected_elapsed_s"]["wan-1g"] - row["projected_elapsed_s"]["nvlink"]
+        assert gap == pytest.approx(comm_extra, rel=1e-9), row  # all paid by step 2
+        assert row["projected_elapsed_s"]["nvlink"] >= row["step"] * SLEEP_S  # slowest rank
+    last = rows[-1]["projected_elapsed_s"]
+    for name in ("nvlink", "wan-1g"):
+        assert summary["projected"][name]["total_s"] == pytest.approx(last[name])
+    wan_total = summary["projected"]["wan-1g"]["total_s"]
+    at_target = summary["projected_time_to_target_s"]["wan-1g"]
+    val3 = next(r for r in rows if r["step"] == 3 and "val_loss" in r)
+    assert at_target == val3["projected_elapsed_s"]["wan-1g"]
+    assert at_target > wan_total * summary["tokens_to_target"] / summary["total_tokens"]
