@@ -458,8 +458,9 @@ def test_stats_known_intervals():
         stats.t_quantile(0.975, 0)
 
 
-def test_stats_match_scipy_on_random_samples():
-    sp = pytest.importorskip("scipy.stats")
+def test_welch_interval_matches_scipy_on_random_samples():
+    import scipy.stats as sp
+
     from bench.report import stats
     rng = np.random.default_rng(0)
     for n_a, n_b in ((2, 3), (3, 3), (5, 2), (7, 11)):
@@ -468,8 +469,6 @@ def test_stats_match_scipy_on_random_samples():
         got = stats.welch_interval(a, b)
         assert (got.low, got.high) == (pytest.approx(expected.low, rel=1e-6),
                                        pytest.approx(expected.high, rel=1e-6))
-    for df in (1, 1.7, 3, 12.4, 200):
-        assert stats.t_quantile(0.975, df) == pytest.approx(sp.t.ppf(0.975, df), rel=1e-8)
 
 
 def test_report_shows_logical_and_wire_bytes_under_separate_captions(tmp_path):

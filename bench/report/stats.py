@@ -18,8 +18,8 @@ interval from 2 seeds rests on one degree of freedom.
   (no value is dropped to make pairs).
   The arithmetic mean of per-seed ratios is biased upward (Jensen), the geometric mean is not.
 
-Student's t quantiles are exact (inverse of the regularised incomplete beta function), also
-for the non-integer degrees of freedom of Welch's interval.
+Student's t quantiles come from scipy (also for the non-integer degrees of freedom of
+Welch's interval).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+import scipy.stats
 
 LEVEL = 0.95
 
@@ -68,64 +70,13 @@ def _finite(values: Iterable) -> list[float]:
 # ------------------------------------------------------------------ Student's t quantile
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """The regularised incomplete beta function I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                 + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with `df` (> 0, not necessarily integer) degrees of freedom."""
-    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
-
-
 def t_quantile(p: float, df: float) -> float:
-    """The p-quantile of Student's t with `df` > 0 degrees of freedom (bisection on t_cdf)."""
+    """The p-quantile of Student's t with `df` > 0 (not necessarily integer) degrees of freedom."""
     if not df > 0:
         raise ValueError(f"degrees of freedom must be > 0, got {df}")
     if not 0.0 < p < 1.0:
         raise ValueError(f"probability must be in (0, 1), got {p}")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < p:
-        high *= 2.0
-    for _ in range(200):
-        mid = 0.5 * (low + high)
-        if t_cdf(mid, df) < p:
-            low = mid
-        else:
-            high = mid
-        if high - low < 1e-12 * max(1.0, high):
-            break
-    return 0.5 * (low + high)
+    return float(scipy.stats.t.ppf(p, df))
 
 
 def t_quantile_975(df: float) -> float:
