@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from bench.claims.spec import MIN_SEEDS, Claim, Rule
-from bench.report.analysis import t_quantile_975
+from bench.report.stats import mean_interval
 
 HOLDS, FAILS, INCONCLUSIVE = "holds", "fails", "inconclusive"
 REPRODUCED, NOT_REPRODUCED = "reproduced", "not reproduced"
@@ -78,11 +78,8 @@ def t_interval(values: list[float]) -> Interval:
     if not np.all(np.isfinite(x)):
         return Interval(float(np.mean(x)) if np.all(x == x[0]) else math.nan,
                         float(x.min()), float(x.max()), n, "range")
-    mean = float(x.mean())
-    if n == 1:
-        return Interval(mean, math.nan, math.nan, 1, "none")
-    half = t_quantile_975(n - 1) * float(x.std(ddof=1)) / math.sqrt(n)
-    return Interval(mean, mean - half, mean + half, n)
+    shared = mean_interval(x)
+    return Interval(shared.estimate, shared.low, shared.high, n, "t" if n > 1 else "none")
 
 
 def verdict_of(interval: Interval, rule: Rule) -> str:
