@@ -4,6 +4,7 @@
     commbench sweep configs/quickstart.yaml [--dry-run] [--output-dir DIR] [--set K=V]
     commbench eval RUN_DIR --suite smoke
     commbench report results/quickstart -o reports/quickstart
+    commbench claims [NAME ...] [--scale tiny|small|paper] [--dry-run]
     commbench config show configs/ddp-tiny.yaml
     commbench data prepare embedded
 
@@ -96,6 +97,18 @@ def _cmd_sweep(args) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_claims(args) -> int:
+    from bench.claims import run_claims
+
+    if args.seeds is not None and args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    page = run_claims(args.names or None, scale=args.scale, seeds=args.seeds,
+                      claims_dir=args.claims_dir, output_dir=args.output_dir,
+                      report_dir=args.report_dir, executor=args.executor,
+                      max_parallel=args.max_parallel, dry_run=args.dry_run)
+    return 0 if page is not None or args.dry_run else 1
+
+
 def _cmd_eval(args) -> int:
     from eval.runner import evaluate_run
 
@@ -180,6 +193,22 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--dry-run", action="store_true", help="list the runs, launch nothing")
     sweep.add_argument("--no-report", action="store_true", help="skip the report at the end")
     sweep.set_defaults(func=_cmd_sweep)
+
+    claims = sub.add_parser("claims", help="re-check the papers' claims: runs, statistics, "
+                            "verdicts (configs/claims/)")
+    claims.add_argument("names", nargs="*", help="claims to run (default: all)")
+    claims.add_argument("--scale", choices=["tiny", "small", "paper"], default="tiny",
+                        help="tiny: this machine's CPU; small: GPT-2 124M on a GPU box; "
+                        "paper: the papers' sizes (Slurm)")
+    claims.add_argument("--seeds", type=int, help="seeds per variant (default: the file's; "
+                        "no verdict from fewer than 3)")
+    claims.add_argument("--claims-dir", default="configs/claims")
+    claims.add_argument("--output-dir", default="results/claims", help="run records")
+    claims.add_argument("--report-dir", default="reports/claims", help="the claims page")
+    claims.add_argument("--executor", choices=["local", "slurm"], help="override the sweeps'")
+    claims.add_argument("--max-parallel", type=int, help="concurrent local runs")
+    claims.add_argument("--dry-run", action="store_true", help="list the runs, launch nothing")
+    claims.set_defaults(func=_cmd_claims)
 
     ev = sub.add_parser("eval", help="evaluate a finished run with lm-eval")
     ev.add_argument("run_dir")

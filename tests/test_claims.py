@@ -1,0 +1,221 @@
+"""`commbench claims`: the statistics, the claim-file checks, and a whole page from fake runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from bench import records
+from bench.claims import run_claims
+from bench.claims.decide import (
+    FAILS,
+    HOLDS,
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    NOT_RUNNABLE,
+    REPRODUCED,
+    decide,
+    decide_rule,
+    t_interval,
+)
+from bench.claims.spec import Rule, find_claims, load_claim
+from bench.config import config_hash, to_yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def rule(**kw) -> Rule:
+    base = dict(name="r", metric="final_val_loss", contrast={"a": 1.0, "b": -1.0}, below=0.0)
+    return Rule(**{**base, **kw})
+
+
+def runs_table(values: dict[str, list], statuses: dict[str, list] | None = None) -> pd.DataFrame:
+    rows = []
+    for variant, per_seed in values.items():
+        for seed, value in enumerate(per_seed):
+            status = (statuses or {}).get(variant, ["ok"] * len(per_seed))[seed]
+            rows.append({"variant": variant, "seed": seed, "status": status,
+                         "final_val_loss": value, "throughput_tokens_per_s": value})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_t_interval_of_known_data():
+    iv = t_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(0.975, 2) = 4.3027
+    assert iv.mean == 2.0 and iv.n == 3
+    assert iv.low == pytest.approx(2 - 4.3027 / math.sqrt(3), abs=1e-4)
+    assert iv.high == pytest.approx(2 + 4.3027 / math.sqrt(3), abs=1e-4)
+    assert math.isnan(t_interval([5.0]).low)
+
+
+def test_paired_contrast_removes_shared_seed_variation():
+    # Each seed shifts both variants by a lot; the paired difference is always -0.1.
+    table = runs_table({"a": [2.0, 3.0, 4.0], "b": [2.1, 3.1, 4.1]})
+    result = decide_rule(table, rule(below=0.0))
+    assert result.per_seed == pytest.approx({0: -0.1, 1: -0.1, 2: -0.1})
+    assert result.interval.high == pytest.approx(-0.1)
+    assert result.verdict == HOLDS
+
+
+def test_verdicts_hold_fail_and_straddle():
+    table = runs_table({"a": [2.0, 2.1, 2.05], "b": [2.3, 2.35, 2.4]})  # a - b ~ -0.3
+    assert decide_rule(table, rule(below=0.0)).verdict == HOLDS
+    assert decide_rule(table, rule(below=None, above=0.0)).verdict == FAILS
+    noisy = runs_table({"a": [2.0, 2.5, 1.6], "b": [2.1, 2.0, 2.0]})  # -0.1, +0.5, -0.4
+    straddle = decide_rule(noisy, rule(below=0.0))
+    assert straddle.verdict == INCONCLUSIVE
+    assert straddle.interval.low < 0 < straddle.interval.high
+    assert "straddles" in straddle.reason
+
+
+def test_fewer_than_three_complete_seeds_gives_no_verdict():
+    table = runs_table({"a": [2.0, 2.0, 2.0], "b": [3.0, 3.0, 3.0]},
+                       statuses={"b": ["ok", "failed", "ok"]})
+    result = decide_rule(table, rule(below=0.0))
+    assert result.verdict == INCONCLUSIVE and result.interval.n == 2
+    assert any("seed 1 left out (b: failed)" in note for note in result.notes)
+
+
+def test_diverged_runs_are_dropped_or_counted_worst():
+    table = runs_table({"a": [2.0, 2.0, 2.0, 2.0], "b": [3.0, math.nan, 3.0, 3.0]},
+                       statuses={"b": ["ok", "diverged", "ok", "ok"]})
+    dropped = decide_rule(table, rule(below=0.0))
+    assert sorted(dropped.per_seed) == [0, 2, 3] and dropped.verdict == HOLDS
+    worst = decide_rule(table, rule(below=0.0, diverged="worst"))
+    assert worst.per_seed[1] == -math.inf and worst.interval.method == "range"
+    assert worst.verdict == HOLDS  # a - inf is below 0 too; the range is [-inf, -1]
+    # when the variant that should be lower diverges, the claim fails
+    flipped = decide_rule(table, rule(below=0.0, contrast={"b": 1.0, "a": -1.0},
+                                      diverged="worst"))
+    assert flipped.interval.low == 1.0 and flipped.interval.high == math.inf
+    assert flipped.verdict == FAILS
+
+
+def test_ratio_scale_uses_log_and_reports_ratios():
+    table = runs_table({"a": [4.0, 8.0, 2.0], "b": [2.0, 4.0, 1.0]})  # a / b = 2 exactly
+    r = decide_rule(table, rule(scale="ratio", below=None, above=1.5))
+    assert r.per_seed[0] == pytest.approx(math.log(2))
+    assert r.shown(r.interval.mean) == pytest.approx(2.0)
+    assert r.verdict == HOLDS
+
+
+def test_claim_verdict_combines_rules(tmp_path):
+    claim = load_claim(write_claim(tmp_path, {}))
+    table = runs_table({"ddp": [2.0, 2.1, 2.2], "diloco": [1.9, 2.0, 2.1]})
+    assert decide(claim, table).verdict == REPRODUCED
+    worse = runs_table({"ddp": [2.0, 2.1, 2.2], "diloco": [2.5, 2.6, 2.7]})
+    assert decide(claim, worse).verdict == NOT_REPRODUCED
+    few = runs_table({"ddp": [2.0, 2.1], "diloco": [1.9, 2.0]})
+    result = decide(claim, few)
+    assert result.verdict == INCONCLUSIVE and "fewer than 3" in result.reason
+
+
+# ------------------------------------------------------------------------ claim files
+
+
+def claim_data(**changes) -> dict:
+    data = {
+        "name": "toy",
+        "statement": "diloco beats ddp",
+        "paper": {"source": "a paper", "where": "Table 1", "numbers": "1 vs 2"},
+        "sweep": {"base": "../base.yaml", "variants": {"ddp": {"strategy.name": "ddp"},
+                                                    "diloco": {"strategy.name": "diloco"}}},
+        "scales": {"tiny": {"seeds": 3}},
+        "rules": [{"name": "lower loss", "metric": "final_val_loss",
+                   "contrast": {"diloco": 1, "ddp": -1}, "holds_if": {"below": 0.0}}],
+    }
+    data.update(changes)
+    return data
+
+
+def write_claim(folder: Path, changes: dict) -> Path:
+    path = folder / "toy.yaml"
+    path.write_text(yaml.safe_dump(claim_data(**changes)))
+    return path
+
+
+BAD_CLAIMS = [
+    ({"rules": [{"metric": "final_val_los", "contrast": {"diloco": 1, "ddp": -1},
+                 "holds_if": {"below": 0}}]}, "rules[0].metric"),
+    ({"rules": [{"metric": "final_val_loss", "contrast": {"diloco": 1, "ddp": -1},
+                 "holds_if": {"below": 0, "above": 1}}]}, "exactly one of"),
+    ({"rules": [{"metric": "final_val_loss", "contrast": {"diloco": 1, "ddp": -2},
+                 "holds_if": {"below": 0}}]}, "must sum to 0"),
+    ({"rules": [{"metric": "final_val_loss", "contrast": {"diloko": 1, "ddp": -1},
+                 "holds_if": {"below": 0}}]}, "variants of this claim's sweep"),
+    ({"rules": [{"metric": "wall_s", "scale": "ratio", "contrast": {"diloco": 1, "ddp": -1},
+                 "holds_if": {"below": -1}}]}, "> 0 for scale ratio"),
+    ({"scales": {"tiny": {"seeds": 2}}}, "scales.tiny.seeds"),
+    ({"scales": {"huge": {"seeds": 3}}}, "one of tiny, small, paper"),
+    ({"rule": []}, "did you mean 'rules'"),
+]
+
+
+@pytest.mark.parametrize("changes,message", BAD_CLAIMS)
+def test_bad_claim_files_name_the_key(tmp_path, changes, message):
+    path = write_claim(tmp_path, changes)
+    with pytest.raises(ValueError, match="toy.yaml") as err:
+        load_claim(path)
+    assert message in str(err.value)
+
+
+def test_shipped_claim_files_load():
+    claims = find_claims(REPO / "configs" / "claims")
+    assert len(claims) == 6
+    assert all(c.rules and "tiny" in c.scales for c in claims)
+
+
+# ------------------------------------------------------------------- a page from fake runs
+
+
+def fake_runner(cfg, run_dir, progress=True) -> dict:
+    """A run in milliseconds: DiLoCo's loss is 0.1 below DDP's for every seed."""
+    run_dir = Path(run_dir)
+    records.write_text(run_dir / "config.yaml", to_yaml(cfg))
+    loss = 2.0 + 0.05 * cfg.run.seed + (0.0 if cfg.strategy.name == "diloco" else 0.1)
+    records.write_jsonl(run_dir / "metrics.jsonl", [
+        {"step": 5, "tokens": 100, "elapsed_s": 1.0, "val_loss": loss + 0.5},
+        {"step": 10, "tokens": 200, "elapsed_s": 2.0, "val_loss": loss}])
+    summary = {"status": "ok", "run_name": cfg.run.name, "config_hash": config_hash(cfg),
+               "strategy": cfg.strategy.name, "final_val_loss": loss, "wall_s": 2.0}
+    records.write_json(run_dir / "summary.json", summary)
+    return {**summary, "run_dir": str(run_dir)}
+
+
+def test_claims_page_from_fake_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    claims_dir = tmp_path / "claims"
+    base = {"run": {"name": "base", "steps": 10}, "model": {"preset": "tiny", "seq_len": 32},
+            "data": {"corpus": "embedded", "batch_size": 4}, "parallel": {"world_size": 2},
+            "strategy": {"name": "ddp"}}
+    claims_dir.mkdir()
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    write_claim(claims_dir, {})
+    unbuilt = claim_data(name="unbuilt")
+    unbuilt["sweep"]["variants"]["diloco"] = {"strategy.name": "no-such-strategy"}
+    (claims_dir / "unbuilt.yaml").write_text(yaml.safe_dump(unbuilt))
+
+    page = run_claims(claims_dir=claims_dir, output_dir="results", report_dir="report",
+                      runner=fake_runner)
+    data = json.loads((tmp_path / "report" / "claims.json").read_text())
+    verdicts = {c["name"]: c for c in data["claims"]}
+    assert verdicts["toy"]["verdict"] == REPRODUCED
+    assert verdicts["toy"]["rules"][0]["mean"] == pytest.approx(-0.1)
+    assert verdicts["toy"]["rules"][0]["n"] == 3
+    assert verdicts["unbuilt"]["verdict"] == NOT_RUNNABLE
+    assert "no-such-strategy" in verdicts["unbuilt"]["reason"]
+    html = page.read_text()
+    assert "toy: reproduced" in html and "unbuilt: not yet runnable" in html
+    assert (tmp_path / "report" / "figures" / "toy.png").exists()
+    # a second call trains nothing again (the sweeps resume)
+    calls = []
+    run_claims(claims_dir=claims_dir, output_dir="results", report_dir="report",
+               runner=lambda *a, **k: calls.append(a) or fake_runner(*a, **k))
+    assert calls == []
