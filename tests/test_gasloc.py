@@ -306,7 +306,7 @@ def test_mixing_weights_by_hand():
          "runs one worker per rank: parallel.group_size must be 1, got 2"),
         (["parallel.num_stages=2"],
          "strategy gasloc is data parallel only: parallel.num_stages must be 1, got 2"),
-        (["strategy.name=gossip"], "unknown config key 'strategy.outer_lr'"),
+        (["strategy.name=gossip", "strategy.outer_lr=1"], "unknown config key 'strategy.outer_lr'"),
     ],
 )
 def test_bad_input_fails_before_launch(overrides, message):
