@@ -77,6 +77,14 @@ class DDPConfig(StrategyConfig):
 
     def check(self, cfg) -> None:
         require_data_parallel(self, cfg)
+        if self.backend == "deepspeed" and (cfg.optim.name == "muon" or cfg.optim.delay):
+            # DeepSpeed wraps a torch.optim.Optimizer; Muon's two-optimizer chain and the
+            # one-step-delay wrapper are not one.
+            raise ValueError(
+                f"strategy.backend=deepspeed takes a plain torch optimizer: optim.name "
+                f"{cfg.optim.name!r} with optim.delay={cfg.optim.delay} is not supported "
+                "(use strategy.backend=torch, or optim.name adamw/sgd/lion/adan/soap with "
+                "optim.delay=0)")
 
 
 # ---------------------------------------------------------------------------- clocks

@@ -10,7 +10,6 @@ import pandas as pd
 import pytest
 import yaml
 
-from bench import records
 from bench.claims import run_claims
 from bench.claims.decide import (
     FAILS,
@@ -25,6 +24,8 @@ from bench.claims.decide import (
 )
 from bench.claims.spec import Rule, find_claims, load_claim
 from bench.config import config_hash, to_yaml
+from bench.records import RunDir
+from bench.summary import make_summary, val_row
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -177,15 +178,12 @@ def test_shipped_claim_files_load():
 
 def fake_runner(cfg, run_dir, progress=True) -> dict:
     """A run in milliseconds: DiLoCo's loss is 0.1 below DDP's for every seed."""
-    run_dir = Path(run_dir)
-    records.write_text(run_dir / "config.yaml", to_yaml(cfg))
     loss = 2.0 + 0.05 * cfg.run.seed + (0.0 if cfg.strategy.name == "diloco" else 0.1)
-    records.write_jsonl(run_dir / "metrics.jsonl", [
-        {"step": 5, "tokens": 100, "elapsed_s": 1.0, "val_loss": loss + 0.5},
-        {"step": 10, "tokens": 200, "elapsed_s": 2.0, "val_loss": loss}])
-    summary = {"status": "ok", "run_name": cfg.run.name, "config_hash": config_hash(cfg),
-               "strategy": cfg.strategy.name, "final_val_loss": loss, "wall_s": 2.0}
-    records.write_json(run_dir / "summary.json", summary)
+    rows = [val_row(5, 100, 1.0, {}, loss + 0.5), val_row(10, 200, 2.0, {}, loss)]
+    summary = make_summary(status="ok", run_name=cfg.run.name, config_hash=config_hash(cfg),
+                           strategy=cfg.strategy.name, world_size=cfg.parallel.world_size,
+                           steps=10, total_tokens=200, wall_s=2.0, final_val_loss=loss)
+    RunDir.write_fake_run(run_dir, to_yaml(cfg), rows, summary)
     return {**summary, "run_dir": str(run_dir)}
 
 

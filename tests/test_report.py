@@ -18,8 +18,10 @@ import pandas as pd
 import pytest
 import yaml
 
+from bench.records import RunDir
 from bench.report import build_report, load_results
 from bench.report.analysis import compare, first_crossing, mean_ci, t_quantile_975
+from bench.summary import Projection, make_summary, train_row, val_row
 
 STEPS = [10, 20, 30, 40]
 DDP_VAL = [4.0, 3.0, 2.5, 2.0]
@@ -38,51 +40,35 @@ def write_run(sweep_dir: Path, sweep: dict, name: str, strategy: str, seed: int,
     `projected_elapsed_s` to every metrics row; `summary_extra` is merged into summary.json."""
     run_id = hashlib.sha256(f"{name}{seed}{point}".encode()).hexdigest()[:12]
     run_dir = sweep_dir / f"{name}-{run_id}"
-    run_dir.mkdir(parents=True)
     full_config = {"run": {"name": name, "seed": seed, "steps": 40},
                    "strategy": {"name": strategy}}
     for section, values in (config or {}).items():
         full_config.setdefault(section, {}).update(values)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(full_config))
-    lines = []
+    rows = []
     for i, step in enumerate(STEPS[: len(val or [])]):
-        row = {"step": step, "tokens": 1000 * step, "elapsed_s": seconds_per_step * step,
-               "loss": val[i] + 0.05, "lr": 1e-3, "step_s": seconds_per_step,
-               "compute_s": 0.8 * seconds_per_step, "comm_s": 0.2 * seconds_per_step,
-               "comm_bytes": 1e6}
-        keep = ["step", "tokens", "elapsed_s"]
-        if projected_elapsed:
-            row["projected_elapsed_s"] = {p: t[i] for p, t in projected_elapsed.items()}
-            keep.append("projected_elapsed_s")
-        lines.append(json.dumps(row))
-        lines.append(json.dumps({k: row[k] for k in keep} | {"val_loss": val[i]}))
-    text = "\n".join(lines) + "\n"
-    if torn:
-        text += '{"step": 50, "tokens": 500'
-    (run_dir / "metrics.jsonl").write_text(text)
+        projected = {p: t[i] for p, t in (projected_elapsed or {}).items()}
+        clock = (step, 1000 * step, seconds_per_step * step, projected)
+        rows.append(train_row(*clock, lr=1e-3, loss=val[i] + 0.05, step_s=seconds_per_step,
+                              compute_s=0.8 * seconds_per_step, comm_s=0.2 * seconds_per_step,
+                              comm_bytes=1e6))
+        rows.append(val_row(*clock, val_loss=val[i]))
     sweep["runs"][run_id] = {"dir": run_dir.name, "variant": name, "seed": seed,
                              "label": name, "point": point or {}, "strategy": strategy}
-    if status is None:  # killed before it wrote a summary
-        return run_dir
-    steps = 40
-    summary = {"status": status, "run_name": name, "config_hash": run_id, "strategy": strategy,
-               "world_size": 4, "num_params": 1000, "steps": steps, "total_tokens": 1000 * steps,
-               "wall_s": seconds_per_step * steps,
-               "throughput_tokens_per_s": 1000 / seconds_per_step,
-               "compute_s_total": 0.8 * seconds_per_step * steps,
-               "comm_s_total": 0.2 * seconds_per_step * steps,
-               "comm_bytes_total": 4e7 if strategy == "ddp" else 4e6,
-               "comm_bytes_per_rank": 1e7 if strategy == "ddp" else 1e6,
-               "final_val_loss": val[-1] if val else None, "best_val_loss": min(val or [9]),
-               "projected": {p: {"step_s": t / steps, "comm_s": t / steps / 4, "total_s": t,
-                                 "throughput_tokens_per_s": 1000 * steps / t}
-                             for p, t in PROJECTED_TOTAL.get(strategy, {}).items()}}
-    if error:
-        summary["error"] = error
-    if eval_scores:
-        summary["eval"] = eval_scores
-    summary.update(summary_extra or {})
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+    summary = None
+    if status is not None:  # None: killed before it wrote a summary
+        steps = 40
+        summary = make_summary(
+            status=status, run_name=name, config_hash=run_id, strategy=strategy, world_size=4,
+            num_params=1000, steps=steps, total_tokens=1000 * steps,
+            wall_s=seconds_per_step * steps, compute_s_total=0.8 * seconds_per_step * steps,
+            comm_s_total=0.2 * seconds_per_step * steps,
+            comm_bytes_total=4e7 if strategy == "ddp" else 4e6,
+            final_val_loss=val[-1] if val else None, best_val_loss=min(val or [9]),
+            projected={p: Projection.of(t, t / steps / 4, steps, 1000 * steps)
+                       for p, t in PROJECTED_TOTAL.get(strategy, {}).items()},
+            error=error, eval=eval_scores) | (summary_extra or {})
+    RunDir.write_fake_run(run_dir, full_config, rows, summary,
+                          torn_tail='{"step": 50, "tokens": 500' if torn else None)
     return run_dir
 
 

@@ -28,6 +28,8 @@ import yaml
 from algorithms.base import STRATEGIES, DataParallelStrategy, StrategyConfig
 from bench import launch, records
 from bench.config import config_hash, to_yaml
+from bench.records import RunDir
+from bench.summary import make_summary, train_row, val_row
 from bench.sweep import load_spec, run_sweep
 from bench.sweep.store import record_state
 
@@ -51,33 +53,33 @@ def _names(var: str) -> set[str]:
 
 
 def fake_runner(cfg, run_dir, progress=True) -> dict:
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    records.write_text(run_dir / "config.yaml", to_yaml(cfg))
     if os.environ.get("FAKE_RUNNER_LOG"):
         with open(os.environ["FAKE_RUNNER_LOG"], "a") as f:
             f.write(f"{cfg.run.name} {cfg.run.seed}\n")
     head = {"run_name": cfg.run.name, "config_hash": config_hash(cfg),
             "strategy": cfg.strategy.name, "world_size": cfg.parallel.world_size}
     if cfg.run.name in _names("FAKE_RUNNER_RAISE"):
+        RunDir.write_fake_run(run_dir, to_yaml(cfg))
         raise RuntimeError("launcher crashed")
     if cfg.run.name in _names("FAKE_RUNNER_FAIL"):
-        summary = {**head, "status": "failed", "error": "RuntimeError: boom at step 3"}
-        records.write_json(run_dir / "summary.json", summary)
+        summary = make_summary(**head, status="failed", error="RuntimeError: boom at step 3")
+        RunDir.write_fake_run(run_dir, to_yaml(cfg), summary=summary)
         return summary
     speed = 1.0 if cfg.strategy.name == "ddp" else 2.0
     tokens_per_step = 100
+    rows = []
     for step in range(10, cfg.run.steps + 1, 10):
-        row = {"step": step, "tokens": step * tokens_per_step, "elapsed_s": step / speed,
-               "loss": 5.0 - step / 20 + 0.01 * cfg.run.seed, "lr": 1e-3}
-        records.append_jsonl(run_dir / "metrics.jsonl", row)
+        clock = (step, step * tokens_per_step, step / speed, {})
+        loss = 5.0 - step / 20 + 0.01 * cfg.run.seed
+        rows.append(train_row(*clock, lr=1e-3, loss=loss, step_s=1 / speed,
+                              compute_s=1 / speed, comm_s=0.0, comm_bytes=0))
         if step % 20 == 0:
-            records.append_jsonl(run_dir / "metrics.jsonl", {**row, "val_loss": row["loss"]})
+            rows.append(val_row(*clock, val_loss=loss))
     steps = cfg.run.steps
-    summary = {**head, "status": "ok", "steps": steps, "total_tokens": steps * tokens_per_step,
-               "wall_s": steps / speed, "final_val_loss": 5.0 - steps / 20,
-               "throughput_tokens_per_s": tokens_per_step * speed}
-    records.write_json(run_dir / "summary.json", summary)
+    summary = make_summary(**head, status="ok", steps=steps,
+                           total_tokens=steps * tokens_per_step, wall_s=steps / speed,
+                           final_val_loss=5.0 - steps / 20)
+    RunDir.write_fake_run(run_dir, to_yaml(cfg), rows, summary)
     return summary
 
 
