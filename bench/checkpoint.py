@@ -4,16 +4,21 @@
     commbench run --resume RUN_DIR                                  # continue from it
 
 Every rank saves its own state (the strategy's `state_dict`, the loop state, the torch
-RNG and the CommLedger) at the same step, atomically, and waits until all have. On
-resume each rank restores it, and rank 0 drops the metrics rows logged after the
-checkpoint (the steps are trained again). checkpoints/final.pt holds the eval model's
-weights, its GPT config and tokenizer name: what `commbench eval` and `export` load.
+RNG and the CommLedger) at the same step, atomically, and waits until all have; by
+default 4 times per run (`checkpoint.every: null` = every run.steps // 4 steps). Before a
+resume touches any record, the launcher checks with `verify_states` that every rank's
+file loads and holds the same step. On resume each rank restores its state, and rank 0
+drops the metrics rows logged after the checkpoint (the steps are trained again). A run
+that starts from step 0 (new, or resumed without a checkpoint) starts with no metrics
+rows and no stale state files, so no step is ever recorded twice.
+checkpoints/final.pt holds the eval model's weights, its GPT config and tokenizer name:
+what `commbench eval` and `export` load.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,46 @@ import torch.distributed as dist
 from algorithms.base import Strategy, unwrap
 from algorithms.comm import CommLedger
 from bench.records import RunDir
+
+if TYPE_CHECKING:
+    from bench.config import Config
+
+
+def interval(cfg: Config) -> int:
+    """Steps between resumable checkpoints; 0 = none (`checkpoint.every`, null = steps // 4)."""
+    every = cfg.checkpoint.every
+    return max(1, cfg.run.steps // 4) if every is None else every
+
+
+def verify_states(run: RunDir, world_size: int) -> int | None:
+    """The step every rank's state checkpoint holds, or None when there is none.
+
+    Reads each file (memory-mapped: cheap for large states) before anything is changed;
+    a missing, unreadable or truncated file, or ranks saved at different steps, raise
+    ValueError naming the file."""
+    paths = [run.state_checkpoint(rank) for rank in range(world_size)]
+    present = [p for p in paths if p.exists()]
+    if not present:
+        return None
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise ValueError(f"--resume {run.path}: checkpoint {missing[0]} is missing (every rank "
+                         f"of parallel.world_size {world_size} needs its state-rankN.pt; "
+                         f"{len(present)} present)")
+    steps = {}
+    for path in paths:
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            steps[path] = int(payload["step"])
+        except Exception as err:  # truncated zip, wrong content, I/O error
+            raise ValueError(f"--resume {run.path}: checkpoint {path} is corrupt or truncated "
+                             f"({type(err).__name__}: {err}); delete the run's state-rank*.pt "
+                             "files to restart from step 0") from None
+    if len(set(steps.values())) > 1:
+        listing = ", ".join(f"{p.name}: step {s}" for p, s in steps.items())
+        raise ValueError(f"--resume {run.path}: the ranks' checkpoints are at different steps "
+                         f"({listing}); they must all be at one step")
+    return next(iter(steps.values()))
 
 
 def resume_requested() -> bool:
@@ -39,11 +84,31 @@ def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: Co
 
 def load_state(run: RunDir, rank: int, strategy: Strategy,
                ledger: CommLedger) -> dict[str, Any] | None:
-    """Restore this rank's saved state when resuming; the saved loop state, or None."""
+    """Restore this rank's saved state when resuming; the saved loop state, or None.
+
+    A collective. Without a checkpoint to resume from (a new run, or `--resume` of a run
+    that saved none), rank 0 removes earlier metrics rows and state files first: the run
+    starts at step 0 with a clean record."""
     path = run.state_checkpoint(rank)
-    if not resume_requested() or not path.exists():
+    found = resume_requested() and path.exists()
+    if not all_agree(found):
+        raise RuntimeError(f"resume: some ranks have a state checkpoint and some do not "
+                           f"(rank {rank}: {path} {'exists' if found else 'missing'})")
+    if not found:
+        if rank == 0:
+            run.write_metrics([])
+            for stale in run.checkpoints.glob("state-rank*.pt"):
+                stale.unlink()
+        dist.barrier()
         return None
-    payload = torch.load(path, weights_only=False)
+    try:
+        payload = torch.load(path, weights_only=False)
+    except Exception as err:
+        raise RuntimeError(f"resume: cannot load {path}: {type(err).__name__}: {err}") from err
+    steps = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, payload["step"])
+    if len(set(steps)) > 1:
+        raise RuntimeError(f"resume: the ranks' checkpoints are at different steps {steps}")
     strategy.load_state_dict(payload["strategy"])
     torch.set_rng_state(payload["rng"])
     ledger.records.extend(payload["ledger"])
@@ -52,6 +117,13 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
         rows = [r for r in run.read_metrics() if r["step"] <= step]
         run.write_metrics(rows)
     return payload["loop"]
+
+
+def all_agree(flag: bool) -> bool:
+    """Whether every rank passes the same flag (a collective)."""
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return len(set(flags)) == 1
 
 
 def save_eval_model(run: RunDir, rank: int, strategy: Strategy, gpt_config: dict,

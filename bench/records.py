@@ -191,6 +191,10 @@ class RunDir:
     def read_summary(self) -> dict | None:
         return read_json(self.summary) if self.summary.exists() else None
 
+    def write_summary(self, summary: dict) -> None:
+        """Replace summary.json (a new attempt: nothing of the previous one is kept)."""
+        write_json(self.summary, summary)
+
     def update_summary(self, updates: dict) -> dict:
         """Merge `updates` into summary.json atomically; returns the new summary."""
         summary = self.read_summary() or {}

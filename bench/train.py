@@ -41,6 +41,7 @@ from bench.env import (
     inject_fault,
     peak_flops,
     resolve_device,
+    straggle,
     synchronize,
 )
 from bench.meter import LoopState, MetricsWindow, StepClock, all_reduce_floats, run_totals
@@ -101,6 +102,7 @@ class Trainer:
             n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd,
         )
         model = GPT(self.model_config).to(device)
+        self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
         if cfg.model.compile:
             model = torch.compile(model)
@@ -164,14 +166,16 @@ class Trainer:
         clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device)
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
+        every = checkpoint.interval(cfg)
         for step in range(state.step, cfg.run.steps):
             if fault is not None and step == fault[0]:
-                inject_fault(fault[1], rank, step)
+                inject_fault(fault[1], rank, step, self.model)
             stats, step_s, step_records = self.timed_step(step)
             state.step = step + 1
             state.compute_s += step_s - stats.comm_s
             state.comm_s += stats.comm_s
-            window.add(stats, step_s, sum(r.nbytes for r in step_records))
+            window.add(stats, step_s, sum(r.nbytes for r in step_records),
+                       state.step)
             clock.add(step_s, stats, step_records)
 
             last = state.step == cfg.run.steps
@@ -187,7 +191,7 @@ class Trainer:
                     if progress:
                         print(progress_line(row, cfg.run.steps), file=progress, flush=True)
                 if nonfinite:
-                    state.status = "diverged"
+                    state.status, state.diverged = "diverged", window.culprit
                     break
             if (cfg.run.val_every and state.step % cfg.run.val_every == 0) or last:
                 state.advance(clock.settle())
@@ -195,7 +199,7 @@ class Trainer:
                 if not math.isfinite(state.last_val):
                     state.status = "diverged"
                     break
-            if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and not last:
+            if every and state.step % every == 0 and not last:
                 state.advance(clock.settle())
                 checkpoint.save_state(self.records, rank, state.step, self.strategy,
                                       self.ledger, asdict(state))
@@ -217,6 +221,7 @@ class Trainer:
         start = time.perf_counter()
         stats = self.strategy.train_step((x, y))
         synchronize(self.device)
+        straggle(self.cfg.run.straggler, self.rank, time.perf_counter() - start)
         step_s = time.perf_counter() - start
         records = [r for r in self.ledger.records[first_record:] if r.phase in TRAIN_PHASES]
         return stats, step_s, records
@@ -263,6 +268,7 @@ class Trainer:
                        for name, comm_s in comm_per_step.items()},
             num_params=self.num_params, flops_per_token=self.flops_per_token,
             device=self.device.type, backend=self.backend, data=self.data_meta, mfu=mfu,
+            error=state.diverged,
         ).to_dict()
 
 
