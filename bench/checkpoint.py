@@ -4,7 +4,8 @@
     commbench run --resume RUN_DIR                                  # continue from it
 
 Every rank saves its own state (the strategy's `state_dict`, the loop state, the torch
-RNG and the CommLedger) at the same step, atomically, and waits until all have; by
+RNG and the CommLedger) at the same step, atomically, first beside the previous one
+(state-rankN.pt.next), and replaces the previous one only when all ranks have saved; by
 default 4 times per run (`checkpoint.every: null` = every run.steps // 4 steps). Before a
 resume touches any record, the launcher checks with `verify_states` that every rank's
 file loads and holds the same step. On resume each rank restores its state, and rank 0
@@ -18,6 +19,7 @@ what `commbench eval` and `export` load.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,32 +42,55 @@ def interval(cfg: Config) -> int:
 def verify_states(run: RunDir, world_size: int) -> int | None:
     """The step every rank's state checkpoint holds, or None when there is none.
 
-    Reads each file (memory-mapped: cheap for large states) before anything is changed;
-    a missing, unreadable or truncated file, or ranks saved at different steps, raise
-    ValueError naming the file."""
-    paths = [run.state_checkpoint(rank) for rank in range(world_size)]
-    present = [p for p in paths if p.exists()]
-    if not present:
+    Reads each file (memory-mapped: cheap for large states) and changes nothing. A rank
+    may hold two files, its saved state and one being saved (a stop in the middle of a
+    save): the latest step that every rank holds wins. A missing, unreadable or
+    truncated file, or ranks with no step in common, raise ValueError naming the file."""
+    per_rank: list[dict[int, Path]] = []
+    problems, seen = [], False
+    for rank in range(world_size):
+        held = {}
+        for path in (run.state_checkpoint(rank), run.pending_state_checkpoint(rank)):
+            if path.exists():
+                seen = True
+                try:
+                    held[_saved_step(path)] = path
+                except Exception as err:  # truncated zip, wrong content, I/O error
+                    problems.append(f"checkpoint {path} is corrupt or truncated "
+                                    f"({type(err).__name__}: {err})")
+        per_rank.append(held)
+    if not seen:
         return None
-    missing = [str(p) for p in paths if not p.exists()]
+    common = set.intersection(*(set(held) for held in per_rank))
+    if common:
+        return max(common)
+    where = f"--resume {run.path}"
+    if problems:
+        raise ValueError(f"{where}: {problems[0]}; delete the run's checkpoints/state-rank* "
+                         "files to restart it from step 0")
+    missing = [str(run.state_checkpoint(r)) for r, held in enumerate(per_rank) if not held]
     if missing:
-        raise ValueError(f"--resume {run.path}: checkpoint {missing[0]} is missing (every rank "
-                         f"of parallel.world_size {world_size} needs its state-rankN.pt; "
-                         f"{len(present)} present)")
-    steps = {}
-    for path in paths:
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-            steps[path] = int(payload["step"])
-        except Exception as err:  # truncated zip, wrong content, I/O error
-            raise ValueError(f"--resume {run.path}: checkpoint {path} is corrupt or truncated "
-                             f"({type(err).__name__}: {err}); delete the run's state-rank*.pt "
-                             "files to restart from step 0") from None
-    if len(set(steps.values())) > 1:
-        listing = ", ".join(f"{p.name}: step {s}" for p, s in steps.items())
-        raise ValueError(f"--resume {run.path}: the ranks' checkpoints are at different steps "
-                         f"({listing}); they must all be at one step")
-    return next(iter(steps.values()))
+        raise ValueError(f"{where}: checkpoint {missing[0]} is missing (every rank of "
+                         f"parallel.world_size {world_size} needs its state-rankN.pt)")
+    listing = ", ".join(f"{p.name}: step {s}" for held in per_rank for s, p in held.items())
+    raise ValueError(f"{where}: the ranks' checkpoints are at different steps ({listing}); "
+                     "they must all be at one step")
+
+
+def adopt_states(run: RunDir, world_size: int, step: int) -> None:
+    """Make every rank's state-rankN.pt the one at `step` (after `verify_states`): a
+    save that every rank finished is kept, one that some did not is dropped."""
+    for rank in range(world_size):
+        pending = run.pending_state_checkpoint(rank)
+        if pending.exists():
+            if _saved_step(pending) == step:
+                os.replace(pending, run.state_checkpoint(rank))
+            else:
+                pending.unlink()
+
+
+def _saved_step(path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["step"])
 
 
 def resume_requested() -> bool:
@@ -78,8 +103,9 @@ def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: Co
     """Save this rank's state after `step` steps; returns when every rank has saved."""
     payload = {"step": step, "strategy": strategy.state_dict(), "loop": loop_state,
                "rng": torch.get_rng_state(), "ledger": ledger.records}
-    run.save_torch(payload, run.state_checkpoint(rank))
-    dist.barrier()  # every rank's state is on disk before any rank moves on
+    run.save_torch(payload, run.pending_state_checkpoint(rank))
+    dist.barrier()  # every rank's new state is on disk: it may replace the old ones
+    os.replace(run.pending_state_checkpoint(rank), run.state_checkpoint(rank))
 
 
 def load_state(run: RunDir, rank: int, strategy: Strategy,
@@ -97,7 +123,7 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
     if not found:
         if rank == 0:
             run.write_metrics([])
-            for stale in run.checkpoints.glob("state-rank*.pt"):
+            for stale in run.state_files():
                 stale.unlink()
         dist.barrier()
         return None

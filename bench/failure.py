@@ -116,10 +116,10 @@ def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
     if texts:
         first = (causes or order)[0]
         lines = _last(texts[first], 15)
-        text = f"rank{first}: {_headline(texts[first])}"
+        text = f"rank {first}: {_headline(texts[first])}"
         others = [r for r in order if r != first]
         if others:
-            text += f" (then {', '.join(f'rank{r}' for r in others)} failed too)"
+            text += f" (then {_ranks(others)} failed too)"
         return text + "\n" + "\n".join(lines)
     return f"torchrun exited with code {rc}\n" + "\n".join(tail[-15:])
 

@@ -85,6 +85,8 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
     run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
     header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
     run.prepare()
+    if header.get("resumed_from_step"):
+        checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
     write_text(run.config, to_yaml(cfg))
     run.write_summary(running_header(
         cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,

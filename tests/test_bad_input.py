@@ -58,7 +58,7 @@ SWEEP = ["sweep", "{tmp}/spec.yaml", "--no-report"]
 SMALL = ["parallel.world_size=2", "run.steps=4", "run.log_every=2", "run.val_batches=1"]
 """A run small enough that a row which wrongly trains it (old code) fails fast."""
 RECORDED = to_yaml(load_config(REPO / "configs/ddp-tiny.yaml", [
-    *SMALL, "run.output_dir={tmp}/out", "data.cache_dir={tmp}/cache"]))
+    *SMALL, "run.output_dir='{tmp}/out'", "data.cache_dir='{tmp}/cache'"]))
 """config.yaml of the recorded run in the run-directory rows (`run_argv(*SMALL)`'s config)."""
 
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
+from bench import checkpoint
 from bench.config import load_config
 from bench.failure import error_text
 from bench.records import RunDir, status_of
@@ -116,7 +117,30 @@ def test_a_frozen_rank_is_named_by_the_ranks_that_timed_out(tmp_path):
 def test_a_raised_error_beats_the_consequences_written_before_it(tmp_path):
     run = _error_files(tmp_path, {3: CLOSED, 1: "Traceback...\nValueError: bad shard\n"})
     headline = error_text(run, 1, [], 4, 30).splitlines()[0]
-    assert headline == "rank1: ValueError: bad shard (then rank3 failed too)"
+    assert headline == "rank 1: ValueError: bad shard (then rank 3 failed too)"
+
+
+# ------------------------------------------------------------ a stop in mid-save
+
+
+def _state(run: RunDir, path: Path, step: int) -> None:
+    run.save_torch({"step": step}, path)
+
+
+@pytest.mark.parametrize("rank1_done,expected", [(True, 4), (False, 2)])
+def test_a_stop_during_a_checkpoint_save_leaves_a_resumable_step(tmp_path, rank1_done,
+                                                                 expected):
+    """Ranks save beside the old state (.pt.next) and replace it after all have saved. A
+    stop between the two leaves rank 0 with both files: the resume takes the latest step
+    that every rank holds, and keeps only that."""
+    run = RunDir(tmp_path)
+    _state(run, run.state_checkpoint(0), 2)
+    _state(run, run.pending_state_checkpoint(0), 4)
+    _state(run, run.state_checkpoint(1), 4 if rank1_done else 2)
+    assert checkpoint.verify_states(run, 2) == expected
+    checkpoint.adopt_states(run, 2, expected)
+    assert [torch.load(run.state_checkpoint(r))["step"] for r in (0, 1)] == [expected] * 2
+    assert run.state_files() == [run.state_checkpoint(0), run.state_checkpoint(1)]
 
 
 # --------------------------------------------------------------------------- straggler
@@ -180,7 +204,7 @@ def test_a_straggler_slows_the_measured_clock(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode,headline", [
-    ("crash", "rank1: RuntimeError: injected fault on rank 1 at step 3"),
+    ("crash", "rank 1: RuntimeError: injected fault on rank 1 at step 3"),
     ("kill", "rank 1: killed by SIGKILL"),
     ("hang", "rank 1 stopped responding"),
 ])
