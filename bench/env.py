@@ -98,14 +98,15 @@ def resolve_device(cfg: Config) -> tuple[torch.device, str]:
     return device, backend
 
 
-FAULT_MODES = ("crash", "hang", "kill", "nan")
+FAULT_MODES = ("crash", "hang", "stop", "kill", "nan")
 
 
 def fault_injection(rank: int) -> tuple[int, str] | None:
     """COMMBENCH_FAULT="RANK:STEP:MODE" makes rank RANK fail on purpose before step STEP.
 
     Modes: crash (raises), hang (sleeps forever: the others time out in their next
-    collective after `parallel.timeout_s`), kill (SIGKILL to itself, like the OOM killer),
+    collective after `parallel.timeout_s`), stop (SIGSTOP to itself: frozen, as by a
+    debugger or a stuck driver), kill (SIGKILL to itself, like the OOM killer),
     nan (its parameters become NaN: its loss is the first non-finite one). Used by
     tests/test_crash_safety.py (and handy on a cluster) to check that the run ends with
     the right status and names the culprit rank, within the process-group timeout.
@@ -125,8 +126,9 @@ def inject_fault(mode: str, rank: int, step: int, model: torch.nn.Module) -> Non
     """Make this rank fail as `mode` says (see `fault_injection`)."""
     if mode == "hang":
         time.sleep(10**6)
-    if mode == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if mode in ("stop", "kill"):
+        os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
+        time.sleep(10**6)  # SIGSTOP: frozen here until torchrun kills it
     if mode == "nan":
         with torch.no_grad():
             for p in model.parameters():

@@ -29,20 +29,24 @@ TIMEOUT = ("Timed out", "timed out", "Timeout", "timeout")
 """Error texts of a rank that waited for a collective past the process-group timeout."""
 
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
-_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
+_STOPPED = re.compile(r"Sending process (\d+) closing signal")
 
 
 def torchrun_failures(lines: list[str]) -> tuple[dict[int, int], int | None]:
     """(global rank -> exit code of each failed rank, the root cause's rank) from torchrun's
-    ChildFailedError summary."""
+    ChildFailedError summary; ranks that torchrun itself stopped ("Sending process PID
+    closing signal") are left out: they are not a cause."""
     failures, rank, root, in_root = {}, None, None, False
+    stopped = {int(m.group(1)) for line in lines if (m := _STOPPED.search(line))}
     for line in lines:
         in_root = in_root or line.startswith("Root Cause")
         if m := _RANK.match(line):
             rank = int(m.group(1))
         elif (m := _EXIT.match(line)) and rank is not None:
-            failures[rank] = int(m.group(1))
-            root = rank if in_root and root is None else root
+            if int(m.group(2)) not in stopped:
+                failures[rank] = int(m.group(1))
+                root = rank if in_root and root is None else root
             rank = None
     return failures, root
 

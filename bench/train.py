@@ -8,7 +8,8 @@ the registry and called through the Strategy interface (algorithms/base.py).
 
 Timing (bench/meter.py says how and why). Each step is timed on the host with the device
 synchronised before and after: `step_s` is the whole step, `comm_s` the strategy's
-exposed communication, `compute_s` the rest. The run's clock (`elapsed_s`, `wall_s`)
+exposed communication, `compute_s` the rest (a `run.straggler` rank's extra sleep is
+inside its timed step, like a slow GPU's time). The run's clock (`elapsed_s`, `wall_s`)
 advances at each metrics row, validation and checkpoint by the SLOWEST rank's step
 seconds since the previous one; tokens are those consumed, summed over ranks; projected
 times accumulate step by step. Validation, logging and checkpointing are outside the
@@ -174,8 +175,7 @@ class Trainer:
             state.step = step + 1
             state.compute_s += step_s - stats.comm_s
             state.comm_s += stats.comm_s
-            window.add(stats, step_s, sum(r.nbytes for r in step_records),
-                       state.step)
+            window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
             clock.add(step_s, stats, step_records)
 
             last = state.step == cfg.run.steps
