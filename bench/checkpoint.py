@@ -56,8 +56,9 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
                 try:
                     held[_saved_step(path)] = path
                 except Exception as err:  # truncated zip, wrong content, I/O error
+                    reason = str(err).split(". ")[0]  # torch adds paragraphs of advice
                     problems.append(f"checkpoint {path} is corrupt or truncated "
-                                    f"({type(err).__name__}: {err})")
+                                    f"({type(err).__name__}: {reason})")
         per_rank.append(held)
     if not seen:
         return None

@@ -149,11 +149,11 @@ def check_resume(cfg: Config, run: RunDir) -> dict:
     changed = sorted(k for k in before.keys() | after.keys()
                      if k != "run.steps" and before.get(k) != after.get(k))
     if changed:
-        diffs = "; ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
+        diffs = ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
         raise ValueError(
-            f"--resume {run.path}: a resume continues the same run, but {diffs} differ from "
-            f"its config.yaml. Only run.steps may grow (and output paths, launch.*, "
-            "checkpoint.* may change); start a new run for other values")
+            f"--resume {run.path}: a resume continues the same run, but these keys differ "
+            f"from its config.yaml (recorded -> asked): {diffs}. Only run.steps may grow (and "
+            "output paths, launch.*, checkpoint.* may change); start a new run for other values")
     if cfg.run.steps < old.run.steps:
         raise ValueError(f"--resume {run.path}: run.steps can only grow on resume: recorded "
                          f"{old.run.steps}, got {cfg.run.steps}")
