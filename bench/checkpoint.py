@@ -83,11 +83,13 @@ def adopt_states(run: RunDir, world_size: int, step: int) -> None:
     save that every rank finished is kept, one that some did not is dropped."""
     for rank in range(world_size):
         pending = run.pending_state_checkpoint(rank)
-        if pending.exists():
+        try:  # another node's launcher may adopt the same files at the same time
             if _saved_step(pending) == step:
                 os.replace(pending, run.state_checkpoint(rank))
             else:
                 pending.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _saved_step(path) -> int:
