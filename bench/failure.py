@@ -11,7 +11,8 @@ longer traceback; the headline must name the first. The evidence, in order of tr
 2. the ranks' error files (logs/error-rankN.txt, bench/train.py writes them): an error
    that is not about a lost peer or a timeout is a cause; the first written wins;
 3. only timeouts: the ranks that timed out waited in a collective for `parallel.timeout_s`
-   for a rank that never arrived; the ranks with no error file are the frozen ones.
+   for a rank that never arrived; the ranks with no error file are the frozen ones (with
+   many ranks, a healthy rank that torchrun stopped before it timed out is listed too).
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
         text = (f"{_ranks(sorted(timed_out))} timed out after {timeout_s:g} s "
                 "(parallel.timeout_s) waiting in a collective")
         if silent:
-            text = (f"{_ranks(silent)} stopped responding (frozen or stuck: "
-                    f"it never reached the collective); " + text)
+            text = (f"{_ranks(silent)} stopped responding (no error from it: frozen, or "
+                    "stuck outside the collective); " + text)
         return text + "\n" + "\n".join(_last(texts[timed_out[0]], 15))
     if texts:
         first = (causes or order)[0]
