@@ -104,7 +104,12 @@ def resume_requested() -> bool:
 def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
                loop_state: dict[str, Any]) -> None:
     """Save this rank's state after `step` steps; returns when every rank has saved."""
-    payload = {"step": step, "strategy": strategy.state_dict(), "loop": loop_state,
+    try:
+        state = strategy.state_dict()
+    except NotImplementedError:
+        raise NotImplementedError(f"strategy {type(strategy).__name__} cannot save its state "
+                                  "(state_dict); set checkpoint.every=0") from None
+    payload = {"step": step, "strategy": state, "loop": loop_state,
                "rng": torch.get_rng_state(), "ledger": ledger.records}
     run.save_torch(payload, run.pending_state_checkpoint(rank))
     dist.barrier()  # every rank's new state is on disk: it may replace the old ones

@@ -201,8 +201,15 @@ class Trainer:
                     break
             if every and state.step % every == 0 and not last:
                 state.advance(clock.settle())
-                checkpoint.save_state(self.records, rank, state.step, self.strategy,
-                                      self.ledger, asdict(state))
+                try:
+                    checkpoint.save_state(self.records, rank, state.step, self.strategy,
+                                          self.ledger, asdict(state))
+                except NotImplementedError as err:  # the same on every rank
+                    if cfg.checkpoint.every is not None:
+                        raise ValueError(f"checkpoint.every={every}: {err}") from None
+                    every = 0  # the default asked for none in particular: go on without
+                    if rank == 0:
+                        print(f"warning: no checkpoints: {err}", file=sys.stderr)
         state.advance(clock.settle())
 
         if state.status == "ok" and cfg.checkpoint.final:

@@ -198,6 +198,34 @@ def test_a_straggler_slows_the_measured_clock(tmp_path):
     assert summaries[0]["compute_s_total"] < summaries[0]["wall_s"]
 
 
+class Stateless(Sleepy):
+    """A strategy that cannot save its state (a new one, not written for resume yet)."""
+
+    def state_dict(self):
+        raise NotImplementedError
+
+
+def train_stateless(rank, world_size, run_dir, every):
+    STRATEGIES["sleepy"] = f"{__name__}:Stateless"
+    cfg = load_config("configs/ddp-tiny.yaml", [
+        "run.steps=4", "run.log_every=2", "run.val_every=0", "run.val_batches=1",
+        "checkpoint.final=false", f"checkpoint.every={every}", "parallel.world_size=2",
+        "network.profiles=[nvlink]"])
+    cfg.strategy = SleepConfig()
+    summary = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
+    return summary["status"], RunDir(run_dir).state_files()
+
+
+@pytest.mark.timeout(150)
+def test_default_checkpoints_skip_a_strategy_that_cannot_save(tmp_path):
+    """Checkpoints are on by default (checkpoint.every null): a strategy without state_dict
+    trains on without them; asked for explicitly, they fail naming checkpoint.every."""
+    results = run_distributed(train_stateless, 2, str(tmp_path / "auto"), "null", timeout=120)
+    assert results == [("ok", [])] * 2
+    with pytest.raises(ValueError, match="checkpoint.every=2: strategy Stateless cannot save"):
+        run_distributed(train_stateless, 2, str(tmp_path / "set"), 2, timeout=120)
+
+
 # ------------------------------------------------------------------ real runs (slow)
 
 
