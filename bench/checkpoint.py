@@ -4,16 +4,23 @@
     commbench run --resume RUN_DIR                                  # continue from it
 
 Every rank saves its own state (the strategy's `state_dict`, the loop state, the torch
-RNG and the CommLedger) at the same step, atomically, and waits until all have. On
-resume each rank restores it, and rank 0 drops the metrics rows logged after the
-checkpoint (the steps are trained again). checkpoints/final.pt holds the eval model's
-weights, its GPT config and tokenizer name: what `commbench eval` and `export` load.
+RNG and the CommLedger) at the same step, atomically, first beside the previous one
+(state-rankN.pt.next), and replaces the previous one only when all ranks have saved; by
+default 4 times per run (`checkpoint.every: null` = every run.steps // 4 steps). Before a
+resume touches any record, the launcher checks with `verify_states` that every rank's
+file loads and holds the same step. On resume each rank restores its state, and rank 0
+drops the metrics rows logged after the checkpoint (the steps are trained again). A run
+that starts from step 0 (new, or resumed without a checkpoint) starts with no metrics
+rows and no stale state files, so no step is ever recorded twice.
+checkpoints/final.pt holds the eval model's weights, its GPT config and tokenizer name:
+what `commbench eval` and `export` load.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +28,72 @@ import torch.distributed as dist
 from algorithms.base import Strategy, unwrap
 from algorithms.comm import CommLedger
 from bench.records import RunDir
+
+if TYPE_CHECKING:
+    from bench.config import Config
+
+
+def interval(cfg: Config) -> int:
+    """Steps between resumable checkpoints; 0 = none (`checkpoint.every`, null = steps // 4)."""
+    every = cfg.checkpoint.every
+    return max(1, cfg.run.steps // 4) if every is None else every
+
+
+def verify_states(run: RunDir, world_size: int) -> int | None:
+    """The step every rank's state checkpoint holds, or None when there is none.
+
+    Reads each file (memory-mapped: cheap for large states) and changes nothing. A rank
+    may hold two files, its saved state and one being saved (a stop in the middle of a
+    save): the latest step that every rank holds wins. A missing, unreadable or
+    truncated file, or ranks with no step in common, raise ValueError naming the file."""
+    per_rank: list[dict[int, Path]] = []
+    problems, seen = [], False
+    for rank in range(world_size):
+        held = {}
+        for path in (run.state_checkpoint(rank), run.pending_state_checkpoint(rank)):
+            if path.exists():
+                seen = True
+                try:
+                    held[_saved_step(path)] = path
+                except Exception as err:  # truncated zip, wrong content, I/O error
+                    reason = str(err).split(". ")[0]  # torch adds paragraphs of advice
+                    problems.append(f"checkpoint {path} is corrupt or truncated "
+                                    f"({type(err).__name__}: {reason})")
+        per_rank.append(held)
+    if not seen:
+        return None
+    common = set.intersection(*(set(held) for held in per_rank))
+    if common:
+        return max(common)
+    where = f"--resume {run.path}"
+    if problems:
+        raise ValueError(f"{where}: {problems[0]}; delete the run's checkpoints/state-rank* "
+                         "files to restart it from step 0")
+    missing = [str(run.state_checkpoint(r)) for r, held in enumerate(per_rank) if not held]
+    if missing:
+        raise ValueError(f"{where}: checkpoint {missing[0]} is missing (every rank of "
+                         f"parallel.world_size {world_size} needs its state-rankN.pt)")
+    listing = ", ".join(f"{p.name}: step {s}" for held in per_rank for s, p in held.items())
+    raise ValueError(f"{where}: the ranks' checkpoints are at different steps ({listing}); "
+                     "they must all be at one step")
+
+
+def adopt_states(run: RunDir, world_size: int, step: int) -> None:
+    """Make every rank's state-rankN.pt the one at `step` (after `verify_states`): a
+    save that every rank finished is kept, one that some did not is dropped."""
+    for rank in range(world_size):
+        pending = run.pending_state_checkpoint(rank)
+        try:  # another node's launcher may adopt the same files at the same time
+            if _saved_step(pending) == step:
+                os.replace(pending, run.state_checkpoint(rank))
+            else:
+                pending.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _saved_step(path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["step"])
 
 
 def resume_requested() -> bool:
@@ -31,19 +104,45 @@ def resume_requested() -> bool:
 def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
                loop_state: dict[str, Any]) -> None:
     """Save this rank's state after `step` steps; returns when every rank has saved."""
-    payload = {"step": step, "strategy": strategy.state_dict(), "loop": loop_state,
+    try:
+        state = strategy.state_dict()
+    except NotImplementedError:
+        raise NotImplementedError(f"strategy {type(strategy).__name__} cannot save its state "
+                                  "(state_dict); set checkpoint.every=0") from None
+    payload = {"step": step, "strategy": state, "loop": loop_state,
                "rng": torch.get_rng_state(), "ledger": ledger.records}
-    run.save_torch(payload, run.state_checkpoint(rank))
-    dist.barrier()  # every rank's state is on disk before any rank moves on
+    run.save_torch(payload, run.pending_state_checkpoint(rank))
+    dist.barrier()  # every rank's new state is on disk: it may replace the old ones
+    os.replace(run.pending_state_checkpoint(rank), run.state_checkpoint(rank))
 
 
 def load_state(run: RunDir, rank: int, strategy: Strategy,
                ledger: CommLedger) -> dict[str, Any] | None:
-    """Restore this rank's saved state when resuming; the saved loop state, or None."""
+    """Restore this rank's saved state when resuming; the saved loop state, or None.
+
+    A collective. Without a checkpoint to resume from (a new run, or `--resume` of a run
+    that saved none), rank 0 removes earlier metrics rows and state files first: the run
+    starts at step 0 with a clean record."""
     path = run.state_checkpoint(rank)
-    if not resume_requested() or not path.exists():
+    found = resume_requested() and path.exists()
+    if not all_agree(found):
+        raise RuntimeError(f"resume: some ranks have a state checkpoint and some do not "
+                           f"(rank {rank}: {path} {'exists' if found else 'missing'})")
+    if not found:
+        if rank == 0:
+            run.write_metrics([])
+            for stale in run.state_files():
+                stale.unlink()
+        dist.barrier()
         return None
-    payload = torch.load(path, weights_only=False)
+    try:
+        payload = torch.load(path, weights_only=False)
+    except Exception as err:
+        raise RuntimeError(f"resume: cannot load {path}: {type(err).__name__}: {err}") from err
+    steps = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, payload["step"])
+    if len(set(steps)) > 1:
+        raise RuntimeError(f"resume: the ranks' checkpoints are at different steps {steps}")
     strategy.load_state_dict(payload["strategy"])
     torch.set_rng_state(payload["rng"])
     ledger.records.extend(payload["ledger"])
@@ -52,6 +151,13 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
         rows = [r for r in run.read_metrics() if r["step"] <= step]
         run.write_metrics(rows)
     return payload["loop"]
+
+
+def all_agree(flag: bool) -> bool:
+    """Whether every rank passes the same flag (a collective)."""
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(flag))
+    return len(set(flags)) == 1
 
 
 def save_eval_model(run: RunDir, rank: int, strategy: Strategy, gpt_config: dict,

@@ -44,21 +44,33 @@ def _check_eval_tasks(cfg) -> None:
 
 
 def _cmd_run(args) -> int:
+    """`commbench run`: a new run, `--run-dir DIR`, or `--resume DIR` (what each promises:
+    bench/launch.py's docstring and the README's "Resume and run directories")."""
     from bench.config import check_output_dir, load_config, preflight
+    from bench.launch import Terminated
 
-    if args.resume and not (Path(args.resume) / "config.yaml").exists():
-        raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml; "
-                         "give a directory written by `commbench run`)")
-    cfg = load_config(args.config, args.set)
     if args.resume:
         run_dir = Path(args.resume)
-        cfg = load_config(run_dir / "config.yaml", args.set)
+        if args.run_dir:
+            raise ValueError(f"--resume {args.resume!r} and --run-dir {args.run_dir!r}: give "
+                             "one (--resume continues the run in its own directory)")
+        if not (run_dir / "config.yaml").exists():
+            raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml; "
+                             "give a directory written by `commbench run`)")
+        # the recorded config, or the one given, which must match it (launch.check_resume)
+        cfg = load_config(args.config or run_dir / "config.yaml", args.set)
     else:
+        cfg = load_config(args.config, args.set)
         run_dir = Path(args.run_dir) if args.run_dir else None
     _check_eval_tasks(cfg)
     preflight(cfg)
-    check_output_dir(cfg.run.output_dir)
-    summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
+    if run_dir is None:
+        check_output_dir(cfg.run.output_dir)
+    try:
+        summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet,
+                                   resume=bool(args.resume))
+    except Terminated:  # recorded as interrupted; the conventional exit code of SIGTERM
+        return 143
     _print_summary(summary)
     return 0 if summary["status"] == "ok" else 1
 
@@ -165,9 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="run config YAML (defaults when omitted)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config field, e.g. --set run.steps=50 (repeatable)")
-    run.add_argument("--run-dir", help="write the run here instead of OUTPUT_DIR/NAME-HASH")
+    run.add_argument("--run-dir", help="write the run here instead of OUTPUT_DIR/NAME-HASH "
+                     "(a new directory, or one holding this config unfinished)")
     run.add_argument("--resume", metavar="RUN_DIR",
-                     help="continue an interrupted run from its last checkpoint")
+                     help="continue a stopped run from its last checkpoint (only run.steps "
+                     "may change: grow it to extend a finished run)")
     run.add_argument("--quiet", action="store_true", help="no progress line")
     run.set_defaults(func=_cmd_run)
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from algorithms.base import STRATEGIES, StrategyConfig, config_class
+from bench.env import StragglerConfig, check_straggler
 from bench.optim import OptimConfig
 from bench.typed import (  # noqa: F401  (re-exported: the public names of bench.config)
     describe_sections,
@@ -56,6 +57,8 @@ class RunConfig:
     """Validation batches per evaluation (shared held-out split)."""
     target_loss: float | None = None
     """Validation loss whose first crossing is recorded as time and tokens to target."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """One rank made slower on purpose: {rank: int|null, slowdown: float >= 1}."""
 
 
 @dataclass
@@ -140,8 +143,8 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0
-    """Save a resumable checkpoint every this many steps; 0 = never."""
+    every: int | None = None
+    """Checkpoint every this many steps (for --resume); 0 = never, null = run.steps // 4."""
     final: bool = True
     """Save the evaluation model at the end (needed by `commbench eval`)."""
 
@@ -171,8 +174,8 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 
-# Keys that say where things go, not what is computed: left out of the run's identity.
-NON_IDENTITY_KEYS = ("run.output_dir", "data.cache_dir", "launch")
+# Not the run's identity: where things go, and the checkpoint cadence (resume is bit-exact).
+NON_IDENTITY_KEYS = ("run.output_dir", "data.cache_dir", "launch", "checkpoint")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """Names that become directory names: no path separators, no leading dot."""
 
@@ -229,8 +232,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
 # ------------------------------------------------------------------------- validation
 
 
-def _at_least(path: str, value: float, minimum: float = 1) -> None:
-    if value < minimum:
+def _at_least(path: str, value: float | None, minimum: float = 1) -> None:
+    if value is not None and value < minimum:
         raise ValueError(f"{path} must be >= {minimum}, got {value!r}")
 
 
@@ -253,15 +256,13 @@ def validate(cfg: Config) -> None:
     for key in ("run.steps", "run.log_every", "run.val_batches", "model.seq_len",
                 "data.batch_size", "parallel.world_size", "parallel.group_size",
                 "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",
-                "launch.nnodes", "eval.batch_size"):
+                "launch.nnodes", "eval.batch_size", "eval.limit"):  # None passes
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name))
     for key in ("run.val_every", "optim.warmup_steps", "optim.grad_clip",
                 "optim.weight_decay", "checkpoint.every", "network.ranks_per_node"):
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name), 0)
-    if cfg.eval.limit is not None:
-        _at_least("eval.limit", cfg.eval.limit)
     if cfg.optim.lr <= 0:
         raise _fail("optim.lr", cfg.optim.lr, "> 0")
     _in_range("optim.min_lr_ratio", cfg.optim.min_lr_ratio, 0, 1, "[]")
@@ -307,6 +308,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval.tasks and cfg.eval.suite is None:
         raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
     check_corpus_path(cfg.data.corpus)
+    check_straggler(cfg.run.straggler, cfg.parallel.world_size)
     cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
 
 

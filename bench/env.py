@@ -5,18 +5,22 @@ Used by every rank of `commbench run` (bench/train.py):
   code's identity), package versions, host, CPU/GPU, world size and backend;
 - `resolve_device` turns parallel.device/backend `auto` into this rank's device and
   backend; `peak_flops` is a known GPU's dense bf16 peak (for MFU);
-- `fault_injection` reads COMMBENCH_FAULT, which makes one rank fail on purpose.
+- `fault_injection` reads COMMBENCH_FAULT, which makes one rank fail on purpose;
+- `StragglerConfig` (the config's `run.straggler`) makes one rank slow on purpose.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,26 +98,77 @@ def resolve_device(cfg: Config) -> tuple[torch.device, str]:
     return device, backend
 
 
-def fault_injection(rank: int) -> tuple[int, str] | None:
-    """COMMBENCH_FAULT="RANK:STEP:crash|hang" makes one rank fail on purpose.
+FAULT_MODES = ("crash", "hang", "stop", "kill", "nan")
 
-    Used by the tests (and handy on a cluster) to check that a dead or stuck rank ends
-    the run with status failed and its error text, within the process-group timeout.
+
+def fault_injection(rank: int) -> tuple[int, str] | None:
+    """COMMBENCH_FAULT="RANK:STEP:MODE" makes rank RANK fail on purpose before step STEP.
+
+    Modes: crash (raises), hang (sleeps forever: the others time out in their next
+    collective after `parallel.timeout_s`), stop (SIGSTOP to itself: frozen, as by a
+    debugger or a stuck driver), kill (SIGKILL to itself, like the OOM killer),
+    nan (its parameters become NaN: its loss is the first non-finite one). Used by
+    tests/test_crash_safety.py (and handy on a cluster) to check that the run ends with
+    the right status and names the culprit rank, within the process-group timeout.
     """
     spec = os.environ.get("COMMBENCH_FAULT")
     if not spec:
         return None
     parts = spec.split(":")
     if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()) or \
-            parts[2] not in ("crash", "hang"):
-        raise ValueError(f"COMMBENCH_FAULT must be RANK:STEP:crash|hang, got {spec!r}")
+            parts[2] not in FAULT_MODES:
+        raise ValueError(f"COMMBENCH_FAULT must be RANK:STEP:MODE with MODE one of "
+                         f"{list(FAULT_MODES)}, got {spec!r}")
     return (int(parts[1]), parts[2]) if int(parts[0]) == rank else None
 
 
-def inject_fault(mode: str, rank: int, step: int) -> None:
+def inject_fault(mode: str, rank: int, step: int, model: torch.nn.Module) -> None:
+    """Make this rank fail as `mode` says (see `fault_injection`)."""
     if mode == "hang":
         time.sleep(10**6)
+    if mode in ("stop", "kill"):
+        os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
+        time.sleep(10**6)  # SIGSTOP: frozen here until torchrun kills it
+    if mode == "nan":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        return
     raise RuntimeError(f"injected fault on rank {rank} at step {step} (COMMBENCH_FAULT)")
+
+
+@dataclass
+class StragglerConfig:
+    """`run.straggler`: one rank made slower on purpose, to measure how a strategy copes.
+
+        commbench run configs/diloco-tiny.yaml --set run.straggler.rank=1 \
+            --set run.straggler.slowdown=2
+    """
+
+    rank: int | None = None
+    """The slow rank; null = none."""
+    slowdown: float = 1.0
+    """Its steps take this many times their measured time (>= 1): after each step it
+    sleeps (slowdown - 1) x the step's seconds, inside the timed step like a slow GPU."""
+
+
+def check_straggler(straggler: StragglerConfig, world_size: int) -> None:
+    """Fail naming run.straggler.* unless the rank exists and slowdown >= 1."""
+    if straggler.rank is not None and not 0 <= straggler.rank < world_size:
+        raise ValueError(f"run.straggler.rank must be null or a rank in [0, {world_size}) "
+                         f"(parallel.world_size {world_size}), got {straggler.rank!r}")
+    if not (math.isfinite(straggler.slowdown) and straggler.slowdown >= 1):
+        raise ValueError(f"run.straggler.slowdown must be a finite number >= 1, got "
+                         f"{straggler.slowdown!r}")
+
+
+def straggle(straggler: StragglerConfig, rank: int, step_s: float) -> float:
+    """Sleep (slowdown - 1) x step_s on the straggler rank; the seconds slept (0 elsewhere)."""
+    if straggler.rank != rank or straggler.slowdown <= 1:
+        return 0.0
+    extra = (straggler.slowdown - 1) * step_s
+    time.sleep(extra)
+    return extra
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -4,29 +4,50 @@
 writes config.yaml, starts `torchrun ... -m bench.train RUN_DIR`, shows a live progress
 line, and leaves summary.json with status ok, diverged or failed (with the error text).
 A rank that crashes makes torchrun stop the others; a rank stuck in a collective fails
-after `parallel.timeout_s`; either way the run ends with status failed, never a hang.
-Ctrl-C stops torchrun, records the run failed with `interrupted: true` (partial: a sweep
-trains it again) and re-raises the KeyboardInterrupt to the caller. Self-evaluation
-(`eval.suite`) is the command line's job (bench/cli.py), after `run_config` returns: the
-harness does not import `eval`.
+after `parallel.timeout_s`; either way the run ends with status failed, never a hang, and
+the error's headline names the culprit rank (bench/failure.py). Ctrl-C or SIGTERM (what
+Slurm sends) stops torchrun, records the run failed with `interrupted: true` (partial: a
+sweep trains it again) and re-raises the KeyboardInterrupt (`Terminated` for SIGTERM).
+Self-evaluation (`eval.suite`) is the command line's job (bench/cli.py), after
+`run_config` returns: the harness does not import `eval`.
+
+What a run directory accepts (checked before anything in it changes):
+- `--run-dir DIR`: a new or empty directory, or one holding the same config (same hash)
+  that has not finished: the run starts at step 0 with a clean record. A directory of
+  another run, or of this run finished, is refused.
+- `--resume DIR`: the config in DIR/config.yaml; only `run.steps` may grow (recorded as
+  `steps_extended_from`), besides where things go (output paths, `launch`, `checkpoint`).
+  A finished run is refused unless its steps grow. Every rank's checkpoint must load and
+  hold the same step; without checkpoints the run restarts at step 0, and says so.
+A resumed run that finishes has a clean summary (status ok, no stale error).
 
 Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
 `commbench run CONFIG --run-dir SHARED_DIR` once per node; torchrun's c10d rendezvous
-assigns node ranks. The run directory must be on a shared filesystem.
+assigns node ranks. The run directory must be on a shared filesystem. Rank 0's node
+writes summary.json; on the other nodes success is torchrun's exit code 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
 
-from bench.config import Config, check_output_dir, config_hash, to_yaml
-from bench.records import RunDir, write_text
+from bench import checkpoint
+from bench.config import Config, check_output_dir, config_hash, identity_dict, load_config, to_yaml
+from bench.failure import error_text
+from bench.records import DONE_STATUSES, RunDir, status_of, write_text
 from bench.summary import running_header
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop) during a run: handled like Ctrl-C."""
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -59,42 +80,162 @@ def torchrun_command(cfg: Config, run_dir: Path) -> list[str]:
 def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
                resume: bool = False) -> dict:
     """Train one run into `run_dir` (a new directory when None); returns summary.json
-    with `run_dir` added."""
+    with `run_dir` added. Raises ValueError, before changing anything, when the directory
+    cannot take this run (module docstring)."""
     run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
+    header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
     run.prepare()
+    if header.get("resumed_from_step"):
+        checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
     write_text(run.config, to_yaml(cfg))
-    run.update_summary(running_header(
+    run.write_summary(running_header(
         cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,
-        started=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **header))
     env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    if resume:
+    if header.get("resumed_from_step"):
         env["COMMBENCH_RESUME"] = "1"
     started = time.perf_counter()
     try:
-        rc, tail = _run_torchrun(torchrun_command(cfg, run.path), env, run.torchrun_log,
-                                 progress)
-    except KeyboardInterrupt:  # torchrun is stopped: record the run, let the caller stop too
-        run.update_summary({
-            "status": "failed", "error": "interrupted by the user", "interrupted": True,
-            "launcher_wall_s": time.perf_counter() - started,
-        })
-        print(f"\ninterrupted; continue with: commbench run --resume {run.path}",
-              file=sys.stderr)
+        with sigterm_as_interrupt():
+            rc, tail = _run_torchrun(torchrun_command(cfg, run.path), env, run.torchrun_log,
+                                     progress)
+    except KeyboardInterrupt as stop:  # torchrun is stopped: record the run, let the caller stop
+        what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted by the user"
+        run.update_summary({"status": "failed", "error": what, "interrupted": True,
+                            "launcher_wall_s": time.perf_counter() - started})
+        print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
         raise
     summary = run.read_summary() or {}
+    if rc == 0 and cfg.launch.nnodes > 1 and summary.get("status") == "running":
+        # rank 0 is on another node and writes the record; this node's ranks succeeded
+        return {**summary, "status": "ok", "run_dir": str(run.path),
+                "note": "this node's ranks finished; rank 0's node writes summary.json"}
     if rc != 0 or summary.get("status") == "running":
         summary = run.update_summary({
-            "status": "failed", "error": _error_text(run, rc, tail),
+            "status": "failed",
+            "error": error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s),
             "launcher_wall_s": time.perf_counter() - started,
         })
-    else:
+    elif cfg.launch.nnodes == 1:  # several nodes: only rank 0 writes (no lost update)
         summary = run.update_summary({"launcher_wall_s": time.perf_counter() - started})
     return {**summary, "run_dir": str(run.path)}
 
 
+def check_run_dir(cfg: Config, run: RunDir) -> dict:
+    """Refuse (ValueError) a directory holding another run, or this run finished."""
+    if not run.config.exists():
+        return {}
+    old = _recorded_config(run, "--run-dir")
+    if config_hash(old) != config_hash(cfg):
+        raise ValueError(
+            f"--run-dir {run.path}: it holds another run ({old.run.name}, config "
+            f"{config_hash(old)}); this config is {cfg.run.name}, config {config_hash(cfg)}. "
+            "Give a new directory, or leave out --run-dir (OUTPUT_DIR/NAME-HASH)")
+    status = _recorded_status(run)
+    if status in DONE_STATUSES:
+        raise ValueError(
+            f"--run-dir {run.path}: this run is already recorded there, finished (status "
+            f"{status}); delete the directory to train it again, or extend it with "
+            f"`commbench run --resume {run.path} --set run.steps=N`")
+    return {}
+
+
+def check_resume(cfg: Config, run: RunDir) -> dict:
+    """What a resume may do (ValueError naming the keys otherwise); the header fields it adds:
+    resumed_from_step (0 = restarts) and steps_extended_from."""
+    old = _recorded_config(run, "--resume")
+    before, after = _flat(identity_dict(old)), _flat(identity_dict(cfg))
+    changed = sorted(k for k in before.keys() | after.keys()
+                     if k != "run.steps" and before.get(k) != after.get(k))
+    if changed:
+        diffs = ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
+        raise ValueError(
+            f"--resume {run.path}: a resume continues the same run, but these keys differ "
+            f"from its config.yaml (recorded -> asked): {diffs}. Only run.steps may grow (and "
+            "output paths, launch.*, checkpoint.* may change); start a new run for other values")
+    if cfg.run.steps < old.run.steps:
+        raise ValueError(f"--resume {run.path}: run.steps can only grow on resume: recorded "
+                         f"{old.run.steps}, got {cfg.run.steps}")
+    extended = cfg.run.steps > old.run.steps
+    status = _recorded_status(run)
+    if status == "diverged" or (status == "ok" and not extended):
+        raise ValueError(
+            f"--resume {run.path}: the run already finished (status {status}); nothing to "
+            "resume" + ("" if status == "diverged" else
+                        f". To train it longer: --set run.steps=N with N > {old.run.steps}"))
+    step = checkpoint.verify_states(run, cfg.parallel.world_size)
+    if step is None:
+        print(f"--resume {run.path}: no checkpoint was saved (checkpoint.every); the run "
+              "restarts at step 0 and its metrics rows are replaced", file=sys.stderr)
+    summary = _read_summary(run)
+    header = {"resumed_from_step": step or 0}
+    if extended:
+        header["steps_extended_from"] = [*summary.get("steps_extended_from", []),
+                                         old.run.steps]
+    return header
+
+
+def resume_hint(run: RunDir, world_size: int) -> str:
+    """What `--resume` would do for this run now (the line after Ctrl-C)."""
+    try:
+        step = checkpoint.verify_states(run, world_size)
+    except ValueError:
+        step = None
+    if step:
+        return f"continue from step {step} with: commbench run --resume {run.path}"
+    return (f"no checkpoint was saved yet: `commbench run --resume {run.path}` would "
+            "restart it from step 0")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Inside the block SIGTERM raises `Terminated` (in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop; let the cleanup finish
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _recorded_config(run: RunDir, flag: str) -> Config:
+    try:
+        return load_config(run.config)
+    except ValueError as err:
+        raise ValueError(f"{flag} {run.path}: its config.yaml cannot be read ({err})") from None
+
+
+def _read_summary(run: RunDir) -> dict:
+    try:
+        return run.read_summary() or {}
+    except ValueError:
+        return {}
+
+
+def _recorded_status(run: RunDir) -> str:
+    return status_of(_read_summary(run))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
-    tail: deque[str] = deque(maxlen=40)
+    tail: deque[str] = deque(maxlen=400)  # torchrun's failure summary is at the end
     interactive = progress and sys.stderr.isatty()
     with open(log_path, "a") as log:
         log.write(" ".join(cmd) + "\n")
@@ -123,18 +264,3 @@ def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
             if interactive:
                 print(file=sys.stderr)
     return rc, list(tail)
-
-
-def _error_text(run: RunDir, rc: int, tail: list[str]) -> str:
-    # The first rank to fail is the cause; the others usually fail on the broken collective.
-    errors = run.error_logs()
-    if errors:
-        first = errors[0]
-        lines = first.read_text().strip().splitlines()
-        rank = first.stem.removeprefix("error-")
-        text = f"{rank}: {lines[-1] if lines else 'unknown error'}"
-        if len(errors) > 1:
-            others = ", ".join(p.stem.removeprefix("error-") for p in errors[1:])
-            text += f" (then {others} failed too)"
-        return text + "\n" + "\n".join(lines[-15:])
-    return f"torchrun exited with code {rc}\n" + "\n".join(tail[-15:])

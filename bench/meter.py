@@ -74,6 +74,8 @@ class LoopState:
     target: dict | None = None
     """Clock, tokens and projected clock at the first validation reaching run.target_loss."""
     status: str = "ok"
+    diverged: str | None = None
+    """Which rank saw a non-finite loss first, and at which step (when diverged)."""
 
     def advance(self, settled: Settled) -> None:
         """Move the clock, tokens and projected clocks on by what the ranks did together."""
@@ -139,19 +141,23 @@ class MetricsWindow:
     """This rank's sums over the steps since the last metrics row; `flush` averages them."""
 
     def __init__(self):
+        self.culprit: str | None = None
+        """After a flush that saw a non-finite loss: the first rank(s) and step, in words."""
         self.reset()
 
     def reset(self) -> None:
         self.num_steps, self.loss, self.step_s, self.comm_s, self.bytes = 0, 0.0, 0.0, 0.0, 0
-        self.nonfinite = 0
+        self.nonfinite, self.first_nonfinite = 0, None
         self.extras: dict[str, float] = {}
 
-    def add(self, stats: StepStats, step_s: float, nbytes: int) -> None:
+    def add(self, stats: StepStats, step_s: float, nbytes: int, step: int = 0) -> None:
         self.num_steps += 1
         if math.isfinite(stats.loss):
             self.loss += stats.loss
         else:
             self.nonfinite += 1
+            if self.first_nonfinite is None:
+                self.first_nonfinite = step
         self.step_s += step_s
         self.comm_s += stats.comm_s
         self.bytes += nbytes
@@ -171,8 +177,22 @@ class MetricsWindow:
             "comm_bytes": sums[3] / n,
             **self.extras,
         }
+        if sums[4]:  # the same on every rank: which rank went non-finite first?
+            self.culprit = self._culprit(device, world)
         self.reset()
         return row, bool(sums[4])
+
+    def _culprit(self, device: torch.device, world: int) -> str:
+        firsts = [0.0] * world  # rank -> 1 + its first non-finite step (0: none)
+        if self.first_nonfinite is not None:
+            firsts[dist.get_rank()] = 1.0 + self.first_nonfinite
+        firsts = all_reduce_floats(firsts, device)
+        seen = {r: int(s) - 1 for r, s in enumerate(firsts) if s}
+        step = min(seen.values())
+        first = [r for r, s in seen.items() if s == step]
+        text = f"non-finite loss first on rank {', '.join(map(str, first))} at step {step}"
+        later = [r for r in seen if r not in first]
+        return text + (f" (then on rank {', '.join(map(str, later))})" if later else "")
 
 
 @dataclass

@@ -10,7 +10,7 @@ A run directory (`commbench run` prints its path) holds:
                     (its schema: bench/summary.py)
     eval.json       lm-eval results (after `commbench eval`)
     checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
-                    state at the last `checkpoint.every` step)
+                    state at the last `checkpoint.every` step; .pt.next while saving)
     logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log
 
 Every file is replaced atomically (temp file + rename; `torch.save` too), so a reader
@@ -172,6 +172,15 @@ class RunDir:
         """Rank `rank`'s resumable state (strategy, loop state, RNG, ledger)."""
         return self.checkpoints / f"state-rank{rank}.pt"
 
+    def pending_state_checkpoint(self, rank: int) -> Path:
+        """Rank `rank`'s state being saved; it replaces state_checkpoint once every rank has
+        saved (bench/checkpoint.py: a stop mid-save never leaves the ranks mismatched)."""
+        return self.checkpoints / f"state-rank{rank}.pt.next"
+
+    def state_files(self) -> list[Path]:
+        """Every rank's state file, saved or being saved."""
+        return sorted(self.checkpoints.glob("state-rank*.pt*"))
+
     def error_log(self, rank: int) -> Path:
         """The traceback of the exception that ended rank `rank`."""
         return self.logs / f"error-rank{rank}.txt"
@@ -190,6 +199,10 @@ class RunDir:
 
     def read_summary(self) -> dict | None:
         return read_json(self.summary) if self.summary.exists() else None
+
+    def write_summary(self, summary: dict) -> None:
+        """Replace summary.json (a new attempt: nothing of the previous one is kept)."""
+        write_json(self.summary, summary)
 
     def update_summary(self, updates: dict) -> dict:
         """Merge `updates` into summary.json atomically; returns the new summary."""

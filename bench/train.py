@@ -8,7 +8,8 @@ the registry and called through the Strategy interface (algorithms/base.py).
 
 Timing (bench/meter.py says how and why). Each step is timed on the host with the device
 synchronised before and after: `step_s` is the whole step, `comm_s` the strategy's
-exposed communication, `compute_s` the rest. The run's clock (`elapsed_s`, `wall_s`)
+exposed communication, `compute_s` the rest (a `run.straggler` rank's extra sleep is
+inside its timed step, like a slow GPU's time). The run's clock (`elapsed_s`, `wall_s`)
 advances at each metrics row, validation and checkpoint by the SLOWEST rank's step
 seconds since the previous one; tokens are those consumed, summed over ranks; projected
 times accumulate step by step. Validation, logging and checkpointing are outside the
@@ -42,6 +43,7 @@ from bench.env import (
     inject_fault,
     peak_flops,
     resolve_device,
+    straggle,
     synchronize,
 )
 from bench.meter import LoopState, MetricsWindow, StepClock, all_reduce_floats, run_totals
@@ -78,6 +80,7 @@ class Trainer:
             n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd,
         )
         model = GPT(self.model_config).to(device)
+        self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
         if cfg.model.compile:
             model = torch.compile(model)
@@ -142,14 +145,15 @@ class Trainer:
         clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model)
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
+        every = checkpoint.interval(cfg)
         for step in range(state.step, cfg.run.steps):
             if fault is not None and step == fault[0]:
-                inject_fault(fault[1], rank, step)
+                inject_fault(fault[1], rank, step, self.model)
             stats, step_s, step_records = self.timed_step(step)
             state.step = step + 1
             state.compute_s += step_s - stats.comm_s
             state.comm_s += stats.comm_s
-            window.add(stats, step_s, sum(r.nbytes for r in step_records))
+            window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
             clock.add(step_s, stats, step_records)
 
             last = state.step == cfg.run.steps
@@ -165,7 +169,7 @@ class Trainer:
                     if progress:
                         print(progress_line(row, cfg.run.steps), file=progress, flush=True)
                 if nonfinite:
-                    state.status = "diverged"
+                    state.status, state.diverged = "diverged", window.culprit
                     break
             if (cfg.run.val_every and state.step % cfg.run.val_every == 0) or last:
                 state.advance(clock.settle())
@@ -173,10 +177,17 @@ class Trainer:
                 if not math.isfinite(state.last_val):
                     state.status = "diverged"
                     break
-            if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and not last:
+            if every and state.step % every == 0 and not last:
                 state.advance(clock.settle())
-                checkpoint.save_state(self.records, rank, state.step, self.strategy,
-                                      self.ledger, asdict(state))
+                try:
+                    checkpoint.save_state(self.records, rank, state.step, self.strategy,
+                                          self.ledger, asdict(state))
+                except NotImplementedError as err:  # the same on every rank
+                    if cfg.checkpoint.every is not None:
+                        raise ValueError(f"checkpoint.every={every}: {err}") from None
+                    every = 0  # the default asked for none in particular: go on without
+                    if rank == 0:
+                        print(f"warning: no checkpoints: {err}", file=sys.stderr)
         state.advance(clock.settle())
 
         if state.status == "ok" and cfg.checkpoint.final:
@@ -195,6 +206,7 @@ class Trainer:
         start = time.perf_counter()
         stats = self.strategy.train_step((x, y))
         synchronize(self.device)
+        straggle(self.cfg.run.straggler, self.rank, time.perf_counter() - start)
         step_s = time.perf_counter() - start
         records = [r for r in self.ledger.records[first_record:] if r.phase in TRAIN_PHASES]
         return stats, step_s, records
@@ -247,6 +259,7 @@ class Trainer:
             optim=describe_optimizer(getattr(self.strategy, "optimizer", None)),
             num_params=self.num_params, flops_per_token=self.flops_per_token,
             device=self.device.type, backend=self.backend, data=self.data_meta, mfu=mfu,
+            error=state.diverged,
         ).to_dict()
 
 

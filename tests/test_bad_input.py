@@ -13,6 +13,8 @@ Adding a case is one row: `Case(id, argv, expect, files=...)`. In `argv` and `fi
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from bench.cli import main
+from bench.config import load_config, to_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DDP_TINY = "{repo}/configs/ddp-tiny.yaml"
@@ -52,6 +55,35 @@ def spec(body: str) -> dict[str, str]:
 
 
 SWEEP = ["sweep", "{tmp}/spec.yaml", "--no-report"]
+SMALL = ["parallel.world_size=2", "run.steps=4", "run.log_every=2", "run.val_batches=1"]
+"""A run small enough that a row which wrongly trains it (old code) fails fast."""
+RECORDED = to_yaml(load_config(REPO / "configs/ddp-tiny.yaml", [
+    *SMALL, "run.output_dir='{tmp}/out'", "data.cache_dir='{tmp}/cache'"]))
+"""config.yaml of the recorded run in the run-directory rows (`run_argv(*SMALL)`'s config)."""
+
+
+def recorded_run(status: str = "failed", interrupted: bool = True,
+                 checkpoints: dict[int, bytes] | None = None) -> dict[str, str | bytes]:
+    """Files of a run directory {tmp}/r: RECORDED's config, a summary, two metrics rows and
+    state checkpoints (rank -> file content)."""
+    summary = {"status": status, "run_name": "ddp-tiny", "steps": 2}
+    if interrupted:
+        summary.update(error="interrupted by the user", interrupted=True)
+    files = {"r/config.yaml": RECORDED, "r/summary.json": json.dumps(summary),
+             "r/metrics.jsonl": '{"step": 2, "loss": 5.0}\n{"step": 4, "loss": 4.0}\n'}
+    for rank, content in (checkpoints or {}).items():
+        files[f"r/checkpoints/state-rank{rank}.pt"] = content
+    return files
+
+
+def state_file(step: int, truncate: int | None = None) -> bytes:
+    """A state-rankN.pt holding `step` (cut to `truncate` bytes: a file torn mid-write)."""
+    buffer = io.BytesIO()
+    torch.save({"step": step, "strategy": {}, "loop": {}}, buffer)
+    return buffer.getvalue()[:truncate]
+
+
+RESUME = ["run", "--resume", "{tmp}/r", "--quiet"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 SMALL_TEXT = "To be, or not to be: that is the question.\n" * 25  # ~1100 bytes
 
@@ -151,6 +183,44 @@ CASES = [
          ["run.output_dir", "{tmp}/file/sub", "not writable", "directory"], files={"file": "x"}),
     Case("resume-not-a-run", run_argv() + ["--resume", "{tmp}/nothing"],
          ["--resume", "{tmp}/nothing", "not a run directory"]),
+    # ---- run directories and checkpoints (#16.3, #16.4, #16.5)
+    Case("run-dir-other-run", run_argv(*SMALL, "run.name=other") + ["--run-dir", "{tmp}/r"],
+         ["--run-dir", "{tmp}/r", "another run (ddp-tiny, config", "this config is other",
+          "new directory"], files=recorded_run()),
+    Case("run-dir-finished", run_argv(*SMALL) + ["--run-dir", "{tmp}/r"],
+         ["--run-dir", "{tmp}/r", "already recorded", "status ok", "--resume"],
+         files=recorded_run("ok", interrupted=False)),
+    Case("resume-changed-lr", RESUME + ["--set", "optim.lr=0.01"],
+         ["--resume", "{tmp}/r", "optim.lr 0.003 -> 0.01", "Only run.steps may grow"],
+         files=recorded_run()),
+    Case("resume-world-size", RESUME + ["--set", "parallel.world_size=4"],
+         ["parallel.world_size 2 -> 4", "Only run.steps"], files=recorded_run()),
+    Case("resume-other-config-file", ["run", DDP_TINY, "--resume", "{tmp}/r", "--quiet"],
+         ["--resume", "{tmp}/r", "parallel.world_size 2 -> 4", "run.val_batches 1 -> 8"],
+         files=recorded_run()),
+    Case("resume-fewer-steps", RESUME + ["--set", "run.steps=2"],
+         ["--resume", "run.steps can only grow", "recorded 4, got 2"], files=recorded_run()),
+    Case("resume-finished", RESUME, ["--resume", "{tmp}/r", "already finished (status ok)",
+                                     "run.steps=N with N > 4"],
+         files=recorded_run("ok", interrupted=False)),
+    Case("resume-diverged", RESUME + ["--set", "run.steps=8"],
+         ["--resume", "already finished (status diverged)"],
+         files=recorded_run("diverged", interrupted=False)),
+    Case("resume-truncated-checkpoint", RESUME,
+         ["--resume", "{tmp}/r/checkpoints/state-rank1.pt", "corrupt or truncated"],
+         files=recorded_run(checkpoints={0: state_file(2), 1: state_file(2, truncate=200)})),
+    Case("resume-checkpoint-steps-differ", RESUME,
+         ["different steps", "state-rank0.pt: step 2", "state-rank1.pt: step 3"],
+         files=recorded_run(checkpoints={0: state_file(2), 1: state_file(3)})),
+    Case("resume-checkpoint-missing", RESUME,
+         ["{tmp}/r/checkpoints/state-rank1.pt", "is missing", "parallel.world_size 2"],
+         files=recorded_run(checkpoints={0: state_file(2)})),
+    Case("resume-and-run-dir", RESUME + ["--run-dir", "{tmp}/x"],
+         ["--resume", "--run-dir", "give one"], files=recorded_run()),
+    Case("straggler-rank", run_argv("run.straggler.rank=7"),
+         ["run.straggler.rank", "[0, 4)", "got 7"]),
+    Case("straggler-slowdown", run_argv("run.straggler.slowdown=0.5"),
+         ["run.straggler.slowdown", ">= 1", "got 0.5"]),
     Case("config-show-bad-key", ["config", "show", DDP_TINY, "--set", "optim.lrr=1"],
          ["optim.lrr", "did you mean 'lr'"]),
     # ---- sweep specs and sweep arguments (#16.9 empty spec, #16.10 --output-dir/--set)

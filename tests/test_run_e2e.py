@@ -94,10 +94,59 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path):
     full = only_run_dir(tmp_path / "full")
     a, b = full.read_summary(), cut.read_summary()
     assert b["status"] == "ok"
+    # issue 16, defect 1: nothing of the failed attempt is left in the finished record
+    assert "error" not in b and "interrupted" not in b and b["resumed_from_step"] == 10
     assert b["final_val_loss"] == a["final_val_loss"]
     assert (b["steps"], b["total_tokens"]) == (a["steps"], a["total_tokens"])
     losses = [r["loss"] for r in cut.read_metrics() if "loss" in r]
     assert losses == [r["loss"] for r in full.read_metrics() if "loss" in r]
+
+
+FAKE_LAUNCH = """
+import os, signal, sys, time
+from bench import launch
+from bench.config import load_config
+
+def fake_torchrun(cmd, env, log_path, progress):
+    {body}
+
+launch._run_torchrun = fake_torchrun
+cfg = load_config("configs/ddp-tiny.yaml", sys.argv[2:])
+try:
+    summary = launch.run_config(cfg, sys.argv[1], progress=False)
+    print("returned", summary["status"])
+except launch.Terminated:
+    print("terminated")
+"""
+
+
+def fake_launch(tmp_path: Path, body: str, *sets: str) -> subprocess.CompletedProcess:
+    """run_config in a fresh interpreter with torchrun replaced by `body`."""
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_LAUNCH.replace("{body}", body))
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "run"), *sets],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_sigterm_is_recorded_like_ctrl_c(tmp_path):
+    """Issue 16, defect 10: SIGTERM (Slurm's stop) left summary.json at "running"."""
+    proc = fake_launch(tmp_path, "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+                                 "    return 0, []")
+    assert proc.returncode == 0 and proc.stdout.strip() == "terminated", proc.stderr
+    summary = RunDir(tmp_path / "run").read_summary()
+    assert summary["status"] == "failed" and summary["interrupted"] is True
+    assert summary["error"] == "terminated (SIGTERM)"
+    assert "no checkpoint was saved yet" in proc.stderr  # nothing to resume: no promise
+
+
+def test_a_node_without_rank_0_succeeds_on_exit_code_0(tmp_path):
+    """Issue 16/17: on a node whose rank 0 is elsewhere, summary.json is rank 0's to write;
+    this node's torchrun exiting 0 is success, and the record is left alone."""
+    proc = fake_launch(tmp_path, "return 0, []", "launch.nnodes=2",
+                       "launch.rdzv_endpoint=127.0.0.1:29999")
+    assert proc.stdout.strip() == "returned ok", proc.stderr
+    summary = RunDir(tmp_path / "run").read_summary()
+    assert summary["status"] == "running" and "launcher_wall_s" not in summary
 
 
 def test_records_are_ordinary_readable_files(tmp_path):

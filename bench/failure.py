@@ -1,0 +1,134 @@
+"""Why a run failed, in one headline that names the culprit rank (bench/launch.py uses it).
+
+    COMMBENCH_FAULT=2:5:kill commbench run configs/ddp-tiny.yaml    # "rank 2: killed by SIGKILL"
+
+When one rank dies, the others fail too, on the broken collective, often later and with a
+longer traceback; the headline must name the first. The evidence, in order of trust:
+1. torchrun's failure summary (its "rank : N (local_rank: ...)" / "exitcode : E" blocks):
+   a rank that exited on a signal (kill -9, the OOM killer) left no traceback, and the
+   others' errors are consequences of it. SIGTERM is what torchrun itself sends the
+   survivors, so it counts only as torchrun's root cause and when no other signal shows;
+2. the ranks' error files (logs/error-rankN.txt, bench/train.py writes them): an error
+   that is not about a lost peer or a timeout is a cause; the first written wins;
+3. only timeouts: the ranks that timed out waited in a collective for `parallel.timeout_s`
+   for a rank that never arrived; the ranks with no error file are the frozen ones (with
+   many ranks, a healthy rank that torchrun stopped before it timed out is listed too).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+from bench.records import RunDir
+
+SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "ProcessGroupNCCL is aborted", "NCCL communicator was aborted",
+             "Connection refused")
+"""Error texts of a rank that failed because another one did."""
+TIMEOUT = ("Timed out", "timed out", "Timeout", "timeout")
+"""Error texts of a rank that waited for a collective past the process-group timeout."""
+
+_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
+_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
+_STOPPED = re.compile(r"Sending process (\d+) closing signal")
+
+
+def torchrun_failures(lines: list[str]) -> tuple[dict[int, int], int | None]:
+    """(global rank -> exit code of each failed rank, the root cause's rank) from torchrun's
+    ChildFailedError summary; ranks that torchrun itself stopped ("Sending process PID
+    closing signal") are left out: they are not a cause."""
+    failures, rank, root, in_root = {}, None, None, False
+    stopped = {int(m.group(1)) for line in lines if (m := _STOPPED.search(line))}
+    for line in lines:
+        in_root = in_root or line.startswith("Root Cause")
+        if m := _RANK.match(line):
+            rank = int(m.group(1))
+        elif (m := _EXIT.match(line)) and rank is not None:
+            if int(m.group(2)) not in stopped:
+                failures[rank] = int(m.group(1))
+                root = rank if in_root and root is None else root
+            rank = None
+    return failures, root
+
+
+def _killed(failures: dict[int, int], root: int | None) -> int | None:
+    """The rank killed by a signal that is the cause (not torchrun's SIGTERM), or None."""
+    by_signal = [r for r, code in sorted(failures.items())
+                 if code < 0 and code != -signal.SIGTERM]
+    if by_signal:
+        return root if root in by_signal else by_signal[0]
+    return root if root is not None and failures[root] < 0 else None
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+
+
+def _kind(text: str) -> str:
+    if any(s in text for s in SECONDARY):
+        return "secondary"
+    if any(s in _headline(text) for s in TIMEOUT):
+        return "timeout"
+    return "cause"
+
+
+def _headline(text: str) -> str:
+    """The exception line of a traceback (the last `XxxError: ...`), else its last line;
+    C++ errors append an "At:" stack after it."""
+    lines = text.strip().splitlines()
+    exceptions = [line for line in lines if _EXCEPTION.match(line)]
+    return (exceptions or lines or ["unknown error"])[-1]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
+               timeout_s: float) -> str:
+    """The failed run's `error`: a headline naming the culprit, then its traceback's end."""
+    errors = run.error_logs()  # first written first
+    texts = {int(p.stem.removeprefix("error-rank")): p.read_text() for p in errors}
+    order = list(texts)
+    failures, root = torchrun_failures(tail)
+    rank = _killed(failures, root)
+    if rank is not None:
+        code = failures[rank]
+        others = [r for r in order if r != rank]
+        text = (f"rank {rank}: killed by {_signal_name(code)} (exit code {code}; no "
+                "traceback: killed by hand, by the OOM killer or by the scheduler?)")
+        if others:
+            text += f" (then {_ranks(others)} failed too)"
+        return text + "\n" + "\n".join(tail[-15:])
+    kinds = {r: _kind(t) for r, t in texts.items()}
+    causes = [r for r in order if kinds[r] == "cause"]
+    timed_out = [r for r in order if kinds[r] == "timeout"]
+    if not causes and timed_out:
+        silent = [r for r in range(world_size) if r not in texts]
+        text = (f"{_ranks(sorted(timed_out))} timed out after {timeout_s:g} s "
+                "(parallel.timeout_s) waiting in a collective")
+        if silent:
+            text = (f"{_ranks(silent)} stopped responding (no error from it: frozen, or "
+                    "stuck outside the collective); " + text)
+        return text + "\n" + "\n".join(_last(texts[timed_out[0]], 15))
+    if texts:
+        first = (causes or order)[0]
+        lines = _last(texts[first], 15)
+        text = f"rank {first}: {_headline(texts[first])}"
+        others = [r for r in order if r != first]
+        if others:
+            text += f" (then {_ranks(others)} failed too)"
+        return text + "\n" + "\n".join(lines)
+    return f"torchrun exited with code {rc}\n" + "\n".join(tail[-15:])
+
+
+def _last(text: str, n: int) -> list[str]:
+    return text.strip().splitlines()[-n:]
+

@@ -1,0 +1,393 @@
+"""Crash safety with real processes: faults in one rank, signals, resume, killed sweeps.
+
+    PYTHONPATH=$PWD pytest tests/test_crash_safety.py            # the fast ones
+    PYTHONPATH=$PWD pytest tests/test_crash_safety.py -m slow    # real runs (minutes)
+
+Issue 16: a rank killed, raising, frozen or going NaN ends the run with the right status
+and names that rank, within the process-group timeout; Ctrl-C or SIGTERM then `--resume`
+reaches bit-exactly the uninterrupted run's losses with a clean `ok` summary; a sweep
+killed with SIGKILL at a random moment, run again, trains only what is missing and leaves
+no duplicate or corrupt record; a straggler (`run.straggler`) slows the measured clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
+from bench import checkpoint
+from bench.config import load_config
+from bench.failure import error_text
+from bench.records import RunDir, status_of
+from bench.train import Trainer
+from tests.distributed import run_distributed
+
+SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=12", "--set", "run.log_every=2",
+         "--set", "run.val_every=6", "--set", "run.val_batches=1", "--set",
+         "checkpoint.final=false"]
+TIMEOUT_S = 30
+"""parallel.timeout_s of the fault runs: generous (the machine is loaded), but bounded."""
+
+
+def commbench(*args: str, env: dict | None = None, timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", "bench.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def only_run(out: Path) -> RunDir:
+    (path,) = [p for p in out.iterdir() if p.is_dir()]
+    return RunDir(path)
+
+
+def steps_of(run: RunDir, key: str = "loss") -> list[int]:
+    return [r["step"] for r in run.read_metrics() if key in r]
+
+
+# ------------------------------------------------------------------ failure headlines
+
+
+TORCHRUN_KILL_SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+bench.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-23_17:00:01
+  host      : node
+  rank      : 3 (local_rank: 3)
+  exitcode  : 1 (pid: 103)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_17:00:01
+  host      : node
+  rank      : 2 (local_rank: 2)
+  exitcode  : -9 (pid: 102)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 102
+============================================================""".splitlines()
+CLOSED = ("Traceback (most recent call last):\n  File \"algorithms/ddp.py\", line 95, in finish\n"
+          "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+          "[127.0.0.1]:4242\n")
+TIMED_OUT = ("Traceback (most recent call last):\n  File \"algorithms/ddp.py\", line 95\n"
+             "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+             "30000ms for recv operation to complete\n")
+
+
+def _error_files(tmp_path: Path, texts: dict[int, str]) -> RunDir:
+    run = RunDir(tmp_path)
+    run.prepare()
+    for i, (rank, text) in enumerate(texts.items()):  # written in this order
+        run.error_log(rank).write_text(text)
+        os.utime(run.error_log(rank), (1000 + i, 1000 + i))
+    return run
+
+
+def test_a_killed_rank_is_the_headline_not_the_last_traceback(tmp_path):
+    """Defect 6: kill -9 of rank 2 was reported as rank 3's secondary traceback."""
+    run = _error_files(tmp_path, {3: CLOSED, 1: CLOSED})
+    headline = error_text(run, 1, TORCHRUN_KILL_SUMMARY, 4, 30).splitlines()[0]
+    assert headline.startswith("rank 2: killed by SIGKILL (exit code -9"), headline
+    assert "then ranks 3, 1 failed too" in headline
+
+
+def test_a_frozen_rank_is_named_by_the_ranks_that_timed_out(tmp_path):
+    """Defect 6: SIGSTOP of rank 1 never named rank 1. Rank 0 timed out waiting for it,
+    rank 2 then lost rank 0; rank 1 wrote nothing."""
+    run = _error_files(tmp_path, {0: TIMED_OUT, 2: CLOSED})
+    headline = error_text(run, 1, [], 3, 30).splitlines()[0]
+    assert headline.startswith("rank 1 stopped responding"), headline
+    assert "rank 0 timed out after 30 s (parallel.timeout_s)" in headline
+
+
+def test_a_raised_error_beats_the_consequences_written_before_it(tmp_path):
+    run = _error_files(tmp_path, {3: CLOSED, 1: "Traceback...\nValueError: bad shard\n"})
+    headline = error_text(run, 1, [], 4, 30).splitlines()[0]
+    assert headline == "rank 1: ValueError: bad shard (then rank 3 failed too)"
+
+
+# ------------------------------------------------------------ a stop in mid-save
+
+
+def _state(run: RunDir, path: Path, step: int) -> None:
+    run.save_torch({"step": step}, path)
+
+
+@pytest.mark.parametrize("rank1_done,expected", [(True, 4), (False, 2)])
+def test_a_stop_during_a_checkpoint_save_leaves_a_resumable_step(tmp_path, rank1_done,
+                                                                 expected):
+    """Ranks save beside the old state (.pt.next) and replace it after all have saved. A
+    stop between the two leaves rank 0 with both files: the resume takes the latest step
+    that every rank holds, and keeps only that."""
+    run = RunDir(tmp_path)
+    _state(run, run.state_checkpoint(0), 2)
+    _state(run, run.pending_state_checkpoint(0), 4)
+    _state(run, run.state_checkpoint(1), 4 if rank1_done else 2)
+    assert checkpoint.verify_states(run, 2) == expected
+    checkpoint.adopt_states(run, 2, expected)
+    assert [torch.load(run.state_checkpoint(r))["step"] for r in (0, 1)] == [expected] * 2
+    assert run.state_files() == [run.state_checkpoint(0), run.state_checkpoint(1)]
+
+
+# --------------------------------------------------------------------------- straggler
+
+
+SLEEP_S = 0.1
+STEPS = 4
+
+
+@dataclass
+class SleepConfig(StrategyConfig):
+    name: str = "sleepy"
+
+
+class Sleepy(Strategy):
+    """Every rank's step takes SLEEP_S and trains nothing: the straggler's sleep is all."""
+
+    Config = SleepConfig
+
+    def train_step(self, batch):
+        time.sleep(SLEEP_S)
+        return StepStats(loss=1.0, tokens=batch[1].numel())
+
+    def set_lr(self, lr):
+        pass
+
+    def eval_model(self):
+        return self.setup.model
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def train_with_straggler(rank, world_size, run_dir, slowdown):
+    STRATEGIES["sleepy"] = f"{__name__}:Sleepy"  # in this rank's process only
+    cfg = load_config("configs/ddp-tiny.yaml", [
+        f"run.steps={STEPS}", "run.log_every=2", "run.val_every=0", "run.val_batches=1",
+        "checkpoint.final=false", "checkpoint.every=0", "parallel.world_size=2",
+        "network.profiles=[nvlink]", "run.straggler.rank=1", f"run.straggler.slowdown={slowdown}"])
+    cfg.strategy = SleepConfig()
+    return Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
+
+
+@pytest.mark.timeout(150)
+def test_a_straggler_slows_the_measured_clock(tmp_path):
+    """run.straggler {rank: 1, slowdown: 3}: rank 1's steps take >= 3 x SLEEP_S, and the
+    run's clock (the slowest rank's) shows it. Sleeps make these lower bounds certain."""
+    summaries = run_distributed(train_with_straggler, 2, str(tmp_path), 3.0, timeout=120)
+    for summary in summaries:
+        assert summary["wall_s"] >= STEPS * 3 * SLEEP_S
+    # the slow rank's compute includes the sleep: rank 0 reports its own, unslowed
+    assert summaries[0]["compute_s_total"] < summaries[0]["wall_s"]
+
+
+class Stateless(Sleepy):
+    """A strategy that cannot save its state (a new one, not written for resume yet)."""
+
+    def state_dict(self):
+        raise NotImplementedError
+
+
+def train_stateless(rank, world_size, run_dir, every):
+    STRATEGIES["sleepy"] = f"{__name__}:Stateless"
+    cfg = load_config("configs/ddp-tiny.yaml", [
+        "run.steps=4", "run.log_every=2", "run.val_every=0", "run.val_batches=1",
+        "checkpoint.final=false", f"checkpoint.every={every}", "parallel.world_size=2",
+        "network.profiles=[nvlink]"])
+    cfg.strategy = SleepConfig()
+    summary = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
+    return summary["status"], RunDir(run_dir).state_files()
+
+
+@pytest.mark.timeout(150)
+def test_default_checkpoints_skip_a_strategy_that_cannot_save(tmp_path):
+    """Checkpoints are on by default (checkpoint.every null): a strategy without state_dict
+    trains on without them; asked for explicitly, they fail naming checkpoint.every."""
+    results = run_distributed(train_stateless, 2, str(tmp_path / "auto"), "null", timeout=120)
+    assert results == [("ok", [])] * 2
+    with pytest.raises(ValueError, match="checkpoint.every=2: strategy Stateless cannot save"):
+        run_distributed(train_stateless, 2, str(tmp_path / "set"), 2, timeout=120)
+
+
+# ------------------------------------------------------------------ real runs (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode,headline", [
+    ("crash", "rank 1: RuntimeError: injected fault on rank 1 at step 3"),
+    ("kill", "rank 1: killed by SIGKILL"),
+    ("hang", "rank 1 stopped responding"),
+    ("stop", "rank 1 stopped responding"),
+])
+def test_a_faulty_rank_fails_the_run_and_is_named(tmp_path, mode, headline):
+    start = time.monotonic()
+    proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set", f"run.output_dir={tmp_path}",
+                     "--set", f"parallel.timeout_s={TIMEOUT_S}", "--quiet",
+                     env={"COMMBENCH_FAULT": f"1:3:{mode}"})
+    assert proc.returncode == 1, proc.stderr
+    summary = only_run(tmp_path).read_summary()
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith(headline), summary["error"]
+    assert f"run FAILED: {headline}" in proc.stderr
+    assert time.monotonic() - start < 300  # ended by the timeout, not hung
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_nan_in_one_rank_diverges_and_names_it(tmp_path):
+    proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set", f"run.output_dir={tmp_path}",
+                     "--quiet", env={"COMMBENCH_FAULT": "1:3:nan"})
+    assert proc.returncode == 1, proc.stderr
+    summary = only_run(tmp_path).read_summary()
+    assert summary["status"] == "diverged"
+    # rank 1's step 4 is non-finite; rank 0's only after DDP averaged rank 1's NaN gradient
+    assert summary["error"] == "non-finite loss first on rank 1 at step 4"
+
+
+def _interrupt(proc: subprocess.Popen, run_dir_parent: Path, sig: int, at_step: int) -> None:
+    """Send `sig` to the command once its metrics reach `at_step`."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        runs = [p for p in run_dir_parent.glob("*") if p.is_dir()] if run_dir_parent.exists() \
+            else []
+        if runs and any(s >= at_step for s in steps_of(RunDir(runs[0]))):
+            proc.send_signal(sig)
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach step {at_step}: {proc.poll()}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_then_resume_is_bit_exact_and_clean(tmp_path, sig):
+    """Defects 1 and 10: the resumed run ends ok with no stale `interrupted`/`error`, its
+    losses equal the uninterrupted run's, and no step is recorded twice."""
+    common = [*SHORT, "--set", "checkpoint.every=4", "--quiet"]
+    full = commbench("run", "configs/ddp-tiny.yaml", *common,
+                     "--set", f"run.output_dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stderr
+    cut_dir = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "run", "configs/ddp-tiny.yaml",
+                             *common, "--set", f"run.output_dir={cut_dir}"],
+                            stderr=subprocess.PIPE, text=True)
+    _interrupt(proc, cut_dir, sig, at_step=6)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == (130 if sig == signal.SIGINT else 143), err
+    cut = only_run(cut_dir)
+    stopped = cut.read_summary()
+    assert stopped["interrupted"] is True and status_of(stopped) == "partial"
+    assert f"commbench run --resume {cut.path}" in err and "continue from step" in err
+
+    resumed = commbench("run", "--resume", str(cut.path), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = only_run(tmp_path / "full"), cut
+    summary = b.read_summary()
+    assert summary["status"] == "ok" and "interrupted" not in summary and "error" not in summary
+    assert summary["resumed_from_step"] in (4, 8)
+    assert (summary["steps"], summary["total_tokens"], summary["final_val_loss"]) == \
+        (a.read_summary()["steps"], a.read_summary()["total_tokens"],
+         a.read_summary()["final_val_loss"])
+    assert steps_of(b) == steps_of(a) == list(range(2, 13, 2))
+    assert [r["loss"] for r in b.read_metrics() if "loss" in r] == \
+        [r["loss"] for r in a.read_metrics() if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_without_checkpoints_says_it_restarts_and_records_each_step_once(tmp_path):
+    """Defect 2: no checkpoint: the Ctrl-C hint does not promise a resume, the resume says
+    it restarts at step 0, and metrics.jsonl holds each step once."""
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "run", "configs/ddp-tiny.yaml",
+                             *SHORT, "--set", "checkpoint.every=0", "--set",
+                             f"run.output_dir={tmp_path}", "--quiet"],
+                            stderr=subprocess.PIPE, text=True)
+    _interrupt(proc, tmp_path, signal.SIGINT, at_step=4)
+    _, err = proc.communicate(timeout=120)
+    assert "no checkpoint was saved yet" in err and "continue from" not in err
+    run = only_run(tmp_path)
+    resumed = commbench("run", "--resume", str(run.path), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "restarts at step 0" in resumed.stderr
+    assert steps_of(run) == list(range(2, 13, 2))
+    assert run.read_summary()["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_extending_a_finished_run_is_recorded(tmp_path):
+    done = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set", "run.steps=8",
+                     "--set", f"run.output_dir={tmp_path}", "--quiet")
+    assert done.returncode == 0, done.stderr
+    run = only_run(tmp_path)
+    again = commbench("run", "--resume", str(run.path), "--quiet")
+    assert again.returncode == 2 and "already finished" in again.stderr
+    longer = commbench("run", "--resume", str(run.path), "--set", "run.steps=12", "--quiet")
+    assert longer.returncode == 0, longer.stderr
+    summary = run.read_summary()
+    assert (summary["status"], summary["steps"], summary["steps_extended_from"]) == ("ok", 12, [8])
+    assert steps_of(run) == list(range(2, 13, 2))
+
+
+SWEEP_SPEC = """\
+name: killed
+base: {repo}/configs/ddp-tiny.yaml
+output_dir: {out}
+set: {{parallel.world_size: 1, run.steps: 6, run.log_every: 2, run.val_every: 0,
+       run.val_batches: 1, checkpoint.final: false, network.profiles: [nvlink]}}
+grid: {{optim.lr: [0.001, 0.002, 0.003]}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_sweep_killed_at_a_random_moment_recovers(tmp_path):
+    """kill -9 of the whole sweep (its process group, as a scheduler would) at a random
+    moment, then the same command: only what is missing is trained, every record is ok,
+    no step is recorded twice, and runs finished before the kill are left untouched."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SWEEP_SPEC.format(repo=Path.cwd(), out=tmp_path / "out"))
+    argv = [sys.executable, "-m", "bench.cli", "sweep", str(spec), "--no-report"]
+    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    time.sleep(random.uniform(5, 40))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    sweep_dir = tmp_path / "out" / "killed"
+    before = {p.name: p.joinpath("summary.json").read_bytes() for p in sweep_dir.glob("*")
+              if p.is_dir() and status_of(_summary(p)) == "ok"}
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    runs = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("_")]
+    assert len(runs) == 3
+    for path in runs:
+        run = RunDir(path)
+        assert run.read_summary()["status"] == "ok"
+        assert steps_of(run) == [2, 4, 6]
+    for name, content in before.items():  # finished runs were not trained again
+        assert (sweep_dir / name / "summary.json").read_bytes() == content
+
+
+def _summary(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
