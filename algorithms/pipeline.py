@@ -29,8 +29,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from algorithms.base import unwrap
-from algorithms.pipeline_base import PipelineConfigBase, PipelineSetup, PipelineStrategy
+from algorithms.base import TrainSetup, unwrap
+from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -79,7 +79,7 @@ class Pipeline(PipelineStrategy):
 
     Config = PipelineConfig
 
-    def __init__(self, config: PipelineConfig, setup: PipelineSetup):
+    def __init__(self, config: PipelineConfig, setup: TrainSetup):
         super().__init__(config, setup)
         if config.backend == "deepspeed":
             from algorithms.pipeline_deepspeed import DeepSpeedPipe  # only when asked for
@@ -145,10 +145,11 @@ class Pipeline(PipelineStrategy):
             return self.engine.update()
         return super().apply_update()
 
-    def step_extras(self, idle_s: float) -> dict[str, float]:
-        S, M = self.grid.num_stages, self.num_microbatches
-        V = len(self.chunk_ids)
-        return {"bubble_theory": (S - 1) / (V * M + S - 1)}
+
+    def bubble_theory(self) -> float:
+        """(S-1)/(V*M+S-1): V model chunks per rank (V = 1 but for interleaved-1f1b)."""
+        S, M, V = self.grid.num_stages, self.num_microbatches, len(self.chunk_ids)
+        return (S - 1) / (V * M + S - 1)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -46,7 +46,7 @@ class DeepSpeedPipe:
         self.strategy = strategy
         grid, setup = strategy.grid, strategy.setup
         parts = split_layers(unwrap(setup.model).as_layers(), grid.num_stages,
-                             getattr(setup, "partition", "layers"))
+                             setup.partition)
         layers = [strategy.stage_module if s == grid.stage else nn.Sequential(*part)
                   for s, part in enumerate(parts)]
         topology = ProcessTopology(axes=["data", "pipe"], dims=[grid.num_replicas,

@@ -41,6 +41,24 @@ from bench.network import Profile, project, wire_bytes
 OVERLAP_MODES = (True, False)
 """Projections kept per profile: overlap-aware (headline), then no-overlap."""
 
+HARNESS_PHASES = ("eval", "metrics")
+"""Ledger phases of the harness's own calls into strategies; every other phase (train,
+inner, outer, gossip, dp, tied, clip, ...) is training traffic."""
+
+
+class TrainingPhases:
+    """Every ledger phase but the harness's: `phase in TRAIN_PHASES` is True for training
+    traffic whatever phases the algorithms name."""
+
+    def __contains__(self, phase: object) -> bool:
+        return phase not in HARNESS_PHASES
+
+    def __repr__(self) -> str:
+        return f"TrainingPhases(all but {HARNESS_PHASES})"
+
+
+TRAIN_PHASES = TrainingPhases()
+
 
 def all_reduce_floats(values: list[float], device: torch.device,
                       op=dist.ReduceOp.SUM) -> list[float]:
@@ -68,6 +86,8 @@ class LoopState:
     """This rank's measured compute seconds."""
     comm_s: float = 0.0
     """This rank's exposed communication seconds."""
+    idle_s: float = 0.0
+    """This rank's seconds waiting on point-to-point traffic (pipelines; in comm_s)."""
     last_val: float | None = None
     best_val: float = math.inf
     extra_val: dict[str, float] = field(default_factory=dict)
@@ -143,32 +163,39 @@ class MetricsWindow:
 
     def reset(self) -> None:
         self.num_steps, self.loss, self.step_s, self.comm_s, self.bytes = 0, 0.0, 0.0, 0.0, 0
-        self.nonfinite = 0
+        self.nonfinite, self.losses, self.idle_s = 0, 0, 0.0
         self.extras: dict[str, float] = {}
 
     def add(self, stats: StepStats, step_s: float, nbytes: int) -> None:
         self.num_steps += 1
-        if math.isfinite(stats.loss):
-            self.loss += stats.loss
-        else:
-            self.nonfinite += 1
+        if stats.loss is not None:  # a pipeline's non-last stages report none
+            self.losses += 1
+            if math.isfinite(stats.loss):
+                self.loss += stats.loss
+            else:
+                self.nonfinite += 1
         self.step_s += step_s
         self.comm_s += stats.comm_s
+        self.idle_s += stats.idle_s
         self.bytes += nbytes
         self.extras.update(stats.extras)  # latest value of each algorithm scalar
 
     def flush(self, device: torch.device, world: int) -> tuple[dict, bool]:
-        """(means over ranks and steps, whether any rank saw a non-finite loss)."""
+        """(means over ranks and steps, whether any rank saw a non-finite loss). The loss
+        averages only the losses ranks reported; `bubble_fraction` is the ranks' idle
+        (point-to-point wait) seconds over their step seconds."""
         sums = all_reduce_floats([self.loss, self.step_s, self.comm_s, self.bytes,
-                                  self.nonfinite], device)
+                                  self.nonfinite, self.losses, self.idle_s], device)
         n = self.num_steps * world
-        finite = n - sums[4]
+        finite = sums[5] - sums[4]
         row = {
             "loss": sums[0] / finite if finite else float("nan"),
             "step_s": sums[1] / n,
             "compute_s": (sums[1] - sums[2]) / n,
             "comm_s": sums[2] / n,
             "comm_bytes": sums[3] / n,
+            "idle_s": sums[6] / n,
+            "bubble_fraction": sums[6] / sums[1] if sums[1] else 0.0,
             **self.extras,
         }
         self.reset()

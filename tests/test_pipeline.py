@@ -19,9 +19,9 @@ from algorithms.comm import Communicator
 from algorithms.partition import split_layers, stage_bounds
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from algorithms.pipeline import Pipeline, PipelineConfig
-from algorithms.pipeline_base import PipelineSetup, lm_loss
+from algorithms.base import TrainSetup
 from bench.config import Config, DataConfig, ModelConfig, ParallelConfig
-from bench.model import GPT, GPTConfig, configure_optimizer_groups
+from bench.model import GPT, GPTConfig, configure_optimizer_groups, lm_loss
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change
 
@@ -109,7 +109,7 @@ class Spec:
 
 def build(rank, world, spec: Spec, model_seed=0, grad_clip=0.0):
     comm = Communicator(rank, world, "cpu")
-    setup = PipelineSetup(
+    setup = TrainSetup(
         model=make_model(model_seed), comm=comm,
         make_optimizer=lambda m: make_optimizer(m, spec.optim), total_steps=10,
         grad_clip=grad_clip, rank_batch_size=spec.rank_batch,
