@@ -16,7 +16,8 @@ Ledger (docs/algorithms.md, Pipelines). torch's schedules call `batch_isend_irec
 `schedules._batch_p2p`) themselves. During a step that function is wrapped: each batch is
 recorded once it has been waited on, as `send` (bytes sent), `recv` (bytes received) or
 `exchange` (both directions, bytes sent), with the time from issue to the end of its
-wait; the time spent blocked in the waits is the step's `idle_s`.
+wait; under `network.emulate` the batch is held until its modelled time from issue has
+passed (`Communicator.hold`). The time spent blocked in the waits is the step's `idle_s`.
 """
 
 from __future__ import annotations
@@ -188,7 +189,14 @@ class _P2PRecorder:
         nbytes = sum(op.tensor.numel() * op.tensor.element_size()
                      for op in (sent if sent else received))
         peers = sorted({op.peer for op in ops})
-        self.comm.record(kind, nbytes, time.perf_counter() - start, peers=peers, started=start)
+        extra = {}
+        if kind == "exchange":
+            extra["peer_nbytes"] = tuple(sum(op.tensor.numel() * op.tensor.element_size()
+                                             for op in sent if op.peer == peer)
+                                         for peer in peers)
+        # emulation (network.emulate): held until the batch's modelled time from its issue
+        seconds = self.comm.hold(kind, nbytes, start, peers=peers)
+        self.comm.record(kind, nbytes, seconds, peers=peers, **extra)
 
 
 class _Batch:
@@ -212,10 +220,10 @@ class _RecordedWork:
         if not self.waited:
             self.waited = True
             batch = self.batch
-            batch.recorder.idle_s += time.perf_counter() - before
             batch.remaining -= 1
-            if batch.remaining == 0:
+            if batch.remaining == 0:  # recording holds for the emulated link: idle too
                 batch.recorder.record(batch.ops, batch.start)
+            batch.recorder.idle_s += time.perf_counter() - before
         return result
 
     def __getattr__(self, name):

@@ -99,11 +99,11 @@ class DeepSpeedPipe:
         def call(tensor, stage, async_op=False):
             start = time.perf_counter()
             result = original(tensor, stage, async_op=async_op)
-            elapsed = time.perf_counter() - start
-            self.idle_s += elapsed
             peer = p2p._grid.stage_to_global(stage_id=stage)
-            comm.record(op, tensor.numel() * tensor.element_size(), elapsed, peers=(peer,),
-                        started=start)
+            nbytes = tensor.numel() * tensor.element_size()
+            elapsed = comm.hold(op, nbytes, start, peers=(peer,))  # emulation, if any
+            self.idle_s += elapsed
+            comm.record(op, nbytes, elapsed, peers=(peer,))
             return result
 
         return call
