@@ -472,3 +472,17 @@ def test_2bw_config_errors(kwargs, key):
 def test_pipeline_config_errors(kwargs, key):
     with pytest.raises(ValueError, match=key):
         PipelineConfig(**kwargs)
+
+
+def test_deepspeed_log_gives_each_op_its_own_seconds():
+    """DeepSpeed's comms logger appends each call's CUMULATIVE timer total (its comm.py:
+    `timers(name).elapsed(reset=False)`): calls of 1, 2 and 3 ms over two sizes are logged
+    as 1, 3 and 6 ms. Each op must get its own time; the old sum said 10 ms, not 6."""
+    from algorithms.zero import per_op_seconds
+
+    logged = {"all_reduce": {100: [2, [1.0, 3.0], [], []], 200: [1, [6.0], [], []]},
+              "broadcast": {8: [1, [0.5], [], []]}}
+    ops = per_op_seconds(logged)
+    assert sorted(ops) == sorted([("all_reduce", 100, 1e-3), ("all_reduce", 100, 2e-3),
+                                  ("all_reduce", 200, 3e-3), ("broadcast", 8, 0.5e-3)])
+    assert sum(s for name, _, s in ops if name == "all_reduce") == pytest.approx(6e-3)

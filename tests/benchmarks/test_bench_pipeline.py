@@ -87,4 +87,3 @@ def test_2bw_over_sync_1f1b_throughput(benchmark):
     benchmark.extra_info["theory_(M+S-1)/M"] = theory
     print(f"\n2BW / sync 1F1B throughput (S={STAGES}, M={MICROBATCHES}, {LINK} emulated): "
           f"{ratio:.3f} measured (median of {len(ratios)} block pairs), {theory:.3f} theory")
-    assert all(r > 0 for r in ratios)  # the gate compares the saved samples to a baseline
