@@ -79,6 +79,17 @@ class StepStats:
     """Algorithm-specific scalars (outer round, pseudo-gradient norm, ...)."""
 
 
+@dataclass(frozen=True)
+class CriticalPath:
+    """How a step's compute and point-to-point transfers lie on its critical path, for the
+    projection (bench/network/pipeline.py): `slots` compute slots long, the rank's own
+    compute filling `work_slots` of them, plus `hops` transfers no compute hides."""
+
+    slots: int
+    work_slots: int
+    hops: int
+
+
 @dataclass
 class TrainSetup:
     """Everything the harness hands a strategy. Plain objects; no harness imports."""
@@ -207,6 +218,11 @@ class Strategy:
         logged in the row.
         """
         return {}
+
+    def critical_path(self) -> CriticalPath | None:
+        """The step's critical-path shape when its point-to-point traffic overlaps compute
+        in a schedule (pipelines); None (default): the projection prices op by op."""
+        return None
 
     def summary_fields(self) -> dict:
         """Fields for summary.json (bench/summary.py `Summary`), e.g. a pipeline's

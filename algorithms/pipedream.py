@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from algorithms.base import TrainSetup
+from algorithms.base import CriticalPath, TrainSetup
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 
@@ -231,6 +231,13 @@ class PipeDream2BW(PipelineStrategy):
         """delay 0: the flushed 1F1B's (S-1)/(M+S-1); delay 1: 0 (no flush: the pipeline
         fills once, at the start of the run, not every step)."""
         return super().bubble_theory() if not self.delay else 0.0
+
+    def critical_path(self) -> CriticalPath:
+        """delay 1: M slots, no exposed hops (the next step's forwards fill the drain)."""
+        if not self.delay:
+            return super().critical_path()
+        M = self.num_microbatches
+        return CriticalPath(slots=M, work_slots=M, hops=0)
 
     # ------------------------------------------------------------------ state
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from algorithms.base import (
+    CriticalPath,
     StepStats,
     Strategy,
     StrategyConfig,
@@ -205,6 +206,12 @@ class PipelineStrategy(Strategy):
         """The schedule's bubble fraction with a flush: (S-1)/(M+S-1)."""
         S, M = self.grid.num_stages, self.num_microbatches
         return (S - 1) / (M + S - 1)
+
+    def critical_path(self) -> CriticalPath:
+        """With a flush: M + S - 1 slots, M of them this stage's, 2(S - 1) exposed hops
+        (V chunks per rank: V*M work slots). Subclasses without a flush override it."""
+        S, work = self.grid.num_stages, self.num_microbatches * len(self.chunk_ids)
+        return CriticalPath(slots=work + S - 1, work_slots=work, hops=2 * (S - 1))
 
     def summary_fields(self) -> dict:
         """bubble_fraction_theory, per-stage peak memory (max over replicas) and the p2p

@@ -22,7 +22,9 @@ records, priced with the collective algorithm of `network.model`); the step take
 MAXIMUM over ranks of that sum, and the projected elapsed time is the sum over steps.
 Two projections are kept: overlap-aware (the headline: a DDP bucket's modelled all-reduce
 starts when the bucket was ready and only what runs past the end of backward counts) and
-no-overlap (every modelled op added to compute). Per-step values are buffered and reduced
+no-overlap (every modelled op added to compute). A strategy with a `critical_path()` (the
+pipelines) is priced overlap-aware on its schedule instead (bench/network/pipeline.py:
+slots of max(compute, transfers) plus the exposed hops). Per-step values are buffered and reduced
 at settle points, so measuring adds no synchronisation to the steps.
 """
 
@@ -34,9 +36,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from algorithms.base import StepStats
+from algorithms.base import CriticalPath, StepStats
 from algorithms.comm import CommLedger, CommRecord
 from bench.network import Profile, project, wire_bytes
+from bench.network.pipeline import critical_path_step_s
 
 OVERLAP_MODES = (True, False)
 """Projections kept per profile: overlap-aware (headline), then no-overlap."""
@@ -122,7 +125,10 @@ class StepClock:
     """This rank's timed steps since the last settle point; `settle` reduces them."""
 
     def __init__(self, profiles: dict[str, Profile], rank: int, ranks_per_node: int,
-                 device: torch.device, model: str | None = None):
+                 device: torch.device, model: str | None = None,
+                 critical_path: CriticalPath | None = None):
+        self.critical_path = critical_path
+        """Strategy.critical_path(): the overlap-aware projection prices the step on it."""
         self.profiles, self.rank, self.ranks_per_node = profiles, rank, ranks_per_node
         self.num_profiles, self.device, self.model = len(profiles), device, model
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
@@ -133,11 +139,21 @@ class StepClock:
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
-        self.projected.extend(
-            compute_s + project(step_records, p, self.rank, self.ranks_per_node,
-                                backend=self.model, overlap=overlap)
-            for overlap in OVERLAP_MODES for p in self.profiles.values())
+        self.projected.extend(self.modelled_step_s(compute_s, step_records, p, overlap)
+                              for overlap in OVERLAP_MODES for p in self.profiles.values())
         self.num_steps += 1
+
+    def modelled_step_s(self, compute_s: float, records: list[CommRecord], profile: Profile,
+                        overlap: bool) -> float:
+        """This rank's step on `profile`: compute plus modelled comm, or, overlap-aware
+        with a critical path, the schedule's length (bench/network/pipeline.py)."""
+        path = self.critical_path
+        if overlap and path is not None:
+            return critical_path_step_s(compute_s, records, profile, path.slots,
+                                        path.work_slots, path.hops, self.rank,
+                                        self.ranks_per_node, backend=self.model)
+        return compute_s + project(records, profile, self.rank, self.ranks_per_node,
+                                   backend=self.model, overlap=overlap)
 
     def settle(self) -> Settled:
         """Reduce over ranks (a collective: every rank calls it at the same step)."""

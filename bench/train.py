@@ -147,7 +147,8 @@ class Trainer:
         saved = checkpoint.load_state(self.records, rank, self.strategy, self.ledger)
         state = LoopState(**saved) if saved else LoopState()
         window = MetricsWindow()
-        clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model)
+        clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model,
+                          self.strategy.critical_path())
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
         for step in range(state.step, cfg.run.steps):

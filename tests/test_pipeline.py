@@ -486,3 +486,35 @@ def test_deepspeed_log_gives_each_op_its_own_seconds():
     assert sorted(ops) == sorted([("all_reduce", 100, 1e-3), ("all_reduce", 100, 2e-3),
                                   ("all_reduce", 200, 3e-3), ("broadcast", 8, 0.5e-3)])
     assert sum(s for name, _, s in ops if name == "all_reduce") == pytest.approx(6e-3)
+
+
+def test_critical_path_projection_hides_transfers_and_adds_the_bubble():
+    """bench/network/pipeline.py on one rank's step of M = 4 microbatches, S = 2 stages:
+    compute-bound, 2BW costs its compute, 1F1B its compute times (M+S-1)/M plus 2(S-1)
+    exposed transfers; link-bound, each slot costs two transfers."""
+    from algorithms.comm import CommRecord
+    from bench.network import get_profile, record_seconds
+    from bench.network.pipeline import critical_path_step_s
+
+    profile, M, S = get_profile("eth-10g"), 4, 2
+
+    def rec(op, nbytes, peers, group_size):
+        return CommRecord(step=0, phase="train", op=op, group_size=group_size, peers=peers,
+                          nbytes=nbytes, seconds=0.0, tier="inter")
+
+    sends = [rec("send", 4 * 8 * 32 * 4, (1,), 2) for _ in range(M)]
+    tied = rec("all_reduce", 64 * 32 * 4, (0, 1), 2)
+    tau, tied_s = record_seconds(sends[0], profile), record_seconds(tied, profile)
+    assert tau > 0 and tied_s > 0
+
+    def step(compute_s, flush):
+        slots, hops = (M + S - 1, 2 * (S - 1)) if flush else (M, 0)
+        return critical_path_step_s(compute_s, sends + [tied], profile, slots, M, hops)
+
+    compute = 100 * M * tau  # compute-bound
+    assert step(compute, flush=False) == pytest.approx(compute + tied_s)
+    assert step(compute, flush=True) == pytest.approx(
+        compute * (M + S - 1) / M + 2 * (S - 1) * tau + tied_s)
+    assert step(0.0, flush=False) == pytest.approx(M * 2 * tau + tied_s)  # link-bound
+    with pytest.raises(ValueError, match="work_slots"):
+        critical_path_step_s(1.0, [], profile, slots=2, work_slots=4, hops=0)
