@@ -59,6 +59,10 @@ class PipeDreamConfig(PipelineConfigBase):
 
     def check(self, cfg) -> None:
         super().check(cfg)
+        if getattr(cfg.optim, "delay", 0):
+            raise ValueError(f"optim.delay must be 0 for pipedream-2bw (its weight versions "
+                             f"already delay the update by strategy.delay={self.delay}), "
+                             f"got {cfg.optim.delay}")
         p = cfg.parallel
         if self.delay and p.num_microbatches < p.num_stages - 1:
             raise ValueError(f"parallel.num_microbatches ({p.num_microbatches}) must be >= "

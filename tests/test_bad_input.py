@@ -194,6 +194,8 @@ CASES = [
          ["parallel.num_microbatches (3)", "must divide", "data.batch_size (16)"]),
     Case("2bw-with-deepspeed", run_argv("strategy.backend=deepspeed", config=TWO_BW),
          ["strategy.backend", "'deepspeed'", "must be 'ours'"]),
+    Case("2bw-with-optim-delay", run_argv("optim.delay=1", config=TWO_BW),
+         ["optim.delay", "must be 0", "got 1"]),
     Case("pipe-with-group-size", run_argv("parallel.group_size=2", config=PIPE_1F1B),
          ["parallel.group_size", "must be 1", "got 2"]),
 ]
