@@ -6,7 +6,8 @@ docs/algorithms.md; this file is the contract the training loop relies on.
 The training loop (`bench/train.py`, exercised by `commbench run configs/ddp-tiny.yaml`)
 knows only this interface: it never branches on an algorithm's name. A strategy is built
 from its own config dataclass and a `TrainSetup` (model, communicator, optimizer factory,
-...), and the loop calls `train_step`, `eval_model`, `state_dict`/`load_state_dict`.
+...), and the loop calls `train_step`, `evaluate`, `export_state`, `metrics`,
+`state_dict`/`load_state_dict`.
 
 Data-parallel strategies subclass `DataParallelStrategy`, whose step is
 forward/backward -> `after_backward` -> clip -> inner optimizer step -> `after_inner_step`.
@@ -63,14 +64,30 @@ def require_data_parallel(config: StrategyConfig, cfg) -> None:
 class StepStats:
     """What one `train_step` reports to the loop (all values local to this rank)."""
 
-    loss: float
-    """Mean training loss of this rank's batch."""
+    loss: float | None
+    """Mean training loss of this rank's batch; None where the rank computes no loss
+    (a pipeline's non-last stages)."""
     tokens: int
-    """Tokens this rank really consumed in the step (0 for an idle step)."""
+    """Tokens this rank really consumed in the step (0 for an idle step). Ranks that
+    share a batch (a pipeline replica's stages) report it on one of them: the loop sums
+    this over ranks."""
     comm_s: float = 0.0
-    """Exposed (non-overlapped) communication seconds in the step."""
+    """Exposed (non-overlapped) communication seconds in the step (idle_s included)."""
+    idle_s: float = 0.0
+    """Seconds spent waiting on point-to-point traffic (a pipeline's bubble); 0 for DP."""
     extras: dict[str, float] = field(default_factory=dict)
     """Algorithm-specific scalars (outer round, pseudo-gradient norm, ...)."""
+
+
+@dataclass(frozen=True)
+class CriticalPath:
+    """How a step's compute and point-to-point transfers lie on its critical path, for the
+    projection (bench/network/pipeline.py): `slots` compute slots long, the rank's own
+    compute filling `work_slots` of them, plus `hops` transfers no compute hides."""
+
+    slots: int
+    work_slots: int
+    hops: int
 
 
 @dataclass
@@ -93,6 +110,22 @@ class TrainSetup:
     """Gradient-accumulation microbatches per step (pipelines: microbatches per minibatch)."""
     autocast: Callable[[], object] | None = None
     """Context-manager factory for mixed precision around forward passes."""
+    num_stages: int = 1
+    """Pipeline stages (`parallel.num_stages`); 1 for every non-pipeline strategy."""
+    partition: str = "layers"
+    """How a pipeline cuts `model.as_layers()` into stages (`parallel.partition`)."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """(logits, targets) -> mean loss, what `model(x, y)` applies (bench.model.lm_loss);
+    a pipeline's last stage applies it to its output."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory: CUDA `max_memory_allocated`, else the process's max RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource  # POSIX; ru_maxrss is KiB on Linux
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -135,6 +168,39 @@ class Strategy:
         """The weights that count for validation and downstream evaluation."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        """Mean loss of `eval_model()` over `batches` (this rank's share), the same on every
+        rank. Collective over the world (the loop calls it inside comm.phase("eval"); the
+        reduction goes straight to torch.distributed, outside the ledger). Default: the
+        whole model forwarded on every rank, the mean over all ranks' batches.
+        """
+        model = self.eval_model()
+        was_training = model.training
+        model.eval()
+        device, autocast = self.comm.device, self.setup.autocast
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        for x, y in batches:
+            with autocast() if autocast else contextlib.nullcontext():
+                _, loss = model(x.to(device), y.to(device))
+            total[0] += loss.item()
+            total[1] += 1
+        model.train(was_training)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the eval weights, keyed like the GPT's state_dict (CPU).
+
+        The loop gathers every rank's dict and merges them (the first rank's value of a
+        key wins). Default: rank 0 gives the whole `eval_model()`, the others nothing.
+        """
+        if self.comm.rank != 0:
+            return {}
+        state = unwrap(self.eval_model()).state_dict()
+        return {k: v.detach().cpu() for k, v in state.items()}
+
     def extra_eval_models(self) -> dict[str, nn.Module]:
         """Further weights to validate besides `eval_model()`, by name (e.g. one worker's own).
 
@@ -150,6 +216,20 @@ class Strategy:
         Called on every rank whenever the loop writes a metrics row: outside the timed
         steps, inside comm.phase("metrics") (not training traffic); rank 0's values are
         logged in the row.
+        """
+        return {}
+
+    def critical_path(self) -> CriticalPath | None:
+        """The step's critical-path shape when its point-to-point traffic overlaps compute
+        in a schedule (pipelines); None (default): the projection prices op by op."""
+        return None
+
+    def summary_fields(self) -> dict:
+        """Fields for summary.json (bench/summary.py `Summary`), e.g. a pipeline's
+        `bubble_fraction_theory`, per-stage peak memory, activation bytes per boundary.
+
+        Called once on every rank at the end of the run, inside comm.phase("metrics") (it
+        may communicate); rank 0's dict is recorded. Default: nothing.
         """
         return {}
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from algorithms.pipeline_base import PipelineConfigBase, PipelineSetup, PipelineStrategy
+from algorithms.base import CriticalPath, TrainSetup
+from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 
 @dataclass
@@ -58,6 +59,10 @@ class PipeDreamConfig(PipelineConfigBase):
 
     def check(self, cfg) -> None:
         super().check(cfg)
+        if getattr(cfg.optim, "delay", 0):
+            raise ValueError(f"optim.delay must be 0 for pipedream-2bw (its weight versions "
+                             f"already delay the update by strategy.delay={self.delay}), "
+                             f"got {cfg.optim.delay}")
         p = cfg.parallel
         if self.delay and p.num_microbatches < p.num_stages - 1:
             raise ValueError(f"parallel.num_microbatches ({p.num_microbatches}) must be >= "
@@ -70,7 +75,7 @@ class PipeDream2BW(PipelineStrategy):
 
     Config = PipeDreamConfig
 
-    def __init__(self, config: PipeDreamConfig, setup: PipelineSetup):
+    def __init__(self, config: PipeDreamConfig, setup: TrainSetup):
         super().__init__(config, setup)
         self.delay = config.delay
         if self.delay and self.num_microbatches < self.grid.num_stages - 1:
@@ -225,9 +230,18 @@ class PipeDream2BW(PipelineStrategy):
                 self.optimizer.state[b] = self.optimizer.state.pop(a)
         self.bound = index
 
-    def step_extras(self, idle_s: float) -> dict[str, float]:
-        S, M = self.grid.num_stages, self.num_microbatches
-        return {"bubble_theory": (S - 1) / (M + S - 1)}
+
+    def bubble_theory(self) -> float:
+        """delay 0: the flushed 1F1B's (S-1)/(M+S-1); delay 1: 0 (no flush: the pipeline
+        fills once, at the start of the run, not every step)."""
+        return super().bubble_theory() if not self.delay else 0.0
+
+    def critical_path(self) -> CriticalPath:
+        """delay 1: M slots, no exposed hops (the next step's forwards fill the drain)."""
+        if not self.delay:
+            return super().critical_path()
+        M = self.num_microbatches
+        return CriticalPath(slots=M, work_slots=M, hops=0)
 
     # ------------------------------------------------------------------ state
 

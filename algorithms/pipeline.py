@@ -16,7 +16,8 @@ Ledger (docs/algorithms.md, Pipelines). torch's schedules call `batch_isend_irec
 `schedules._batch_p2p`) themselves. During a step that function is wrapped: each batch is
 recorded once it has been waited on, as `send` (bytes sent), `recv` (bytes received) or
 `exchange` (both directions, bytes sent), with the time from issue to the end of its
-wait; the time spent blocked in the waits is the step's `idle_s`.
+wait; under `network.emulate` the batch is held until its modelled time from issue has
+passed (`Communicator.hold`). The time spent blocked in the waits is the step's `idle_s`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from algorithms.base import unwrap
-from algorithms.pipeline_base import PipelineConfigBase, PipelineSetup, PipelineStrategy
+from algorithms.base import TrainSetup, unwrap
+from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -79,7 +80,7 @@ class Pipeline(PipelineStrategy):
 
     Config = PipelineConfig
 
-    def __init__(self, config: PipelineConfig, setup: PipelineSetup):
+    def __init__(self, config: PipelineConfig, setup: TrainSetup):
         super().__init__(config, setup)
         if config.backend == "deepspeed":
             from algorithms.pipeline_deepspeed import DeepSpeedPipe  # only when asked for
@@ -145,10 +146,11 @@ class Pipeline(PipelineStrategy):
             return self.engine.update()
         return super().apply_update()
 
-    def step_extras(self, idle_s: float) -> dict[str, float]:
-        S, M = self.grid.num_stages, self.num_microbatches
-        V = len(self.chunk_ids)
-        return {"bubble_theory": (S - 1) / (V * M + S - 1)}
+
+    def bubble_theory(self) -> float:
+        """(S-1)/(V*M+S-1): V model chunks per rank (V = 1 but for interleaved-1f1b)."""
+        S, M, V = self.grid.num_stages, self.num_microbatches, len(self.chunk_ids)
+        return (S - 1) / (V * M + S - 1)
 
     def close(self) -> None:
         if self.engine is not None:
@@ -187,7 +189,14 @@ class _P2PRecorder:
         nbytes = sum(op.tensor.numel() * op.tensor.element_size()
                      for op in (sent if sent else received))
         peers = sorted({op.peer for op in ops})
-        self.comm.record(kind, nbytes, time.perf_counter() - start, peers=peers, started=start)
+        extra = {}
+        if kind == "exchange":
+            extra["peer_nbytes"] = tuple(sum(op.tensor.numel() * op.tensor.element_size()
+                                             for op in sent if op.peer == peer)
+                                         for peer in peers)
+        # emulation (network.emulate): held until the batch's modelled time from its issue
+        seconds = self.comm.hold(kind, nbytes, start, peers=peers)
+        self.comm.record(kind, nbytes, seconds, peers=peers, **extra)
 
 
 class _Batch:
@@ -211,10 +220,10 @@ class _RecordedWork:
         if not self.waited:
             self.waited = True
             batch = self.batch
-            batch.recorder.idle_s += time.perf_counter() - before
             batch.remaining -= 1
-            if batch.remaining == 0:
+            if batch.remaining == 0:  # recording holds for the emulated link: idle too
                 batch.recorder.record(batch.ops, batch.start)
+            batch.recorder.idle_s += time.perf_counter() - before
         return result
 
     def __getattr__(self, name):

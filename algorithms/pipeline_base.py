@@ -1,9 +1,10 @@
 """What every pipeline strategy shares: the process grid, the stage module, the update.
 
-Exercised by `pytest tests/test_pipeline.py`. The pipelines (algorithms/pipeline.py,
-algorithms/pipedream.py) subclass `PipelineStrategy`; this module holds the additive seam
-pieces the training loop will need (`PipelineSetup`, `PipelineStepStats`) until they are
-folded into algorithms/base.py (see docs/algorithms-pipeline.md, "Integration").
+Exercised by `pytest tests/test_pipeline.py` and `commbench run configs/2bw-tiny.yaml`.
+The pipelines (algorithms/pipeline.py, algorithms/pipedream.py) subclass
+`PipelineStrategy`, which answers the loop's seam (algorithms/base.py: `evaluate`,
+`export_state`, `data_shard`, `metrics`, StepStats with `loss=None` off the last stage
+and `idle_s`) so the loop never branches on pipelines.
 
 Process grid (docs/algorithms.md, Pipelines): `world_size = num_stages * num_replicas`;
 global rank `r = replica * num_stages + stage`, so one replica's stages are neighbouring
@@ -16,44 +17,29 @@ replica (phase `tied`); gradient clipping needs the global norm over the stages 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from algorithms.base import StepStats, Strategy, StrategyConfig, TrainSetup, unwrap
+from algorithms.base import (
+    CriticalPath,
+    StepStats,
+    Strategy,
+    StrategyConfig,
+    TrainSetup,
+    peak_memory_bytes,
+    unwrap,
+)
 from algorithms.comm import Communicator, Group
 from algorithms.partition import PARTITIONS, split_layers
 
 
-def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, as `GPT.forward` computes it (fp32 logits)."""
+def default_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (bench.model.lm_loss's formula), used when the
+    setup names no `loss_fn` (algorithms do not import bench at module level)."""
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
-
-
-@dataclass
-class PipelineSetup(TrainSetup):
-    """TrainSetup plus what pipelines need (to be folded into TrainSetup)."""
-
-    num_stages: int = 1
-    """Pipeline stages (`parallel.num_stages`)."""
-    partition: str = "layers"
-    """How layers are cut into stages (`parallel.partition`): layers or parameters."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
-    """(logits, targets) -> mean loss: what the last stage applies to its output."""
-
-
-@dataclass
-class PipelineStepStats(StepStats):
-    """StepStats whose loss exists only on the last stage, plus bubble time."""
-
-    loss: float | None = None
-    tokens: int = 0
-    idle_s: float = 0.0
-    """Seconds this rank waited on point-to-point traffic (pipeline bubble + transfer)."""
-    extras: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -158,13 +144,13 @@ class PipelineStrategy(Strategy):
     gradient (mean over microbatches) in `self.grad_module()`'s `.grad`.
     """
 
-    def __init__(self, config: StrategyConfig, setup: PipelineSetup):
+    def __init__(self, config: StrategyConfig, setup: TrainSetup):
         super().__init__(config, setup)
-        self.grid = make_grid(self.comm, getattr(setup, "num_stages", 1))
-        self.loss_fn = getattr(setup, "loss_fn", lm_loss)
+        self.grid = make_grid(self.comm, setup.num_stages)
+        self.loss_fn = setup.loss_fn or default_loss
         gpt = unwrap(setup.model)
         S, V = self.grid.num_stages, getattr(config, "stages_per_rank", 1)
-        parts = split_layers(gpt.as_layers(), S * V, getattr(setup, "partition", "layers"))
+        parts = split_layers(gpt.as_layers(), S * V, setup.partition)
         self.chunk_ids = [self.grid.stage + i * S for i in range(V)]
         """Virtual stages on this rank (one unless the schedule is interleaved)."""
         self.num_chunks = S * V
@@ -204,16 +190,59 @@ class PipelineStrategy(Strategy):
         return {self.names[k]: v.detach().clone()
                 for k, v in module.named_parameters(remove_duplicate=False)}
 
-    def train_step(self, batch) -> PipelineStepStats:
+    def train_step(self, batch) -> StepStats:
         loss, idle_s = self.run_schedule(batch)
         comm_s = self.apply_update()
         self.step_index += 1
-        tokens = batch[1].numel() if (self.grid.is_first or self.grid.is_last) else 0
-        return PipelineStepStats(loss=loss, tokens=tokens, comm_s=comm_s + idle_s,
-                                 idle_s=idle_s, extras=self.step_extras(idle_s))
+        # a replica's stages share its batch: the first stage reports its tokens
+        tokens = batch[1].numel() if self.grid.is_first else 0
+        return StepStats(loss=loss, tokens=tokens, comm_s=comm_s + idle_s, idle_s=idle_s,
+                         extras=self.step_extras(idle_s))
 
     def step_extras(self, idle_s: float) -> dict[str, float]:
-        return {}
+        return {"bubble_theory": self.bubble_theory()}
+
+    def bubble_theory(self) -> float:
+        """The schedule's bubble fraction with a flush: (S-1)/(M+S-1)."""
+        S, M = self.grid.num_stages, self.num_microbatches
+        return (S - 1) / (M + S - 1)
+
+    def critical_path(self) -> CriticalPath:
+        """With a flush: M + S - 1 slots, M of them this stage's, 2(S - 1) exposed hops
+        (V chunks per rank: V*M work slots). Subclasses without a flush override it."""
+        S, work = self.grid.num_stages, self.num_microbatches * len(self.chunk_ids)
+        return CriticalPath(slots=work + S - 1, work_slots=work, hops=2 * (S - 1))
+
+    def summary_fields(self) -> dict:
+        """bubble_fraction_theory, per-stage peak memory (max over replicas) and the p2p
+        bytes sent per step and replica across each stage boundary, forward and backward
+        (from the ledger; a batch naming several peers split by `peer_nbytes`).
+        Collective over the world (all_gather, ledger phase of the caller)."""
+        S, stage = self.grid.num_stages, self.grid.stage
+        mine = torch.zeros(1 + 2 * max(0, S - 1), dtype=torch.float64, device=self.comm.device)
+        mine[0] = peak_memory_bytes(self.comm.device)
+        steps = max(1, self.step_index)
+        for r in self.comm.ledger.records:
+            if r.phase != "train" or not r.peers or r.op not in ("send", "exchange"):
+                continue
+            sizes = r.peer_nbytes or (r.nbytes,) * len(r.peers)
+            for peer, nbytes in zip(r.peers, sizes, strict=True):
+                peer_stage = peer % S
+                if peer_stage == stage + 1:  # forward across boundary `stage`
+                    mine[1 + 2 * stage] += nbytes / steps
+                elif peer_stage == stage - 1:  # backward across boundary `stage - 1`
+                    mine[2 + 2 * (stage - 1)] += nbytes / steps
+        rows = torch.stack(self.comm.all_gather(mine))
+        peaks = [int(rows[s::S, 0].max().item()) for s in range(S)]
+        per_boundary = rows[:, 1:].sum(0) / self.grid.num_replicas
+        return {
+            "bubble_fraction_theory": self.bubble_theory(),
+            "peak_memory_bytes_per_stage": peaks,
+            "activation_bytes_per_boundary": [
+                {"forward": round(per_boundary[2 * b].item()),
+                 "backward": round(per_boundary[2 * b + 1].item())}
+                for b in range(S - 1)],
+        }
 
     def run_schedule(self, batch) -> tuple[float | None, float]:
         raise NotImplementedError
@@ -239,7 +268,7 @@ class PipelineStrategy(Strategy):
                 self.comm.all_reduce(tied.grad, "sum", self.grid.tied)
         if self.setup.grad_clip > 0:
             self.clip(module)
-        return sum(r.seconds for r in self.comm.ledger.since(start))
+        return sum(r.seconds for r in self.comm.ledger.records[start:])
 
     def clip(self, module: nn.Module) -> None:
         """Global-norm clipping over the whole pipeline (the tied weight counted once)."""

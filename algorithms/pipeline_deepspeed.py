@@ -13,7 +13,7 @@ DeepSpeed's traffic bypasses our Communicator. Its p2p sends and receives (activ
 gradients, shape metadata) are wrapped during the step (`deepspeed.runtime.pipe.p2p`) and
 recorded with their peer and measured time; its collectives (data-parallel and tied
 all-reduces, the loss broadcast) come from its comms logger, copied into the ledger after
-every step (without their group: priced as world-wide; see `update`).
+every step, each with its own time (without their group: priced as world-wide).
 The engine owns the optimizer step (and clipping).
 """
 
@@ -46,7 +46,7 @@ class DeepSpeedPipe:
         self.strategy = strategy
         grid, setup = strategy.grid, strategy.setup
         parts = split_layers(unwrap(setup.model).as_layers(), grid.num_stages,
-                             getattr(setup, "partition", "layers"))
+                             setup.partition)
         layers = [strategy.stage_module if s == grid.stage else nn.Sequential(*part)
                   for s, part in enumerate(parts)]
         topology = ProcessTopology(axes=["data", "pipe"], dims=[grid.num_replicas,
@@ -68,11 +68,9 @@ class DeepSpeedPipe:
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=strategy.optimizer, config=config,
             dist_init_required=False)
-        from deepspeed.comm.comm import comms_logger, timers
+        from algorithms.zero import reset_comms_log
 
-        for name in comms_logger.comms_dict:  # start-up broadcasts are not training traffic
-            timers(name).reset()
-        comms_logger.reset_data()
+        reset_comms_log()  # start-up broadcasts are not training traffic
 
     def run(self, batch) -> tuple[float | None, float]:
         from deepspeed.runtime.pipe import p2p
@@ -99,38 +97,31 @@ class DeepSpeedPipe:
         def call(tensor, stage, async_op=False):
             start = time.perf_counter()
             result = original(tensor, stage, async_op=async_op)
-            elapsed = time.perf_counter() - start
-            self.idle_s += elapsed
             peer = p2p._grid.stage_to_global(stage_id=stage)
-            comm.record(op, tensor.numel() * tensor.element_size(), elapsed, peers=(peer,),
-                        started=start)
+            nbytes = tensor.numel() * tensor.element_size()
+            elapsed = comm.hold(op, nbytes, start, peers=(peer,))  # emulation, if any
+            self.idle_s += elapsed
+            comm.record(op, nbytes, elapsed, peers=(peer,))
             return result
 
         return call
 
     def update(self) -> float:
-        """The engine already stepped; copy its logged collectives into the ledger.
+        """The engine already stepped; copy its logged collectives into the ledger, each
+        with its own seconds (algorithms/zero.py `per_op_seconds`: the logger keeps
+        cumulative timer values), and reset the log and its timers."""
+        from deepspeed.comm.comm import comms_logger
 
-        DeepSpeed's logger appends, per call, its op timer's CUMULATIVE time
-        (`elapsed(reset=False)`), so a name's last value is the total since the timer's last
-        reset: each of the name's ops is recorded with the mean of that total, and the
-        timers are reset here. (algorithms/zero.py sums the cumulative values.)
-        """
-        from deepspeed.comm.comm import comms_logger, timers
+        from algorithms.zero import per_op_seconds, reset_comms_log
 
         comm = self.strategy.comm
         total_s = 0.0
-        for name, by_size in comms_logger.comms_dict.items():
-            timers(name).reset()
+        for name, nbytes, seconds in per_op_seconds(comms_logger.comms_dict):
             if name in ("send", "recv"):  # recorded with their peers in `run`
                 continue
-            count = sum(entry[0] for entry in by_size.values())
-            seconds = max(max(entry[1]) for entry in by_size.values()) / 1e3
-            for nbytes, entry in by_size.items():
-                for _ in range(entry[0]):
-                    comm.record(name, int(nbytes), seconds / count)
+            comm.record(name, nbytes, seconds)
             total_s += seconds
-        comms_logger.reset_data()
+        reset_comms_log()
         return total_s
 
     def close(self) -> None:

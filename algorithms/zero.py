@@ -34,7 +34,6 @@ class ZeroEngine:
     def __init__(self, config, setup, optimizer):
         import deepspeed
         import deepspeed.ops
-        from deepspeed.comm.comm import comms_logger
 
         # The shared-memory comm op JIT-compiles (~30 s) on first use; gloo is enough here.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -52,7 +51,7 @@ class ZeroEngine:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=setup.model, optimizer=optimizer, config=ds_config, dist_init_required=False
         )
-        comms_logger.reset_data()  # the initial parameter broadcast is not training traffic
+        reset_comms_log()  # the initial parameter broadcast is not training traffic
         self.comm, self.num_microbatches = setup.comm, setup.num_microbatches
         self.clock = clock_for(next(setup.model.parameters()).device)
         self.last_gradient = None
@@ -97,15 +96,42 @@ class ZeroEngine:
             self.comm.record(name, nbytes, 0.0)
 
 
+def per_op_seconds(comms_dict: dict) -> list[tuple[str, int, float]]:
+    """DeepSpeed's comms-logger dict {name: {bytes: [count, latencies_ms, ...]}} as
+    (name, bytes, seconds) per op.
+
+    The logger appends, per call, its op timer's CUMULATIVE milliseconds since the timer's
+    last reset (`timers(name).elapsed(reset=False)`, deepspeed/comm/comm.py), not the
+    call's own. One name's values, over all its sizes, are that timer's running total, so
+    sorted they give each call's own time as the difference from the previous value
+    (callers reset the timers with the log: see `reset_comms_log`).
+    """
+    ops = []
+    for name, by_size in comms_dict.items():
+        calls = sorted((ms, int(nbytes)) for nbytes, (count, latencies_ms, *_) in by_size.items()
+                       for ms in latencies_ms[:count])
+        previous = 0.0
+        for ms, nbytes in calls:
+            ops.append((name, nbytes, max(0.0, ms - previous) / 1e3))
+            previous = ms
+    return ops
+
+
+def reset_comms_log() -> None:
+    """Empty DeepSpeed's comms log and reset its op timers (their totals restart at 0)."""
+    from deepspeed.comm.comm import comms_logger, timers
+
+    for name in comms_logger.comms_dict:
+        timers(name).reset()
+    comms_logger.reset_data()
+
+
 def _logged_ops():
     """(name, bytes, seconds) of every op DeepSpeed logged since the last reset; resets."""
     from deepspeed.comm.comm import comms_logger
 
-    ops = [(name, int(nbytes), ms / 1e3)
-           for name, by_size in comms_logger.comms_dict.items()
-           for nbytes, (count, latencies_ms, _, _) in by_size.items()
-           for ms in latencies_ms[:count]]
-    comms_logger.reset_data()
+    ops = per_op_seconds(comms_logger.comms_dict)
+    reset_comms_log()
     return ops
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from algorithms.base import Strategy, unwrap
+from algorithms.base import Strategy
 from algorithms.comm import CommLedger
 from bench.records import RunDir
 
@@ -162,11 +162,17 @@ def all_agree(flag: bool) -> bool:
 
 def save_eval_model(run: RunDir, rank: int, strategy: Strategy, gpt_config: dict,
                     tokenizer: str, step: int) -> None:
-    """Rank 0 writes checkpoints/final.pt; every rank calls it (eval_model may communicate)."""
+    """Rank 0 writes checkpoints/final.pt from every rank's `export_state()` (merged, the
+    first rank's value of a key wins); every rank calls it (a collective)."""
     with strategy.comm.phase("eval"):
-        model = strategy.eval_model()
+        mine = {k: v.detach().cpu() for k, v in strategy.export_state().items()}
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
     if rank == 0:
-        state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+        state: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for key, value in part.items():
+                state.setdefault(key, value)
         payload = {"model": state, "gpt_config": dict(gpt_config), "tokenizer": tokenizer,
                    "step": step}
         run.save_torch(payload, run.final_checkpoint)

@@ -106,6 +106,8 @@ class ParallelConfig:
     """Pipeline stages (pipeline strategies)."""
     num_microbatches: int = 1
     """Microbatches per step (gradient accumulation, or pipeline microbatches)."""
+    partition: Literal["layers", "parameters"] = "layers"
+    """How pipelines cut the model into stages: balanced by block or by parameter count."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

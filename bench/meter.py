@@ -22,7 +22,9 @@ records, priced with the collective algorithm of `network.model`); the step take
 MAXIMUM over ranks of that sum, and the projected elapsed time is the sum over steps.
 Two projections are kept: overlap-aware (the headline: a DDP bucket's modelled all-reduce
 starts when the bucket was ready and only what runs past the end of backward counts) and
-no-overlap (every modelled op added to compute). Per-step values are buffered and reduced
+no-overlap (every modelled op added to compute). A strategy with a `critical_path()` (the
+pipelines) is priced overlap-aware on its schedule instead (bench/network/pipeline.py:
+slots of max(compute, transfers) plus the exposed hops). Per-step values are buffered and reduced
 at settle points, so measuring adds no synchronisation to the steps.
 """
 
@@ -34,12 +36,31 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from algorithms.base import StepStats
+from algorithms.base import CriticalPath, StepStats
 from algorithms.comm import CommLedger, CommRecord
 from bench.network import Profile, project, wire_bytes
+from bench.network.pipeline import critical_path_step_s
 
 OVERLAP_MODES = (True, False)
 """Projections kept per profile: overlap-aware (headline), then no-overlap."""
+
+HARNESS_PHASES = ("eval", "metrics")
+"""Ledger phases of the harness's own calls into strategies; every other phase (train,
+inner, outer, gossip, dp, tied, clip, ...) is training traffic."""
+
+
+class TrainingPhases:
+    """Every ledger phase but the harness's: `phase in TRAIN_PHASES` is True for training
+    traffic whatever phases the algorithms name."""
+
+    def __contains__(self, phase: object) -> bool:
+        return phase not in HARNESS_PHASES
+
+    def __repr__(self) -> str:
+        return f"TrainingPhases(all but {HARNESS_PHASES})"
+
+
+TRAIN_PHASES = TrainingPhases()
 
 
 def all_reduce_floats(values: list[float], device: torch.device,
@@ -68,6 +89,8 @@ class LoopState:
     """This rank's measured compute seconds."""
     comm_s: float = 0.0
     """This rank's exposed communication seconds."""
+    idle_s: float = 0.0
+    """This rank's seconds waiting on point-to-point traffic (pipelines; in comm_s)."""
     last_val: float | None = None
     best_val: float = math.inf
     extra_val: dict[str, float] = field(default_factory=dict)
@@ -104,7 +127,10 @@ class StepClock:
     """This rank's timed steps since the last settle point; `settle` reduces them."""
 
     def __init__(self, profiles: dict[str, Profile], rank: int, ranks_per_node: int,
-                 device: torch.device, model: str | None = None):
+                 device: torch.device, model: str | None = None,
+                 critical_path: CriticalPath | None = None):
+        self.critical_path = critical_path
+        """Strategy.critical_path(): the overlap-aware projection prices the step on it."""
         self.profiles, self.rank, self.ranks_per_node = profiles, rank, ranks_per_node
         self.num_profiles, self.device, self.model = len(profiles), device, model
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
@@ -115,11 +141,21 @@ class StepClock:
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
-        self.projected.extend(
-            compute_s + project(step_records, p, self.rank, self.ranks_per_node,
-                                backend=self.model, overlap=overlap)
-            for overlap in OVERLAP_MODES for p in self.profiles.values())
+        self.projected.extend(self.modelled_step_s(compute_s, step_records, p, overlap)
+                              for overlap in OVERLAP_MODES for p in self.profiles.values())
         self.num_steps += 1
+
+    def modelled_step_s(self, compute_s: float, records: list[CommRecord], profile: Profile,
+                        overlap: bool) -> float:
+        """This rank's step on `profile`: compute plus modelled comm, or, overlap-aware
+        with a critical path, the schedule's length (bench/network/pipeline.py)."""
+        path = self.critical_path
+        if overlap and path is not None:
+            return critical_path_step_s(compute_s, records, profile, path.slots,
+                                        path.work_slots, path.hops, self.rank,
+                                        self.ranks_per_node, backend=self.model)
+        return compute_s + project(records, profile, self.rank, self.ranks_per_node,
+                                   backend=self.model, overlap=overlap)
 
     def settle(self) -> Settled:
         """Reduce over ranks (a collective: every rank calls it at the same step)."""
@@ -148,33 +184,41 @@ class MetricsWindow:
     def reset(self) -> None:
         self.num_steps, self.loss, self.step_s, self.comm_s, self.bytes = 0, 0.0, 0.0, 0.0, 0
         self.nonfinite, self.first_nonfinite = 0, None
+        self.losses, self.idle_s = 0, 0.0
         self.extras: dict[str, float] = {}
 
     def add(self, stats: StepStats, step_s: float, nbytes: int, step: int = 0) -> None:
         self.num_steps += 1
-        if math.isfinite(stats.loss):
-            self.loss += stats.loss
-        else:
-            self.nonfinite += 1
-            if self.first_nonfinite is None:
-                self.first_nonfinite = step
+        if stats.loss is not None:  # a pipeline's non-last stages report none
+            self.losses += 1
+            if math.isfinite(stats.loss):
+                self.loss += stats.loss
+            else:
+                self.nonfinite += 1
+                if self.first_nonfinite is None:
+                    self.first_nonfinite = step
         self.step_s += step_s
         self.comm_s += stats.comm_s
+        self.idle_s += stats.idle_s
         self.bytes += nbytes
         self.extras.update(stats.extras)  # latest value of each algorithm scalar
 
     def flush(self, device: torch.device, world: int) -> tuple[dict, bool]:
-        """(means over ranks and steps, whether any rank saw a non-finite loss)."""
+        """(means over ranks and steps, whether any rank saw a non-finite loss). The loss
+        averages only the losses ranks reported; `bubble_fraction` is the ranks' idle
+        (point-to-point wait) seconds over their step seconds."""
         sums = all_reduce_floats([self.loss, self.step_s, self.comm_s, self.bytes,
-                                  self.nonfinite], device)
+                                  self.nonfinite, self.losses, self.idle_s], device)
         n = self.num_steps * world
-        finite = n - sums[4]
+        finite = sums[5] - sums[4]
         row = {
             "loss": sums[0] / finite if finite else float("nan"),
             "step_s": sums[1] / n,
             "compute_s": (sums[1] - sums[2]) / n,
             "comm_s": sums[2] / n,
             "comm_bytes": sums[3] / n,
+            "idle_s": sums[6] / n,
+            "bubble_fraction": sums[6] / sums[1] if sums[1] else 0.0,
             **self.extras,
         }
         if sums[4]:  # the same on every rank: which rank went non-finite first?

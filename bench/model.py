@@ -195,6 +195,12 @@ class Head(nn.Module):
         return F.linear(self.ln_f(x_BTC), self.weight)
 
 
+def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all positions (fp32 logits): `GPT.forward`'s loss,
+    and the one a pipeline's last stage applies (TrainSetup.loss_fn)."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+
+
 class GPT(nn.Module):
     """GPT-2-style language model; see the module docstring."""
 
@@ -231,8 +237,7 @@ class GPT(nn.Module):
         logits_BTV = x
         if targets_BT is None:
             return logits_BTV, None
-        loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
-        return logits_BTV, loss
+        return logits_BTV, lm_loss(logits_BTV, targets_BT)
 
     def as_layers(self) -> list[nn.Module]:
         """[Embedding, Block * n_layer, Head]: applied in order they are exactly ``forward``.

@@ -89,6 +89,18 @@ class Summary:
     """The corpus's metadata (name, tokenizer, token counts)."""
     mfu: float | None = None
     """Model FLOPs utilisation (on known GPUs only)."""
+    bubble_fraction_measured: float | None = None
+    """Idle (point-to-point wait) seconds over step seconds, summed over ranks: a
+    pipeline's measured bubble (0 for data-parallel strategies)."""
+    bubble_fraction_theory: float | None = None
+    """A pipeline schedule's (S-1)/(M+S-1) (interleaved: (S-1)/(V*M+S-1); 2BW: 0)."""
+    peak_memory_bytes: int | None = None
+    """Max over ranks of peak memory (CUDA max_memory_allocated; CPU: max RSS)."""
+    peak_memory_bytes_per_stage: list[int] | None = None
+    """Pipelines: per stage, the max over replicas of peak memory."""
+    activation_bytes_per_boundary: list[dict[str, int]] | None = None
+    """Pipelines: per stage boundary, p2p bytes sent per step and replica
+    ({"forward": activations, "backward": gradients})."""
     config_hash: str | None = None
     error: str | None = None
     eval: dict[str, float] | None = None
@@ -114,7 +126,10 @@ class Summary:
 
 _LEFT_OUT_WHEN_NONE = ("num_params", "flops_per_token", "device", "backend", "data", "mfu",
                        "config_hash", "error", "eval", "comm_wire_bytes_total",
-                       "comm_wire_bytes_per_rank", "projection_model", "optim")
+                       "comm_wire_bytes_per_rank", "projection_model", "optim",
+                       "bubble_fraction_measured", "bubble_fraction_theory",
+                       "peak_memory_bytes", "peak_memory_bytes_per_stage",
+                       "activation_bytes_per_boundary")
 
 
 def make_summary(**fields: Any) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from algorithms.base import StepStats, TrainSetup, strategy_class
+from algorithms.base import StepStats, TrainSetup, peak_memory_bytes, strategy_class
 from algorithms.comm import CommLedger, Communicator
 from bench import checkpoint
 from bench.batches import BatchStream, val_batches
@@ -46,16 +46,22 @@ from bench.env import (
     straggle,
     synchronize,
 )
-from bench.meter import LoopState, MetricsWindow, StepClock, all_reduce_floats, run_totals
-from bench.model import GPT, autocast_context, gpt_config
+from bench.meter import (
+    TRAIN_PHASES,
+    LoopState,
+    MetricsWindow,
+    StepClock,
+    all_reduce_floats,
+    run_totals,
+)
+from bench.model import GPT, autocast_context, gpt_config, lm_loss
 from bench.network import delay_policy, get_profile
 from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
 from bench.tokenizers import get_tokenizer
 
-TRAIN_PHASES = ("train", "inner", "outer", "gossip")
-"""Ledger phases counted as training traffic (evaluation and metrics traffic is not)."""
+__all__ = ["TRAIN_PHASES", "Trainer", "lr_at", "make_optimizer_factory", "main"]
 
 
 class Trainer:
@@ -101,6 +107,8 @@ class Trainer:
             group_size=cfg.parallel.group_size, rank_batch_size=cfg.data.batch_size,
             num_microbatches=cfg.parallel.num_microbatches,
             autocast=lambda: autocast_context(device.type, precision),
+            num_stages=cfg.parallel.num_stages, partition=cfg.parallel.partition,
+            loss_fn=lm_loss,
         )
         self.strategy = strategy_class(cfg.strategy.name)(cfg.strategy, setup)
         shard, num_shards = self.strategy.data_shard()
@@ -108,7 +116,7 @@ class Trainer:
                                   num_shards, cfg.run.seed)
         all_val = val_batches(splits.val, cfg.model.seq_len, cfg.data.batch_size,
                               cfg.run.val_batches)
-        self.val = all_val[self.rank :: self.world]
+        self.val = all_val[shard::num_shards]  # ranks sharing a batch share its val batches
         self.data_meta = splits.meta
 
     # ------------------------------------------------------------------ evaluation
@@ -116,9 +124,9 @@ class Trainer:
     def validate(self) -> tuple[float, dict[str, float]]:
         """Validation loss of the strategy's eval model, and of its extra eval models."""
         with self.comm.phase("eval"):
-            model = self.strategy.eval_model()
+            loss = self.strategy.evaluate(self.val)
             extra = self.strategy.extra_eval_models()
-        return self.val_loss(model), {name: self.val_loss(m) for name, m in extra.items()}
+        return loss, {name: self.val_loss(m) for name, m in extra.items()}
 
     @torch.no_grad()
     def val_loss(self, model: torch.nn.Module) -> float:
@@ -142,7 +150,8 @@ class Trainer:
         saved = checkpoint.load_state(self.records, rank, self.strategy, self.ledger)
         state = LoopState(**saved) if saved else LoopState()
         window = MetricsWindow()
-        clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model)
+        clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model,
+                          self.strategy.critical_path())
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
         every = checkpoint.interval(cfg)
@@ -153,6 +162,7 @@ class Trainer:
             state.step = step + 1
             state.compute_s += step_s - stats.comm_s
             state.comm_s += stats.comm_s
+            state.idle_s += stats.idle_s
             window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
             clock.add(step_s, stats, step_records)
 
@@ -236,6 +246,12 @@ class Trainer:
                             self.ranks_per_node, state.step, self.device, self.net_model)
         if self.rank == 0:
             write_jsonl(self.records.comm, totals.comm_rows)
+        with self.comm.phase("metrics"):
+            fields = self.strategy.summary_fields()
+        busy_s, idle_s = all_reduce_floats([state.compute_s + state.comm_s, state.idle_s],
+                                           self.device)
+        (peak_memory,) = all_reduce_floats([peak_memory_bytes(self.device)], self.device,
+                                           dist.ReduceOp.MAX)
         peak = self.device.type == "cuda" and peak_flops(self.device)
         mfu = (self.flops_per_token * state.tokens / state.elapsed_s / (peak * self.world)
                if peak and state.elapsed_s > 0 else None)
@@ -260,6 +276,8 @@ class Trainer:
             num_params=self.num_params, flops_per_token=self.flops_per_token,
             device=self.device.type, backend=self.backend, data=self.data_meta, mfu=mfu,
             error=state.diverged,
+            bubble_fraction_measured=idle_s / busy_s if busy_s > 0 else None,
+            peak_memory_bytes=int(peak_memory), **fields,
         ).to_dict()
 
 

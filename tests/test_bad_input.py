@@ -26,6 +26,8 @@ from bench.config import load_config, to_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DDP_TINY = "{repo}/configs/ddp-tiny.yaml"
+TWO_BW = "{repo}/configs/2bw-tiny.yaml"
+PIPE_1F1B = "{repo}/configs/pipeline-1f1b-tiny.yaml"
 OUT = ["--set", "run.output_dir={tmp}/out", "--set", "data.cache_dir={tmp}/cache"]
 
 
@@ -257,6 +259,21 @@ CASES = [
          ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
+    # ---- pipelines (2 stages x 2 replicas configs)
+    Case("pipe-stages-not-dividing-world", run_argv("parallel.num_stages=3", config=TWO_BW),
+         ["parallel.world_size (4)", "divisible by", "parallel.num_stages (3)"]),
+    Case("pipe-more-stages-than-blocks",
+         run_argv("parallel.num_stages=4", "model.n_layer=2", config=TWO_BW),
+         ["parallel.num_stages (4)", "<=", "number of blocks (2)"]),
+    Case("pipe-microbatches-not-dividing-batch",
+         run_argv("parallel.num_microbatches=3", config=PIPE_1F1B),
+         ["parallel.num_microbatches (3)", "must divide", "data.batch_size (16)"]),
+    Case("2bw-with-deepspeed", run_argv("strategy.backend=deepspeed", config=TWO_BW),
+         ["strategy.backend", "'deepspeed'", "must be 'ours'"]),
+    Case("2bw-with-optim-delay", run_argv("optim.delay=1", config=TWO_BW),
+         ["optim.delay", "must be 0", "got 1"]),
+    Case("pipe-with-group-size", run_argv("parallel.group_size=2", config=PIPE_1F1B),
+         ["parallel.group_size", "must be 1", "got 2"]),
 ]
 
 

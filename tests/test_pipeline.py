@@ -15,13 +15,15 @@ import io
 import pytest
 import torch
 
+from algorithms.base import TrainSetup
 from algorithms.comm import Communicator
+from algorithms.delay import DelayedOptimizer
 from algorithms.partition import split_layers, stage_bounds
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from algorithms.pipeline import Pipeline, PipelineConfig
-from algorithms.pipeline_base import PipelineSetup, lm_loss
 from bench.config import Config, DataConfig, ModelConfig, ParallelConfig
-from bench.model import GPT, GPTConfig, configure_optimizer_groups
+from bench.model import GPT, GPTConfig, configure_optimizer_groups, lm_loss
+from bench.optim import OptimConfig, build_optimizer, make_optimizer_factory
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change
 
@@ -36,10 +38,23 @@ def make_model(seed: int = 0, n_layer: int = LAYERS) -> GPT:
 
 
 def make_optimizer(module, optim="adamw"):
+    if optim == "config":  # bench's own optimizer builder, as `commbench run` makes it
+        return build_optimizer(module, optim_config(delay=0))
     groups = configure_optimizer_groups(module, 0.1)
     if optim == "sgd":
         return torch.optim.SGD(groups, lr=LR * 10, momentum=0.9)
     return torch.optim.AdamW(groups, lr=LR)
+
+
+def optim_config(delay: int) -> OptimConfig:
+    """SGD with momentum (stateful): with AdamW the attention's key bias, whose gradient is
+    zero up to rounding, turns summation-order noise into ~1e-6 differences."""
+    return OptimConfig(name="sgd", lr=LR * 10, momentum=0.9, weight_decay=0.1, delay=delay)
+
+
+def lr_of(step: int) -> float:
+    """A learning rate that changes every step (which step's lr an update uses shows)."""
+    return LR * 10 * (1 + step) / 4
 
 
 def global_batch(step: int, size: int):
@@ -105,11 +120,13 @@ class Spec:
     microbatches: int = 4
     steps: int = 3
     optim: str = "sgd"
+    lr_schedule: bool = False
+    """Set `lr_of(step)` before each step (else the optimizer's own lr throughout)."""
 
 
 def build(rank, world, spec: Spec, model_seed=0, grad_clip=0.0):
     comm = Communicator(rank, world, "cpu")
-    setup = PipelineSetup(
+    setup = TrainSetup(
         model=make_model(model_seed), comm=comm,
         make_optimizer=lambda m: make_optimizer(m, spec.optim), total_steps=10,
         grad_clip=grad_clip, rank_batch_size=spec.rank_batch,
@@ -119,10 +136,12 @@ def build(rank, world, spec: Spec, model_seed=0, grad_clip=0.0):
     return cls(config_cls(**dict(spec.kwargs)), setup)
 
 
-def train(strategy, first_step, steps, rank_batch):
+def train(strategy, first_step, steps, rank_batch, lr_schedule=False):
     losses = []
     for step in range(first_step, first_step + steps):
         strategy.comm.step = step
+        if lr_schedule:
+            strategy.set_lr(lr_of(step))
         x, y = global_batch(step, rank_batch * strategy.grid.num_replicas)
         rows = slice(strategy.grid.replica * rank_batch, (strategy.grid.replica + 1) * rank_batch)
         losses.append(strategy.train_step((x[rows], y[rows])).loss)
@@ -134,7 +153,7 @@ def _run_specs(rank, world, specs):
     out = []
     for spec in specs:
         strategy = build(rank, world, spec)
-        losses = train(strategy, 0, spec.steps, spec.rank_batch)
+        losses = train(strategy, 0, spec.steps, spec.rank_batch, spec.lr_schedule)
         records = [(r.step, r.phase, r.op, r.nbytes) for r in strategy.comm.ledger.records]
         val = strategy.evaluate([global_batch(99, 4)])
         strategy.close()
@@ -164,6 +183,8 @@ TORCH = {name: Spec("pipeline", (("schedule", name),) + extra) for name, extra i
 TORCH_1F1B = TORCH["1f1b"]
 OURS_ADAMW = Spec("pipedream", (("delay", 0),), optim="adamw", steps=1)
 OURS_DELAYED = Spec("pipedream", (("delay", 1),), rank_batch=4, steps=4)
+OURS_DELAYED_CFG = {steps: Spec("pipedream", (("delay", 1),), rank_batch=4, steps=steps,
+                               optim="config", lr_schedule=True) for steps in (1, 4)}
 OURS_DELAYED_3 = Spec("pipedream", (("delay", 1),), num_stages=3, rank_batch=4,
                       microbatches=2, steps=4)
 HYBRID = {kind: Spec(kind, kwargs, rank_batch=4, microbatches=2)
@@ -173,7 +194,8 @@ LEDGER = [Spec("pipedream", (("delay", 1),)), Spec("pipeline", (("schedule", "gp
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_all(2, [OURS_SYNC, OURS_ADAMW, *TORCH.values(), OURS_DELAYED])
+    return run_all(2, [OURS_SYNC, OURS_ADAMW, *TORCH.values(), OURS_DELAYED,
+                       *OURS_DELAYED_CFG.values()])
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +281,43 @@ def test_2bw_equals_one_step_delay_loop(two_ranks):
     # and it is not the synchronous answer: the delay changes the parameters
     assert max_change(state, one_process(4, 4, 4)) > 1e-4
     assert all(r["versions"] == 2 for r in ranks)
+
+
+def delayed_optimizer_run(steps: int, batch: int, microbatches: int, lr_shift: int = 0):
+    """One process, no pipeline, `optim.delay: 1` through bench.optim's factory (the
+    DelayedOptimizer emulation); the lr of step `t - lr_shift` is set before step t."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model()
+        optimizer = make_optimizer_factory(Config(optim=optim_config(delay=1)))(model)
+        assert isinstance(optimizer, DelayedOptimizer)
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_of(max(0, step - lr_shift))
+            x, y = global_batch(step, batch)
+            for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+                (model(xm, ym)[1] / microbatches).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return full_state(model)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(400)
+def test_2bw_equals_the_delayed_optimizer_emulation(two_ranks):
+    """PipeDream-2BW on 2 stages == `optim.delay: 1` on one process, same data, <= 1e-6:
+    step 0 applies nothing, step t applies g(t-1) at step t's learning rate."""
+    first, _ = two_ranks[OURS_DELAYED_CFG[1]]
+    init = full_state(make_model())
+    assert max_change(first, init) == 0  # step 0: W(1) = W(0) on the pipeline
+    assert max_change(delayed_optimizer_run(1, 4, 4), init) == 0  # and in the emulation
+    state, _ = two_ranks[OURS_DELAYED_CFG[4]]
+    assert_same_params(state, delayed_optimizer_run(4, 4, 4), atol=1e-6, rtol=0)
+    # the test can tell which step's lr an update used, and that the delay matters
+    assert max_change(state, delayed_optimizer_run(4, 4, 4, lr_shift=1)) > 1e-5
+    assert max_change(state, one_process(4, 4, 4)) > 1e-4
 
 
 @pytest.mark.timeout(400)
@@ -413,3 +472,49 @@ def test_2bw_config_errors(kwargs, key):
 def test_pipeline_config_errors(kwargs, key):
     with pytest.raises(ValueError, match=key):
         PipelineConfig(**kwargs)
+
+
+def test_deepspeed_log_gives_each_op_its_own_seconds():
+    """DeepSpeed's comms logger appends each call's CUMULATIVE timer total (its comm.py:
+    `timers(name).elapsed(reset=False)`): calls of 1, 2 and 3 ms over two sizes are logged
+    as 1, 3 and 6 ms. Each op must get its own time; the old sum said 10 ms, not 6."""
+    from algorithms.zero import per_op_seconds
+
+    logged = {"all_reduce": {100: [2, [1.0, 3.0], [], []], 200: [1, [6.0], [], []]},
+              "broadcast": {8: [1, [0.5], [], []]}}
+    ops = per_op_seconds(logged)
+    assert sorted(ops) == sorted([("all_reduce", 100, 1e-3), ("all_reduce", 100, 2e-3),
+                                  ("all_reduce", 200, 3e-3), ("broadcast", 8, 0.5e-3)])
+    assert sum(s for name, _, s in ops if name == "all_reduce") == pytest.approx(6e-3)
+
+
+def test_critical_path_projection_hides_transfers_and_adds_the_bubble():
+    """bench/network/pipeline.py on one rank's step of M = 4 microbatches, S = 2 stages:
+    compute-bound, 2BW costs its compute, 1F1B its compute times (M+S-1)/M plus 2(S-1)
+    exposed transfers; link-bound, each slot costs two transfers."""
+    from algorithms.comm import CommRecord
+    from bench.network import get_profile, record_seconds
+    from bench.network.pipeline import critical_path_step_s
+
+    profile, M, S = get_profile("eth-10g"), 4, 2
+
+    def rec(op, nbytes, peers, group_size):
+        return CommRecord(step=0, phase="train", op=op, group_size=group_size, peers=peers,
+                          nbytes=nbytes, seconds=0.0, tier="inter")
+
+    sends = [rec("send", 4 * 8 * 32 * 4, (1,), 2) for _ in range(M)]
+    tied = rec("all_reduce", 64 * 32 * 4, (0, 1), 2)
+    tau, tied_s = record_seconds(sends[0], profile), record_seconds(tied, profile)
+    assert tau > 0 and tied_s > 0
+
+    def step(compute_s, flush):
+        slots, hops = (M + S - 1, 2 * (S - 1)) if flush else (M, 0)
+        return critical_path_step_s(compute_s, sends + [tied], profile, slots, M, hops)
+
+    compute = 100 * M * tau  # compute-bound
+    assert step(compute, flush=False) == pytest.approx(compute + tied_s)
+    assert step(compute, flush=True) == pytest.approx(
+        compute * (M + S - 1) / M + 2 * (S - 1) * tau + tied_s)
+    assert step(0.0, flush=False) == pytest.approx(M * 2 * tau + tied_s)  # link-bound
+    with pytest.raises(ValueError, match="work_slots"):
+        critical_path_step_s(1.0, [], profile, slots=2, work_slots=4, hops=0)
