@@ -219,6 +219,11 @@ class Strategy:
         """
         return {}
 
+    def watch_next_step(self) -> None:
+        """Called before a step whose metrics row follows, so `metrics()` can report on
+        that step (e.g. the delayed optimizer's update norm). What it arms runs inside the
+        timed step: keep it cheap. Default: nothing."""
+
     def critical_path(self) -> CriticalPath | None:
         """The step's critical-path shape when its point-to-point traffic overlaps compute
         in a schedule (pipelines); None (default): the projection prices op by op."""
@@ -319,6 +324,17 @@ class DataParallelStrategy(Strategy):
     def after_inner_step(self) -> tuple[float, dict[str, float]]:
         """Communication after the optimizer step; returns (exposed seconds, extras)."""
         return 0.0, {}
+
+    def watch_next_step(self) -> None:
+        watch = getattr(self.optimizer, "watch_next_step", None)  # algorithms/delay.py
+        if watch is not None:
+            watch()
+
+    def metrics(self) -> dict[str, float]:
+        """The optimizer's diagnostics when it has any (the one-step-delay wrapper: update
+        norm and stale-minus-fresh gradient norm of the step just taken)."""
+        diagnostics = getattr(self.optimizer, "diagnostics", None)
+        return diagnostics() if diagnostics is not None else {}
 
     def clip_gradients(self) -> None:
         if self.setup.grad_clip > 0:

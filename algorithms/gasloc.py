@@ -269,7 +269,7 @@ class Gossip(DataParallelStrategy):
             if self.comm.world_size > 1:
                 self.comm.all_reduce(distance, op="avg")
             self._consensus = (self.round, distance.item())
-        return {"consensus": self._consensus[1]}
+        return {**super().metrics(), "consensus": self._consensus[1]}
 
     # ------------------------------------------------------------------ state
 

@@ -21,6 +21,7 @@ from bench.optim import (
     lr_at,
     make_optimizer_factory,
 )
+from bench.records import RunDir
 from bench.train import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change, params_of
@@ -98,6 +99,13 @@ def test_loop_delay_0_is_todays_training_and_delay_1_clips_before_storing(tmp_pa
     for loop, reference, start in results:
         assert max_change(loop, start) > 1e-4
         assert_same_params(loop, reference, atol=0, rtol=0)
+    # the delayed run's metrics rows (steps 2 and 4) carry the wrapper's diagnostics
+    rows = [r for r in RunDir(tmp_path / f"run{len(TODAY)}").read_metrics() if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    for row in rows:
+        assert row["update_norm"] > 0 and row["stale_grad_diff_norm"] > 0
+    plain = [r for r in RunDir(tmp_path / "run0").read_metrics() if "loss" in r]
+    assert plain and all("update_norm" not in r for r in plain)
 
 
 def test_factory_returns_plain_torch_optimizers_without_delay():
