@@ -128,6 +128,25 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+@torch.no_grad()
+def mean_loss(model: nn.Module, batches, device: torch.device,
+              autocast: Callable[[], object] | None = None) -> float:
+    """Mean loss of a whole model over this rank's `batches`, averaged over all ranks'
+    batches (the reduction goes straight to torch.distributed, outside the ledger)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in batches:
+        with autocast() if autocast else contextlib.nullcontext():
+            _, loss = model(x.to(device), y.to(device))
+        total[0] += loss.item()
+        total[1] += 1
+    model.train(was_training)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The module itself under a torch.compile wrapper (whose state keys are prefixed)."""
     return getattr(model, "_orig_mod", model)
@@ -175,20 +194,7 @@ class Strategy:
         reduction goes straight to torch.distributed, outside the ledger). Default: the
         whole model forwarded on every rank, the mean over all ranks' batches.
         """
-        model = self.eval_model()
-        was_training = model.training
-        model.eval()
-        device, autocast = self.comm.device, self.setup.autocast
-        total = torch.zeros(2, dtype=torch.float64, device=device)
-        for x, y in batches:
-            with autocast() if autocast else contextlib.nullcontext():
-                _, loss = model(x.to(device), y.to(device))
-            total[0] += loss.item()
-            total[1] += 1
-        model.train(was_training)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(total)
-        return (total[0] / total[1]).item()
+        return mean_loss(self.eval_model(), batches, self.comm.device, self.setup.autocast)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """This rank's share of the eval weights, keyed like the GPT's state_dict (CPU).

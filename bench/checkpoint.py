@@ -19,6 +19,7 @@ what `commbench eval` and `export` load.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +115,24 @@ def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: Co
     run.save_torch(payload, run.pending_state_checkpoint(rank))
     dist.barrier()  # every rank's new state is on disk: it may replace the old ones
     os.replace(run.pending_state_checkpoint(rank), run.state_checkpoint(rank))
+
+
+def save_periodic(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
+                  loop_state: dict, cfg: Config, every: int) -> int:
+    """`save_state` at a periodic checkpoint; returns the interval to keep using.
+
+    A strategy that cannot save its state (NotImplementedError, the same on every rank)
+    fails the run when `checkpoint.every` was asked for explicitly; under the default
+    (null) the run goes on without checkpoints (returns 0) and says so."""
+    try:
+        save_state(run, rank, step, strategy, ledger, loop_state)
+    except NotImplementedError as err:
+        if cfg.checkpoint.every is not None:
+            raise ValueError(f"checkpoint.every={every}: {err}") from None
+        if rank == 0:
+            print(f"warning: no checkpoints: {err}", file=sys.stderr)
+        return 0
+    return every
 
 
 def load_state(run: RunDir, rank: int, strategy: Strategy,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from algorithms.base import StepStats, TrainSetup, peak_memory_bytes, strategy_class
+from algorithms.base import StepStats, TrainSetup, mean_loss, peak_memory_bytes, strategy_class
 from algorithms.comm import CommLedger, Communicator
 from bench import checkpoint
 from bench.batches import BatchStream, val_batches
@@ -126,21 +126,8 @@ class Trainer:
         with self.comm.phase("eval"):
             loss = self.strategy.evaluate(self.val)
             extra = self.strategy.extra_eval_models()
-        return loss, {name: self.val_loss(m) for name, m in extra.items()}
-
-    @torch.no_grad()
-    def val_loss(self, model: torch.nn.Module) -> float:
-        was_training = model.training
-        model.eval()
-        total, count = 0.0, 0
-        for x, y in self.val:
-            with autocast_context(self.device.type, self.cfg.model.precision):
-                _, loss = model(x.to(self.device), y.to(self.device))
-            total += loss.item()
-            count += 1
-        model.train(was_training)
-        total, count = all_reduce_floats([total, count], self.device)
-        return total / count
+        return loss, {name: mean_loss(m, self.val, self.device, self.strategy.setup.autocast)
+                      for name, m in extra.items()}
 
     # ------------------------------------------------------------------------ loop
 
@@ -191,15 +178,8 @@ class Trainer:
                     break
             if every and state.step % every == 0 and not last:
                 state.advance(clock.settle())
-                try:
-                    checkpoint.save_state(self.records, rank, state.step, self.strategy,
-                                          self.ledger, asdict(state))
-                except NotImplementedError as err:  # the same on every rank
-                    if cfg.checkpoint.every is not None:
-                        raise ValueError(f"checkpoint.every={every}: {err}") from None
-                    every = 0  # the default asked for none in particular: go on without
-                    if rank == 0:
-                        print(f"warning: no checkpoints: {err}", file=sys.stderr)
+                every = checkpoint.save_periodic(self.records, rank, state.step, self.strategy,
+                                                 self.ledger, asdict(state), cfg, every)
         state.advance(clock.settle())
 
         if state.status == "ok" and cfg.checkpoint.final:
