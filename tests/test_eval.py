@@ -4,7 +4,6 @@ and the Hugging Face export. No training: a seeded random GPT in a fake run dire
 import dataclasses
 import json
 import sys
-import time
 
 import pytest
 import torch
@@ -183,9 +182,7 @@ def test_generate_until_is_greedy_and_honours_until_and_max_tokens(model, tokeni
 
 
 def test_smoke_suite_runs_offline_and_records_results(run_dir):
-    start = time.perf_counter()
     out = evaluate_run(run_dir, suite="smoke", limit=4, batch_size=8)
-    assert time.perf_counter() - start < 60
 
     written = json.loads(RunDir(run_dir).eval.read_text())
     assert written == out

@@ -26,7 +26,7 @@ from bench.records import read_jsonl
 from bench.tokenizers import get_tokenizer
 from bench.train import TRAIN_PHASES, Trainer, lr_at, make_optimizer_factory
 from tests.distributed import run_distributed
-from tests.helpers import assert_same_params, max_change
+from tests.helpers import assert_bad_config, assert_same_params, max_change
 from tests.local_updates import Regression, regression_batch
 
 TINY = "configs/gasloc-tiny.yaml"
@@ -310,9 +310,7 @@ def test_mixing_weights_by_hand():
     ],
 )
 def test_bad_input_fails_before_launch(overrides, message):
-    with pytest.raises(ValueError) as err:
-        load_config(TINY, overrides)
-    assert message in str(err.value)
+    assert_bad_config(TINY, overrides, message)
 
 
 def test_configs_load():

@@ -24,7 +24,7 @@ from bench.optim import (
 from bench.records import RunDir
 from bench.train import Trainer
 from tests.distributed import run_distributed
-from tests.helpers import assert_same_params, max_change, params_of
+from tests.helpers import assert_bad_config, assert_same_params, max_change, params_of
 
 SEQ = 16
 
@@ -199,9 +199,7 @@ def test_package_optimizers_build_and_train(name, kind):
     (["optim.muon_lr=0"], "optim.muon_lr must be > 0, got 0.0"),
 ])
 def test_bad_optim_config_names_key_value_and_valid_choices(override, message):
-    with pytest.raises(ValueError) as err:
-        load_config(None, override)
-    assert message in str(err.value)
+    assert_bad_config(None, override, message)
 
 
 def test_direct_construction_is_checked_too():

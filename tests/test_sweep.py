@@ -554,6 +554,4 @@ def test_real_two_run_sweep_end_to_end(tmp_path):
         assert records.read_summary(outcome.run_dir)["config_hash"] == outcome.run.run_id
     html = result.report.read_text()
     assert "ddp" in html and html.count("data:image/png;base64") == 4
-    start = time.perf_counter()
     assert run_sweep(path, report=False).num_launched == 0
-    assert time.perf_counter() - start < 10
