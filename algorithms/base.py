@@ -128,6 +128,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def set_lr(optimizer, lr: float) -> None:
+    """The schedule's learning rate on every parameter group, times the group's `lr_scale`
+    (Muon's matrices run at optim.muon_lr: their group carries muon_lr / lr)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
 @torch.no_grad()
 def mean_loss(model: nn.Module, batches, device: torch.device,
               autocast: Callable[[], object] | None = None) -> float:
@@ -285,8 +292,7 @@ class DataParallelStrategy(Strategy):
         """The comm hook's clock mark when the step's last backward returned."""
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def is_ddp_wrapped(self) -> bool:
         """Whether `train_model` is a torch DDP wrapper (gradients sync in backward)."""

@@ -30,6 +30,7 @@ from algorithms.base import (
     StrategyConfig,
     TrainSetup,
     peak_memory_bytes,
+    set_lr,
     unwrap,
 )
 from algorithms.comm import Communicator, Group
@@ -172,8 +173,7 @@ class PipelineStrategy(Strategy):
         return self.grid.replica, self.grid.num_replicas
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+        set_lr(self.optimizer, lr)
 
     def eval_model(self) -> nn.Module:
         """This stage's module (its parameters keep the GPT's own names in `export_state`)."""

@@ -10,6 +10,7 @@ import pytorch_optimizer
 import torch
 from torch import nn
 
+from algorithms.base import set_lr
 from algorithms.delay import DelayedOptimizer
 from bench.config import describe, load_config
 from bench.model import GPT, gpt_config
@@ -162,8 +163,7 @@ def test_muon_lr_follows_the_schedule_scaled_by_muon_lr():
     optimizer = make_optimizer_factory(cfg)(tiny_gpt())
     muon_group = optimizer.optimizers[0].param_groups[0]
     assert muon_group["lr"] == pytest.approx(0.02)
-    for group in optimizer.param_groups:  # what DataParallelStrategy.set_lr does
-        group["lr"] = 0.001 * group.get("lr_scale", 1.0)
+    set_lr(optimizer, 0.001)  # what every strategy's set_lr does with the schedule's lr
     assert muon_group["lr"] == pytest.approx(0.01)
     assert optimizer.optimizers[1].param_groups[0]["lr"] == pytest.approx(0.001)
 
