@@ -13,7 +13,7 @@ Conventions (the meaning of each field is also documented on `CommRecord`):
   for `exchange` the sum of the tensors it sends (what it receives is not counted), with
   the per-peer split in `peer_nbytes`. What actually crosses the wire (a ring all-reduce
   sends `2(n-1)/n * nbytes` per rank, a gather `(n-1) * nbytes`, ...) is the network
-  model's business (`bench/network.py`), computed from these fields.
+  model's business (`bench/network/`), computed from these fields.
 - `peers`: for point-to-point ops the other ranks (sorted); for collectives the group's
   ranks when the op runs on a subgroup, None when it runs on the whole world.
 - `tier`: "intra" if every rank involved lives on this rank's node (node = rank //

@@ -117,7 +117,8 @@ def _cmd_claims(args) -> int:
     page = run_claims(args.names or None, scale=args.scale, seeds=args.seeds,
                       claims_dir=args.claims_dir, output_dir=args.output_dir,
                       report_dir=args.report_dir, executor=args.executor,
-                      max_parallel=args.max_parallel, dry_run=args.dry_run)
+                      max_parallel=args.max_parallel, dry_run=args.dry_run,
+                      runner=run_and_evaluate)  # eval.* metrics need the self-evaluation
     return 0 if page is not None or args.dry_run else 1
 
 

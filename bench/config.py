@@ -275,7 +275,11 @@ def validate(cfg: Config) -> None:
     if cfg.model.preset not in PRESETS:
         raise _fail("model.preset", cfg.model.preset, f"one of {sorted(PRESETS)}")
     m = cfg.model  # the shape checks (heads divide the width, dropout) live with the model
-    gpt_config(m.preset, 256, m.seq_len, m.dropout, m.n_layer, m.n_head, m.n_embd)
+    blocks = gpt_config(m.preset, 256, m.seq_len, m.dropout, m.n_layer, m.n_head,
+                        m.n_embd).n_layer
+    if cfg.parallel.num_stages > blocks:
+        raise ValueError(f"parallel.num_stages ({cfg.parallel.num_stages}) must be <= the "
+                         f"model's number of blocks ({blocks})")
     for i, name in enumerate(cfg.network.profiles):
         if name not in PROFILES and not is_profile_path(name):
             raise _fail(f"network.profiles[{i}]", name,

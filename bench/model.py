@@ -1,7 +1,7 @@
 """The one GPT every commbench run trains: a nanoGPT-like decoder-only transformer.
 
 Exercise it with ``pytest tests/test_model.py``; the training loop builds it through
-``GPT(gpt_config(cfg.model.preset, tokenizer.vocab_size, cfg.data.seq_len))``.
+``GPT(gpt_config(cfg.model.preset, tokenizer.vocab_size, cfg.model.seq_len))``.
 
 Architecture (GPT-2): learned token and position embeddings, ``n_layer`` pre-LayerNorm
 blocks (causal self-attention through ``F.scaled_dot_product_attention`` and a 4x GELU

@@ -17,7 +17,7 @@ from typing import Any
 
 @dataclass
 class Projection:
-    """The run's time on one network profile (bench/network.py), modelled from its ledger."""
+    """The run's time on one network profile (bench/network/), modelled from its ledger."""
 
     total_s: float
     """Sum over steps of the max over ranks of (measured compute + modelled comm)."""

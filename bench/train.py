@@ -145,8 +145,8 @@ class Trainer:
         for step in range(state.step, cfg.run.steps):
             if fault is not None and step == fault[0]:
                 inject_fault(fault[1], rank, step, self.model)
-            if (step + 1) % cfg.run.log_every == 0:
-                self.strategy.watch_next_step()
+            if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
+                self.strategy.watch_next_step()  # its metrics row follows this step
             stats, step_s, step_records = self.timed_step(step)
             state.step = step + 1
             state.compute_s += step_s - stats.comm_s

@@ -260,7 +260,8 @@ CASES = [
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
     # ---- pipelines (2 stages x 2 replicas configs)
-    Case("pipe-stages-not-dividing-world", run_argv("parallel.num_stages=3", config=TWO_BW),
+    Case("pipe-stages-not-dividing-world",
+         run_argv("parallel.num_stages=3", "model.n_layer=3", config=TWO_BW),
          ["parallel.world_size (4)", "divisible by", "parallel.num_stages (3)"]),
     Case("pipe-more-stages-than-blocks",
          run_argv("parallel.num_stages=4", "model.n_layer=2", config=TWO_BW),

@@ -8,7 +8,7 @@ A claim file is YAML, written BEFORE its runs:
     paper: {source: "Douillard et al. 2023 (arXiv 2311.08105)", where: Table 2,
             numbers: "150M, 8 replicas, H=500: ppl 15.02 (DiLoCo) vs 15.30 (DDP, 8x batch)"}
     reconstruction: null          # what of the method is our reconstruction, if anything
-    sweep:                        # a sweep spec (bench/sweep.py); base relative to this file
+    sweep:                        # a sweep spec (bench/sweep/); base relative to this file
       base: ../ddp-tiny.yaml
       variants: {ddp: {strategy.name: ddp}, diloco: {strategy.name: diloco}}
     scales:                       # --scale picks one; its `set` is merged into the sweep's
