@@ -37,3 +37,20 @@ def assert_bad_config(config: str | None, overrides: list[str] | str, *expected:
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
     return message
+
+
+class IdleStrategy:
+    """Base of the tests' stand-in strategies that train nothing (timing and fault tests):
+    the Strategy methods besides `train_step`, as no-ops."""
+
+    def set_lr(self, lr):
+        pass
+
+    def eval_model(self):
+        return self.setup.model
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass

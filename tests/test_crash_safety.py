@@ -32,6 +32,7 @@ from bench.failure import error_text
 from bench.records import RunDir, status_of
 from bench.train import Trainer
 from tests.distributed import run_distributed
+from tests.helpers import IdleStrategy
 
 SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=12", "--set", "run.log_every=2",
          "--set", "run.val_every=6", "--set", "run.val_batches=1", "--set",
@@ -155,7 +156,7 @@ class SleepConfig(StrategyConfig):
     name: str = "sleepy"
 
 
-class Sleepy(Strategy):
+class Sleepy(IdleStrategy, Strategy):
     """Every rank's step takes SLEEP_S and trains nothing: the straggler's sleep is all."""
 
     Config = SleepConfig
@@ -163,18 +164,6 @@ class Sleepy(Strategy):
     def train_step(self, batch):
         time.sleep(SLEEP_S)
         return StepStats(loss=1.0, tokens=batch[1].numel())
-
-    def set_lr(self, lr):
-        pass
-
-    def eval_model(self):
-        return self.setup.model
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def train_with_straggler(rank, world_size, run_dir, slowdown):

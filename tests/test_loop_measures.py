@@ -23,6 +23,7 @@ from bench.network import get_profile, project
 from bench.records import RunDir
 from bench.train import TRAIN_PHASES, Trainer
 from tests.distributed import run_distributed
+from tests.helpers import IdleStrategy
 
 SLEEP_S = 0.15
 """Seconds rank 1 sleeps in each step."""
@@ -40,7 +41,7 @@ class StragglerConfig(StrategyConfig):
     name: str = "straggler"
 
 
-class Straggler(Strategy):
+class Straggler(IdleStrategy, Strategy):
     """Rank 1 is late and reads half its batch; all ranks talk only in the first steps."""
 
     Config = StragglerConfig
@@ -52,18 +53,6 @@ class Straggler(Strategy):
             self.comm.all_reduce(torch.zeros(FRONT_FLOATS))
         tokens = batch[1].numel() // (2 if self.comm.rank == 1 else 1)
         return StepStats(loss=1.0, tokens=tokens)
-
-    def set_lr(self, lr):
-        pass
-
-    def eval_model(self):
-        return self.setup.model
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def train_straggler(rank, world_size, run_dir):
