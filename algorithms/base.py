@@ -207,12 +207,13 @@ class Strategy:
         """This rank's share of the eval weights, keyed like the GPT's state_dict (CPU).
 
         The loop gathers every rank's dict and merges them (the first rank's value of a
-        key wins). Default: rank 0 gives the whole `eval_model()`, the others nothing.
+        key wins). Called on every rank: `eval_model()` may be a collective (GASLoC's
+        average). Default: rank 0 gives the whole `eval_model()`, the others nothing.
         """
+        model = self.eval_model()  # on every rank, before any rank returns
         if self.comm.rank != 0:
             return {}
-        state = unwrap(self.eval_model()).state_dict()
-        return {k: v.detach().cpu() for k, v in state.items()}
+        return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
     def extra_eval_models(self) -> dict[str, nn.Module]:
         """Further weights to validate besides `eval_model()`, by name (e.g. one worker's own).

@@ -22,7 +22,7 @@ from bench.batches import BatchStream
 from bench.config import load_config
 from bench.data import load_corpus
 from bench.model import GPT, gpt_config
-from bench.records import read_jsonl
+from bench.records import RunDir, read_jsonl
 from bench.tokenizers import get_tokenizer
 from bench.train import TRAIN_PHASES, Trainer, lr_at, make_optimizer_factory
 from tests.distributed import run_distributed
@@ -319,3 +319,15 @@ def test_configs_load():
     hetero = load_config("configs/gasloc-hetero-tiny.yaml")
     assert hetero.network.emulate == "two-sites" and "two-sites" in hetero.network.profiles
     assert load_config("configs/gossip-tiny.yaml").strategy.name == "gossip"
+
+
+def test_final_model_is_the_workers_average(tmp_path):
+    """final.pt holds the average of the workers (GASLoC's eval model, a collective: every
+    rank must compute it, or the ranks deadlock while rank 0 writes the file)."""
+    overrides = [*COMMON, "checkpoint.final=true", "parallel.timeout_s=30"]
+    results = run_distributed(train_and_collect, 4, overrides, str(tmp_path), timeout=120)
+    saved = torch.load(RunDir(tmp_path).final_checkpoint, weights_only=False)["model"]
+    workers = [params for params, _, _ in results]
+    average = {k: sum(w[k] for w in workers) / len(workers) for k in workers[0]}
+    assert max(max_change(workers[0], w) for w in workers[1:]) > 1e-6  # the workers differ
+    assert_same_params(saved, average, atol=1e-6, rtol=1e-5)
