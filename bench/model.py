@@ -285,12 +285,3 @@ def autocast_context(device_type: str, precision: str) -> contextlib.AbstractCon
     if precision == "fp32":
         return contextlib.nullcontext()
     raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-
-
-def __getattr__(name: str):
-    """Parameter grouping moved to bench/optim.py; tests/test_model.py still imports it here."""
-    if name in ("configure_optimizer_groups", "muon_param_split"):
-        import bench.optim
-
-        return getattr(bench.optim, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -217,10 +217,6 @@ class Trainer:
                             "tokens_to_target": state.tokens,
                             "projected_time_to_target_s": dict(state.projected_s)}
 
-    def state_path(self) -> Path:
-        """This rank's resumable state file."""
-        return self.records.state_checkpoint(self.rank)
-
     def summarise(self, state: LoopState) -> dict:
         """The run's summary (every rank returns it) and, on rank 0, comm.jsonl."""
         cfg = self.cfg

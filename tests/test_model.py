@@ -11,10 +11,9 @@ from bench.model import (
     PRESETS,
     GPTConfig,
     autocast_context,
-    configure_optimizer_groups,
     gpt_config,
-    muon_param_split,
 )
+from bench.optim import configure_optimizer_groups, muon_param_split
 
 
 def expected_num_params(vocab: int, seq_len: int, n_layer: int, n_embd: int) -> int:

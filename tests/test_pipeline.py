@@ -22,8 +22,13 @@ from algorithms.partition import split_layers, stage_bounds
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from algorithms.pipeline import Pipeline, PipelineConfig
 from bench.config import Config, DataConfig, ModelConfig, ParallelConfig
-from bench.model import GPT, GPTConfig, configure_optimizer_groups, lm_loss
-from bench.optim import OptimConfig, build_optimizer, make_optimizer_factory
+from bench.model import GPT, GPTConfig, lm_loss
+from bench.optim import (
+    OptimConfig,
+    build_optimizer,
+    configure_optimizer_groups,
+    make_optimizer_factory,
+)
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change
 

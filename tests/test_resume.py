@@ -44,7 +44,7 @@ def straight_then_resumed(rank, world_size, config, overrides, run_dir):
     os.environ["COMMBENCH_RESUME"] = "1"
     try:
         resumed = make_trainer(world_size, config, overrides, run_dir)
-        step = torch.load(resumed.state_path(), weights_only=False)["step"]
+        step = torch.load(resumed.records.state_checkpoint(resumed.rank), weights_only=False)["step"]
         resumed.run()
     finally:
         del os.environ["COMMBENCH_RESUME"]
