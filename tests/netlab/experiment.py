@@ -1,0 +1,171 @@
+"""The shaped-link experiment behind `tox -e netlab`: runs, projections, the table.
+
+A user with a fast network projects a run onto a slow one; this checks that projection
+against the same run on the slow one. Per replicate and strategy:
+1. the UNSHAPED run (4 namespaces, plain veths) with `network.profiles` = the YAML profile
+   of every shaped case (plus a zero-cost profile: compute only) and `network.model=gloo`:
+   its own summary rows give the projected step time on each case, exactly as a report
+   would (step-wise, max over ranks, overlap-aware);
+2. each SHAPED case: the same config on tbf-shaped, delayed links; its measured step time.
+Both are read from the train rows after the first metrics window (connection set-up and
+warm-up), as (clock at the last row - clock at the first) / steps between. The naive
+projection (textbook formulas, no overlap) is priced after the fact from the unshaped
+run's ledger aggregates plus its compute-only projection.
+
+`netprobe_in_lab` runs `python -m bench.netprobe` one rank per namespace on a shaped lab,
+so a profile fitted on the links themselves can be projected onto the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.netlab.lab import ROOT, Lab
+
+WORLD = 4
+STEPS = int(os.environ.get("NETLAB_STEPS", "40"))
+LOG_EVERY = 10
+CONFIGS = {"ddp": "configs/ddp-tiny.yaml", "diloco": "configs/diloco-tiny.yaml",
+           "gasloc": "configs/gasloc-tiny.yaml"}
+ZERO_PROFILE = "intra: {latency_s: 0.0, bandwidth_Bps: 1.0e+18}\n" \
+               "inter: {latency_s: 0.0, bandwidth_Bps: 1.0e+18}\n"
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str
+    rates_mbit: tuple[float, ...]
+    delays_ms: tuple[float, ...]
+
+    @property
+    def id(self) -> str:
+        rates = "/".join(f"{r:g}" for r in sorted(set(self.rates_mbit), reverse=True))
+        return f"{self.strategy}-{rates}mbit-{self.delays_ms[0]:g}ms"
+
+    def profile_yaml(self) -> str:
+        """The profile describing the shaped links (docs/network-model.md): alpha = delay +
+        50 us, beta = rate x 1448/1514 / 8; a pair's link is its slower endpoint's."""
+        def tier(i, j):
+            rate = min(self.rates_mbit[i], self.rates_mbit[j]) * 1e6 * 1448 / 1514 / 8
+            delay = max(self.delays_ms[i], self.delays_ms[j]) / 1e3 + 50e-6
+            return f"{{latency_s: {delay!r}, bandwidth_Bps: {rate!r}}}"
+        lines = ["intra: {latency_s: 5.0e-06, bandwidth_Bps: 1.0e+10}", f"inter: {tier(0, 1)}",
+                 "links:"]
+        lines += [f"  - {{nodes: [{i}, {j}], tier: {tier(i, j)}}}"
+                  for i in range(WORLD) for j in range(i + 1, WORLD)]
+        return "\n".join(lines) + "\n"
+
+
+CASES = [Case(s, (r,) * WORLD, (d,) * WORLD)
+         for s in CONFIGS for r in (1000, 100) for d in (1, 10)]
+CASES.append(Case("diloco", (100, 100, 100, 20), (1,) * WORLD))  # one slow node
+
+
+def launch(lab: Lab, module_args: list[str], log_dir: Path, port: int,
+           timeout: float = 900) -> None:
+    """`python -m <module_args>` as rank i in namespace i, gloo on the lab interface."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    base = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lab0",
+            "MASTER_ADDR": lab.addr(0), "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
+            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "HOME": os.environ.get("HOME", "/root")}
+    logs = [open(log_dir / f"rank{i}.log", "w") for i in range(WORLD)]
+    procs = [lab.popen(i, [sys.executable, "-m", *module_args], {**base, "RANK": str(i)},
+                       stdout=logs[i], stderr=subprocess.STDOUT) for i in range(WORLD)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in logs:
+            f.close()
+    if codes != [0] * WORLD:
+        raise RuntimeError(f"ranks exited with {codes}; rank 0's log:\n"
+                           + (log_dir / "rank0.log").read_text()[-3000:])
+
+
+@dataclass
+class Run:
+    step_s: float
+    """Measured seconds per step after the first window (the step-synchronised clock)."""
+    projected_step_s: dict[str, float]
+    """Per profile path: the run's own projected seconds per step over the same steps."""
+    comm_rows: list[dict]
+    """comm.jsonl: every rank's ledger aggregates."""
+
+
+def read_run(run_dir: Path) -> Run:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "step_s" in r]
+    first, last = train[0], train[-1]
+    steps = last["step"] - first["step"]
+    if steps <= 0:
+        raise ValueError(f"{run_dir}: need two metrics windows, got steps {[r['step'] for r in train]}")
+    projected = {k: (last["projected_elapsed_s"][k] - first["projected_elapsed_s"][k]) / steps
+                 for k in last["projected_elapsed_s"]}
+    comm = [json.loads(line) for line in (run_dir / "comm.jsonl").read_text().splitlines()]
+    return Run((last["elapsed_s"] - first["elapsed_s"]) / steps, projected, comm)
+
+
+def train(lab: Lab, strategy: str, run_dir: Path, port: int,
+          profiles: list[str] = (), model: str = "gloo") -> Run:
+    """One run, rank i in namespace i, projecting onto `profiles` (YAML paths)."""
+    from bench.config import load_config, to_yaml
+
+    sets = [f"run.steps={STEPS}", "run.val_every=100000", f"run.log_every={LOG_EVERY}",
+            "run.val_batches=1", "checkpoint.every=0", "checkpoint.final=false",
+            f"network.model={model}", f"network.profiles=[{','.join(profiles)}]"]
+    cfg = load_config(ROOT / CONFIGS[strategy], sets)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    launch(lab, ["bench.train", str(run_dir)], run_dir / "logs", port)
+    return read_run(run_dir)
+
+
+def netprobe_in_lab(lab: Lab, out: Path, port: int,
+                    sizes: tuple[str, ...] = ("64KiB", "512KiB", "2MiB")) -> Path:
+    """Fit a profile on the lab's links with `commbench netprobe`'s worker, one rank per
+    namespace (how a user runs it multi-node)."""
+    launch(lab, ["bench.netprobe", "--out", str(out), "--iters", "5", "--sizes", *sizes],
+           out.parent / f"{out.stem}-logs", port)
+    return out
+
+
+def naive_comm_per_step(rows: list[dict], profile, steps: int) -> float:
+    """The slowest rank's textbook-formula comm per step (no overlap) from comm.jsonl
+    aggregates of the windows' training traffic. Every formula is affine in nbytes, so a
+    row of `count` records costs `count` records of its mean size; p2p rows lost their
+    peers in the aggregate and are priced to the rank's slowest peers (exact on
+    homogeneous links)."""
+    from algorithms.comm import CommRecord
+    from bench.meter import TRAIN_PHASES
+    from bench.network import project
+
+    per_rank: dict[int, float] = {}
+    for row in rows:
+        if row["phase"] not in TRAIN_PHASES or not row["count"]:
+            continue
+        rank, n = row["rank"], row["group_size"]
+        peers = None
+        if row["op"] in ("send", "recv", "exchange"):
+            others = sorted((p for p in range(WORLD) if p != rank),
+                            key=lambda p: profile.link(rank, p).bandwidth_Bps)
+            peers = tuple(others[:max(1, n - 1)])
+        rec = CommRecord(0, row["phase"], row["op"], n, peers, row["bytes"] / row["count"],
+                         0.0, row["tier"])
+        per_rank[rank] = per_rank.get(rank, 0.0) + row["count"] * project([rec], profile, rank)
+    return max(per_rank.values()) / steps
+
+
+def summarize(values: list[float]) -> str:
+    """median (min-max) of replicates."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
