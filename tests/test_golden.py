@@ -6,10 +6,10 @@
 Each case is a ready config (configs/*-tiny.yaml) cut to STEPS steps (shorter rounds for
 the local-update methods, so that several outer rounds and gossip exchanges happen), run
 by the real loop (bench.train.Trainer) on 4 gloo ranks, one thread each. Every loss the
-loop logs (the mean over ranks, one row per step) must equal the fixture's bit for bit,
-so any change to the math, intended or not, fails here. When a change is intended,
-regenerate and let the fixture's diff show the new trajectory in review. Fixtures hold
-the CPU float32 numbers of x86-64 machines like the CI's; another CPU family may differ.
+loop logs (the mean over ranks, one row per step) must equal the fixture's to REL_TOL
+(not bit for bit: the last float32 bits differ between x86-64 CPU generations), so any
+change to the math, intended or not, fails here. When a change is intended, regenerate
+and let the fixture's diff show the new trajectory in review.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from tests.distributed import run_distributed
 GOLDEN = Path(__file__).resolve().parent / "golden"
 WRITE = os.environ.get("COMMBENCH_WRITE_GOLDEN") == "1"
 STEPS = 10
+REL_TOL = 1e-5
+"""Losses must match to 1e-5 relative: float32 CPU kernels differ in the last bits between
+x86-64 generations (AVX2 vs AVX-512/AMX machines differ by ~1e-7 from step 1, growing to
+~1e-6 by step 10), while any change to the math moves them by orders more."""
 COMMON = [f"run.steps={STEPS}", "run.log_every=1", "run.val_every=0", "run.val_batches=1",
           "optim.warmup_steps=2", "checkpoint.final=false", "parallel.world_size=4"]
 ROUNDS = ["strategy.inner_steps=3"]
@@ -98,7 +102,7 @@ def test_first_losses_equal_the_golden_trajectory(trajectories, name):
     assert golden["overrides"] == _fixture(name)["overrides"], (
         f"{path.name} was written for other overrides; regenerate with COMMBENCH_WRITE_GOLDEN=1")
     mismatches = [(g[0], g[1], got[1]) for g, got in zip(golden["losses"], losses, strict=True)
-                  if g != got]
+                  if g[0] != got[0] or abs(g[1] - got[1]) > REL_TOL * abs(g[1])]
     assert not mismatches, (
         f"{name}: losses differ from {path.name} at {len(mismatches)} of {STEPS} steps, "
         f"first (step, golden, now) = {mismatches[0]}; if the change is intended, regenerate "
