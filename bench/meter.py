@@ -18,8 +18,14 @@ idle worker reports 0), not the nominal global batch.
 
 Projected time: for every step, each rank's measured compute (step_s - comm_s) plus its
 modelled communication on a profile (`bench.network.project` of that step's ledger
-records, priced with the collective algorithm of `network.model`); the step takes the
-MAXIMUM over ranks of that sum, and the projected elapsed time is the sum over steps.
+records, priced with the collective algorithm of `network.model`). Ranks wait for each
+other only where they communicate: the steps are cut into stretches that end at a
+COUPLED step (one in which any rank recorded training traffic) or at the settle point,
+each stretch takes the MAXIMUM over ranks of its summed seconds, and the projected elapsed
+time is the sum over stretches (`coupled_max`). With traffic in every step (DDP) that is
+the per-step maximum; with H local steps between outer steps (DiLoCo, GASLoC) it is the
+slowest rank's H steps, as on the measured clock, not the sum of per-step maxima (which
+over-states local-step methods' compute by the ranks' step-to-step jitter).
 Two projections are kept: overlap-aware (the headline: a DDP bucket's modelled all-reduce
 starts when the bucket was ready and only what runs past the end of backward counts) and
 no-overlap (every modelled op added to compute). A strategy with a `critical_path()` (the
@@ -38,7 +44,8 @@ import torch.distributed as dist
 
 from algorithms.base import CriticalPath, StepStats
 from algorithms.comm import CommLedger, CommRecord
-from bench.network import Profile, project, wire_bytes
+from bench.network import Profile, link_keys, project, wire_bytes
+from bench.network.model import IdleOf
 from bench.network.pipeline import critical_path_step_s
 
 OVERLAP_MODES = (True, False)
@@ -85,6 +92,10 @@ class LoopState:
     """Projected elapsed seconds per network profile (overlap-aware)."""
     projected_no_overlap_s: dict[str, float] = field(default_factory=dict)
     """The same without overlap: every modelled op added to compute."""
+    projected_comm_s: dict[str, float] = field(default_factory=dict)
+    """Per profile: the modelled communication in `projected_s` (the slowest rank's per
+    settle window, summed); summary.json's projected comm per step."""
+    projected_comm_no_overlap_s: dict[str, float] = field(default_factory=dict)
     compute_s: float = 0.0
     """This rank's measured compute seconds."""
     comm_s: float = 0.0
@@ -105,7 +116,9 @@ class LoopState:
         self.elapsed_s += settled.elapsed_s
         self.tokens += settled.tokens
         for mine, theirs in ((self.projected_s, settled.projected_s),
-                             (self.projected_no_overlap_s, settled.projected_no_overlap_s)):
+                             (self.projected_no_overlap_s, settled.projected_no_overlap_s),
+                             (self.projected_comm_s, settled.comm_s),
+                             (self.projected_comm_no_overlap_s, settled.comm_no_overlap_s)):
             for name, seconds in theirs.items():
                 mine[name] = mine.get(name, 0.0) + seconds
 
@@ -119,8 +132,32 @@ class Settled:
     tokens: int
     """Sum over ranks of the tokens consumed."""
     projected_s: dict[str, float]
-    """Per profile: sum over steps of the max over ranks of compute + modelled comm."""
+    """Per profile: sum over stretches between coupled steps of the max over ranks of
+    compute + modelled comm (`coupled_max`)."""
     projected_no_overlap_s: dict[str, float]
+    comm_s: dict[str, float] = field(default_factory=dict)
+    """Per profile: max over ranks of their modelled comm seconds in the window."""
+    comm_no_overlap_s: dict[str, float] = field(default_factory=dict)
+
+
+class LinkClock:
+    """When this rank last used each connection, on one profile's projected clock (for TCP
+    slow start after idle: bench/network/costs.py `slow_start_extra_s`)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.last: dict[tuple, float] = {}
+
+    def idle(self, key: tuple) -> float:
+        """Seconds since the connection was last used at the end of a step (inf: never)."""
+        return self.now - self.last.get(key, -math.inf)
+
+    def advance(self, step_s: float, records: list[CommRecord]) -> None:
+        """The step took `step_s` on this profile; its records' connections are now warm."""
+        self.now += step_s
+        for r in records:
+            for key in link_keys(r):
+                self.last[key] = self.now
 
 
 class StepClock:
@@ -135,42 +172,80 @@ class StepClock:
         self.num_profiles, self.device, self.model = len(profiles), device, model
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
         self.projected: list[float] = []  # num_profiles values per pending step
+        self.coupled: list[float] = []  # per pending step: 1 if it recorded training traffic
+        self.comm = [0.0] * len(OVERLAP_MODES) * self.num_profiles  # modelled, this window
+        self.links = {name: LinkClock() for name in profiles}
+        """Per profile: when each connection was last used (lives for the whole run)."""
 
     def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord]) -> None:
         """One timed step: its seconds, its stats and its training-traffic ledger records."""
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
-        self.projected.extend(self.modelled_step_s(compute_s, step_records, p, overlap)
-                              for overlap in OVERLAP_MODES for p in self.profiles.values())
+        values = {(overlap, name): self.modelled_step_s(compute_s, step_records, profile,
+                                                        overlap, self.links[name].idle)
+                  for overlap in OVERLAP_MODES for name, profile in self.profiles.items()}
+        for i, value in enumerate(values.values()):
+            self.comm[i] += value - compute_s
+        self.projected.extend(values.values())
+        for name, links in self.links.items():
+            links.advance(values[True, name], step_records)
+        self.coupled.append(1.0 if step_records else 0.0)
         self.num_steps += 1
 
     def modelled_step_s(self, compute_s: float, records: list[CommRecord], profile: Profile,
-                        overlap: bool) -> float:
+                        overlap: bool, idle: IdleOf | float = 0.0) -> float:
         """This rank's step on `profile`: compute plus modelled comm, or, overlap-aware
-        with a critical path, the schedule's length (bench/network/pipeline.py)."""
+        with a critical path, the schedule's length (bench/network/pipeline.py). `idle`:
+        how long each connection has been idle (TCP slow start; `bench.network.project`)."""
         path = self.critical_path
         if overlap and path is not None:
             return critical_path_step_s(compute_s, records, profile, path.slots,
                                         path.work_slots, path.hops, self.rank,
                                         self.ranks_per_node, backend=self.model)
         return compute_s + project(records, profile, self.rank, self.ranks_per_node,
-                                   backend=self.model, overlap=overlap)
+                                   backend=self.model, overlap=overlap, idle=idle)
 
     def settle(self) -> Settled:
         """Reduce over ranks (a collective: every rank calls it at the same step)."""
         if self.num_steps == 0:  # the same on every rank
             zero = dict.fromkeys(self.profiles, 0.0)
-            return Settled(0.0, 0, zero, dict(zero))
-        maxima = all_reduce_floats([self.step_s, *self.projected], self.device,
-                                   dist.ReduceOp.MAX)
+            return Settled(0.0, 0, zero, dict(zero), dict(zero), dict(zero))
+        step_s, *comm = all_reduce_floats([self.step_s, *self.comm], self.device,
+                                          dist.ReduceOp.MAX)
         (tokens,) = all_reduce_floats([float(self.tokens)], self.device)
-        per_step, width = maxima[1:], len(OVERLAP_MODES) * self.num_profiles
-        overlap, no_overlap = (
-            {name: sum(per_step[offset + i::width]) for i, name in enumerate(self.profiles)}
-            for offset in (0, self.num_profiles))
-        self.num_steps, self.step_s, self.tokens, self.projected = 0, 0.0, 0, []
-        return Settled(maxima[0], int(tokens), overlap, no_overlap)
+        width = len(OVERLAP_MODES) * self.num_profiles
+        mine = torch.tensor([*self.coupled, *self.projected], dtype=torch.float64,
+                            device=self.device)
+        ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(ranks, mine)
+        every = torch.stack(ranks).cpu()
+        coupled = every[:, :self.num_steps].amax(dim=0) > 0
+        values = every[:, self.num_steps:].reshape(len(ranks), self.num_steps, width)
+        totals = coupled_max(values, coupled).tolist()
+        overlap, no_overlap, comm_overlap, comm_no_overlap = (
+            {name: values[offset + i] for i, name in enumerate(self.profiles)}
+            for values in (totals, comm) for offset in (0, self.num_profiles))
+        self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
+        self.projected, self.coupled = [], []
+        self.comm = [0.0] * len(self.comm)
+        return Settled(step_s, int(tokens), overlap, no_overlap, comm_overlap, comm_no_overlap)
+
+
+def coupled_max(values: torch.Tensor, coupled: torch.Tensor) -> torch.Tensor:
+    """Projected seconds of a settle window: `values` [ranks, steps, k] per-step seconds,
+    `coupled` [steps] bool (the ranks wait for each other in that step). The steps are cut
+    into stretches ending at each coupled step and at the last step; returns [k], the sum
+    over stretches of the maximum over ranks of the stretch's summed seconds."""
+    total = torch.zeros(values.shape[2], dtype=values.dtype)
+    stretch = torch.zeros(values.shape[0], values.shape[2], dtype=values.dtype)
+    last = values.shape[1] - 1
+    for step in range(values.shape[1]):
+        stretch += values[:, step]
+        if bool(coupled[step]) or step == last:
+            total += stretch.amax(dim=0)
+            stretch.zero_()
+    return total
 
 
 class MetricsWindow:
@@ -243,9 +318,6 @@ class MetricsWindow:
 class RunTotals:
     """End-of-run communication totals (bench/meter.py `run_totals`)."""
 
-    comm_s_per_step: dict[str, float]
-    """Per profile: the slowest rank's modelled exposed comm per step (overlap-aware)."""
-    comm_s_per_step_no_overlap: dict[str, float]
     logical_bytes: int
     """Logical payload bytes of training traffic, summed over ranks."""
     wire_bytes: int
@@ -254,20 +326,13 @@ class RunTotals:
     """Every rank's ledger aggregates (comm.jsonl rows, tagged with the rank)."""
 
 
-def run_totals(ledger: CommLedger, phases: tuple[str, ...], profiles: dict[str, Profile],
-               rank: int, ranks_per_node: int, steps: int, device: torch.device,
+def run_totals(ledger: CommLedger, phases, device: torch.device,
                model: str | None = None) -> RunTotals:
     """At the end of a run (a collective over all ranks)."""
     train = [r for r in ledger.records if r.phase in phases]
-    comm = all_reduce_floats(
-        [project(train, p, rank, ranks_per_node, backend=model, overlap=overlap) / max(1, steps)
-         for overlap in OVERLAP_MODES for p in profiles.values()],
-        device, dist.ReduceOp.MAX)
     nbytes, wire = all_reduce_floats([sum(r.nbytes for r in train),
                                       sum(wire_bytes(r, backend=model) for r in train)], device)
     aggregates = [None] * dist.get_world_size()
     dist.all_gather_object(aggregates, ledger.aggregate())
     rows = [{"rank": r, **row} for r, agg in enumerate(aggregates) for row in agg]
-    n = len(profiles)
-    return RunTotals(dict(zip(profiles, comm[:n], strict=True)),
-                     dict(zip(profiles, comm[n:], strict=True)), int(nbytes), int(wire), rows)
+    return RunTotals(int(nbytes), int(wire), rows)

@@ -16,6 +16,7 @@ formulas the projection uses for `--backend` (bench/network/costs.py): each form
 k_a * alpha + k_b * S / beta, linear in (alpha, 1/beta). The fit's residuals are printed
 and stored under each tier's `fit:` in the YAML, which `get_profile(path)` loads.
 With one rank per node (the default locally) only `inter` is measured and `intra` is a copy.
+With gloo the tiers also get TCP's initial window (slow start after idle).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from bench.network import costs
 from bench.network.profiles import Tier, parse_tier
 
 DEFAULT_SIZES = ("4KiB", "64KiB", "1MiB", "4MiB")
+TCP_INITIAL_WINDOW_B = 14480
+"""gloo runs over TCP: Linux's initial congestion window (10 segments of 1448 B) goes into
+the fitted tiers, for slow start on idle connections (docs/network-model.md). The probe
+itself times warm connections (a warm-up round first)."""
 OPS = ("p2p", "all_reduce", "all_gather", "broadcast")
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 10**3, "KB": 10**3,
           "MB": 10**6, "GB": 10**9}
@@ -173,6 +178,7 @@ def fit_profile(rows: list[dict], backend: str, name: str, description: str) -> 
         source = tier if tier in tiers else next(iter(tiers))
         doc_tiers[f"{name}-{tier}"] = dict(
             latency_s=tiers[source].latency_s, bandwidth_Bps=tiers[source].bandwidth_Bps,
+            **({"tcp_initial_window": TCP_INITIAL_WINDOW_B} if backend == "gloo" else {}),
             fit=fits[source] if source == tier else f"not measured: copy of {source}")
     profile = dict(description=description, intra=f"{name}-intra", inter=f"{name}-inter")
     return dict(tiers=doc_tiers, profiles={name: profile})

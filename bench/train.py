@@ -220,8 +220,8 @@ class Trainer:
     def summarise(self, state: LoopState) -> dict:
         """The run's summary (every rank returns it) and, on rank 0, comm.jsonl."""
         cfg = self.cfg
-        totals = run_totals(self.ledger, TRAIN_PHASES, self.profiles, self.rank,
-                            self.ranks_per_node, state.step, self.device, self.net_model)
+        totals = run_totals(self.ledger, TRAIN_PHASES, self.device, self.net_model)
+        steps = max(1, state.step)
         if self.rank == 0:
             write_jsonl(self.records.comm, totals.comm_rows)
         with self.comm.phase("metrics"):
@@ -242,13 +242,15 @@ class Trainer:
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
             final_val_loss_extra=state.extra_val, target_loss=cfg.run.target_loss,
             **(state.target or {}),
-            projected={name: Projection.of(state.projected_s.get(name, 0.0), comm_s,
+            projected={name: Projection.of(state.projected_s.get(name, 0.0),
+                                           state.projected_comm_s.get(name, 0.0) / steps,
                                            state.step, state.tokens)
-                       for name, comm_s in totals.comm_s_per_step.items()},
+                       for name in self.profiles},
             projected_no_overlap={
-                name: Projection.of(state.projected_no_overlap_s.get(name, 0.0), comm_s,
+                name: Projection.of(state.projected_no_overlap_s.get(name, 0.0),
+                                    state.projected_comm_no_overlap_s.get(name, 0.0) / steps,
                                     state.step, state.tokens)
-                for name, comm_s in totals.comm_s_per_step_no_overlap.items()},
+                for name in self.profiles},
             projection_model=f"{self.net_model} collectives, overlap-aware",
             optim=describe_optimizer(getattr(self.strategy, "optimizer", None)),
             num_params=self.num_params, flops_per_token=self.flops_per_token,

@@ -121,3 +121,25 @@ def test_projected_time_accumulates_step_by_step(straggler_run):
     val3 = next(r for r in rows if r["step"] == 3 and "val_loss" in r)
     assert at_target == val3["projected_elapsed_s"]["wan-1g"]
     assert at_target > wan_total * summary["tokens_to_target"] / summary["total_tokens"]
+
+
+def test_coupled_max_takes_the_slowest_rank_per_stretch_not_per_step():
+    """Two ranks with alternating jitter over 4 local steps then an outer step: they wait
+    for each other only at the outer step, so the stretch costs the slower rank's SUM
+    (4 + 3 + ... = 12.0 s), not the sum of per-step maxima (which would say 14.0 s)."""
+    from bench.meter import coupled_max
+
+    # [ranks, steps, k]; k = 2 columns (e.g. two profiles), the second doubled
+    rank0 = [3.0, 2.0, 3.0, 2.0, 2.0]
+    rank1 = [2.0, 3.0, 2.0, 3.0, 1.0]
+    values = torch.tensor([[[v, 2 * v] for v in rank0], [[v, 2 * v] for v in rank1]],
+                          dtype=torch.float64)
+    local = torch.tensor([False, False, False, False, True])
+    assert coupled_max(values, local).tolist() == [12.0, 24.0]
+    # every step coupled (DDP): the per-step maxima, 3 + 3 + 3 + 3 + 2
+    assert coupled_max(values, torch.ones(5, dtype=torch.bool)).tolist() == [14.0, 28.0]
+    # no coupled step: the window's end still waits for the slowest rank (12 vs 11)
+    assert coupled_max(values, torch.zeros(5, dtype=torch.bool)).tolist() == [12.0, 24.0]
+    # a coupled step in the middle: stretches [0, 1] (5 vs 5) and [2..4] (7 vs 6)
+    mid = torch.tensor([False, True, False, False, False])
+    assert coupled_max(values, mid).tolist() == [12.0, 24.0]

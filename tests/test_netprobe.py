@@ -39,6 +39,10 @@ def test_fit_recovers_alpha_beta_and_writes_a_loadable_profile(tmp_path):
     assert p.intra.latency_s == pytest.approx(20e-6) and p.intra.bandwidth_Bps == pytest.approx(1e9)
     fit = yaml.safe_load(out.read_text())["tiers"]["lab-inter"]["fit"]
     assert fit["points"] == 16 and fit["rms_rel_residual"] == pytest.approx(0, abs=1e-9)
+    # gloo runs over TCP: the tiers carry Linux's initial window (slow start after idle)
+    assert p.inter.tcp_initial_window_B == p.intra.tcp_initial_window_B == 14480
+    nccl = fit_profile(rows, "nccl", "ib", "synthetic")
+    assert all("tcp_initial_window" not in t for t in nccl["tiers"].values())
 
 
 def test_parse_size_names_the_bad_entry():

@@ -1,10 +1,12 @@
 """The alpha-beta cost model against hand-computed values; YAML profiles; heterogeneous
 links; backend formulas; the overlap timeline; the defects issue #17 found."""
 
+import math
 from dataclasses import dataclass
 
 import pytest
 
+from algorithms.base import StepStats
 from algorithms.comm import CommRecord
 from bench.network import (
     ETH_10G,
@@ -20,14 +22,17 @@ from bench.network import (
     bucket_timeline,
     delay_policy,
     get_profile,
+    link_keys,
     p2p_s,
     project,
     project_overlap,
     record_seconds,
     reduce_scatter_s,
     sites_profile,
+    slow_start_extra_s,
     wire_bytes,
 )
+from bench.network.profiles import parse_tier
 
 MB = 1e6
 TIER = Tier(latency_s=10e-6, bandwidth_Bps=10e9)  # alpha = 10 us, beta = 10 GB/s
@@ -155,6 +160,18 @@ def test_exchange_peers_share_the_rank_link():
     assert mixed == pytest.approx(max(p2p_s(MB, WAN_1G), p2p_s(MB, NVLINK)))
 
 
+def test_gloo_exchange_waits_for_the_peers_ready_to_receive():
+    # gloo sends only after the receiver's ready-to-receive notification; in an exchange
+    # both peers post isend and irecv at once, so the notification's one-way latency comes
+    # first: 2 alpha + sum S_p / beta on the shared link (shaped links: GASLoC's exchange
+    # ran ~2x the one-alpha model at 10 ms).
+    wan = get_profile("wan-1g")
+    got = record_seconds(rec("exchange", 2 * MB, 3, peers=(1, 2)), wan, 0, 1, backend="gloo")
+    assert got == pytest.approx(2 * 10e-3 + 2 * MB / 125e6)
+    nccl = record_seconds(rec("exchange", 2 * MB, 3, peers=(1, 2)), wan, 0, 1, backend="nccl")
+    assert nccl == pytest.approx(10e-3 + 2 * MB / 125e6)
+
+
 def test_hierarchical_outer_all_reduces_share_the_node_link():
     # 2 nodes x 4 ranks, DiLoCo with a replica per node: the cross groups are (0,4), (1,5),
     # (2,6), (3,7); all four all-reduce |theta| out of each node at once over one 10 GbE NIC,
@@ -184,7 +201,7 @@ def test_emulation_queues_overlapping_ops_on_the_link():
 
 
 def test_builtin_profiles_come_from_the_shipped_yaml():
-    assert get_profile("wan-1g").inter == Tier(10e-3, 125e6)
+    assert get_profile("wan-1g").inter == Tier(10e-3, 125e6, tcp_initial_window_B=14480)
     assert get_profile("ib-400g").inter == Tier(5e-6, 50e9, nics=8)
     two = get_profile("two-sites")
     assert [[two.node_link(a, b) for b in range(4)][a ^ 1] for a in range(4)] == [IB_400G] * 4
@@ -235,6 +252,8 @@ def test_user_yaml_profile_by_path(tmp_path):
      r"mine.yaml.links\[0\].nodes must be two different node numbers >= 0, got \[1, 1\]"),
     ("intra: nvlink\ninter: {latency: 1ms, latency_s: 0.001, bandwidth: 1GB/s}\n",
      r"mine.yaml.inter.latency must be given exactly once"),
+    ("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1GB/s, tcp_initial_window: 0}\n",
+     r"mine.yaml.inter.tcp_initial_window must be a number of bytes > 0 .*got 0"),
 ])
 def test_yaml_validation_names_field_value_and_valid(tmp_path, text, message):
     path = tmp_path / "mine.yaml"
@@ -337,3 +356,76 @@ def test_config_accepts_profile_paths(tmp_path):
     path.write_text("intra: nvlink\ninter: {latency: 1ms, bandwidth: fast}\n")
     with pytest.raises(ValueError, match=r"mine.yaml.inter.bandwidth must be .* got 'fast'"):
         load_config(None, [f"network.profiles=[{path}]"])
+
+
+# ---------------------------------------------------------------- TCP slow start on cold links
+
+
+def test_slow_start_by_hand():
+    # alpha 10 ms (round trip 20 ms), beta 1 MB/s, initial window 1000 B: a 10 kB message
+    # goes in rounds of 1000, 2000, 4000 B (each a round trip instead of w / beta), then the
+    # remaining 3000 B at line rate: extra = (.02 - .001) + (.02 - .002) + (.02 - .004)
+    tcp = Tier(10e-3, 1e6, tcp_initial_window_B=1000)
+    assert slow_start_extra_s(10_000, tcp) == pytest.approx(0.053)
+    # the window stops growing at the bandwidth-delay product (1e5 B/s x 20 ms = 2000 B)
+    slow = Tier(10e-3, 1e5, tcp_initial_window_B=1000)
+    assert slow_start_extra_s(10_000, slow) == pytest.approx(0.02 - 0.01)
+    # nothing for a message inside the first window, or a tier without TCP slow start
+    assert slow_start_extra_s(1000, tcp) == 0.0
+    assert slow_start_extra_s(10_000, Tier(10e-3, 1e6)) == 0.0
+    # from YAML
+    assert parse_tier({"latency": "10ms", "bandwidth": 1e6, "tcp_initial_window": 1000},
+                      "t", {}) == tcp
+
+
+def test_slow_start_after_idle_restarts_the_window():
+    # Linux halves the window once per RTO of idle beyond the first (RTO = 200 ms + one
+    # round trip = 220 ms here), from what the message needed (10 kB), down to w0
+    tcp = Tier(10e-3, 1e6, tcp_initial_window_B=1000)
+    assert slow_start_extra_s(10_000, tcp, idle_s=0.1) == 0.0  # shorter than the RTO
+    # 0.3 s: one halving, 5000 B: one round of 5000 B, then the window covers the rest
+    assert slow_start_extra_s(10_000, tcp, idle_s=0.3) == pytest.approx(0.02 - 0.005)
+    # 1 s: four halvings, down to w0: the full ramp, as for a connection never used
+    assert slow_start_extra_s(10_000, tcp, idle_s=1.0) == pytest.approx(0.053)
+
+
+def test_cold_links_pay_slow_start_once_per_op():
+    tcp = Tier(10e-3, 1e6, tcp_initial_window_B=1000)
+    net = Profile("tcp", tcp, tcp)
+    # gossip exchange with one peer, 10 kB: gloo's 2 alpha + S/beta, plus the ramp when cold
+    ex = rec("exchange", 10_000, 2, peers=(1,))
+    warm = project([ex], net, 0, 1, backend="gloo")
+    assert warm == pytest.approx(0.02 + 0.01)
+    assert project([ex], net, 0, 1, backend="gloo", idle=math.inf) == pytest.approx(warm + 0.053)
+    # per connection: only the peer that was idle pays
+    idle = {("peer", 1): math.inf, ("peer", 2): 0.0}
+    assert project([rec("send", 10_000, 2, peers=(2,))], net, idle=idle.get) == pytest.approx(
+        0.01 + 0.01)
+    assert project([rec("send", 10_000, 2, peers=(1,))], net, idle=idle.get) == pytest.approx(
+        0.01 + 0.01 + 0.053)
+    # ring all-reduce on 2 ranks: the first message is a chunk, S/n = 10 kB of 20 kB
+    ar = rec("all_reduce", 20_000, 2)
+    warm = project([ar], net, 0, 1)
+    assert project([ar], net, 0, 1, idle=math.inf) == pytest.approx(warm + 0.053)
+    assert link_keys(ar) == [("group", (0, 1))]
+    assert link_keys(rec("exchange", 1, 3, peers=(1, 2))) == [("peer", 1), ("peer", 2)]
+
+
+def test_step_clock_prices_idle_connections():
+    """The loop's clock: a connection unused since the previous step is warm; one unused
+    for a modelled second (four RTOs) restarts from the initial window."""
+    import torch
+
+    from bench.meter import StepClock
+
+    tcp = Tier(10e-3, 1e6, tcp_initial_window_B=1000)
+    clock = StepClock({"tcp": Profile("tcp", tcp, tcp)}, 0, 1, torch.device("cpu"))
+    ar = rec("all_reduce", 20_000, 2)
+    stats = StepStats(loss=1.0, tokens=1)
+    for records in ([ar], [ar], [], [ar]):
+        clock.add(1.0, stats, records)
+    overlap_aware = clock.projected[0::2]  # [overlap, no-overlap] per step
+    warm = 1.0 + all_reduce_s(2, 20_000, tcp)
+    assert overlap_aware == pytest.approx([warm + 0.053, warm, 1.0, warm + 0.053])
+    assert clock.coupled == [1.0, 1.0, 0.0, 1.0]
+    assert clock.comm[0] == pytest.approx(sum(overlap_aware) - 4.0)

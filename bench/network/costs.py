@@ -14,8 +14,9 @@ Algorithms (`algorithm=` below; bench.network's `backend=` picks them):
   send, so every ring step costs two one-way latencies (measured on shaped links: charging
   2a per step predicts gloo's all_reduce within 4%, the naive ring is 1.4-2.1x off at
   10 ms). all_reduce 2(n-1)(2a + S/(n b)); reduce_scatter (n-1)(2a + S/(n b));
-  all_gather (n-1)(2a + S/b); broadcast L(2a + S/b). p2p stays a + S/b (the receive is
-  posted before the data arrives; ping-pong measured within 13%).
+  all_gather (n-1)(2a + S/b); broadcast L(2a + S/b). send/recv stay a + S/b (the receive
+  is posted before the data arrives; ping-pong measured within 13%); a symmetric
+  `exchange` (both peers post at once, gossip) pays the handshake: 2a + S/b per link.
 - `nccl-ring`: pipelined rings. all_reduce 2(n-1)(a + S/(n b)) (as naive);
   broadcast (n-1)a + S/b (chunks pipelined round the ring); others as naive.
 - `nccl-tree`: double binary tree all_reduce (reduce up, broadcast down, pipelined):
@@ -25,6 +26,7 @@ Algorithms (`algorithm=` below; bench.network's `backend=` picks them):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from bench.network.profiles import Tier
@@ -99,6 +101,55 @@ def broadcast_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> 
         return (n - 1) * tier.latency_s + nbytes / tier.bandwidth_Bps
     h = _handshakes(algorithm)
     return _log2(n) * (h * tier.latency_s + nbytes / tier.bandwidth_Bps)
+
+
+TCP_MIN_RTO_S = 0.2
+"""Linux's minimum retransmission timeout (tcp_rto_min); RTO ~ this + one round trip."""
+
+
+def slow_start_extra_s(nbytes: float, tier: Tier, idle_s: float = math.inf) -> float:
+    """Extra seconds to send one `nbytes` message over a TCP connection of `tier` that has
+    been idle for `idle_s` (math.inf: never used).
+
+    Linux restarts the congestion window after an idle longer than the RTO (RTO =
+    TCP_MIN_RTO_S + 2 alpha; `tcp_slow_start_after_idle`, on by default): it halves the
+    window once for every further RTO idle, down to the initial window w0 =
+    `tcp_initial_window_B`. The window before the idle is taken to be what the message
+    needs, min(S, b * 2a). From there the window doubles every round trip until it covers
+    the message or the bandwidth-delay product; each such round costs a round trip instead
+    of w / b. Extra = sum over those rounds of (2a - w_i / b). 0 for a tier without TCP
+    slow start (window None), an idle shorter than the RTO, or a message inside the window.
+    """
+    w0 = tier.tcp_initial_window_B
+    rtt, beta = 2 * tier.latency_s, tier.bandwidth_Bps
+    if w0 is None or nbytes <= w0 or not idle_s > TCP_MIN_RTO_S + rtt:
+        return 0.0
+    bdp = beta * rtt
+    halvings = min(64, math.ceil(min(idle_s, 1e9) / (TCP_MIN_RTO_S + rtt)) - 1)
+    window = max(w0, min(nbytes, bdp) / 2**halvings)
+    sent = extra = 0.0
+    while sent + window < nbytes and window < bdp:
+        sent += window
+        extra += rtt - window / beta
+        window *= 2
+    return extra
+
+
+def first_message_bytes(op: str, n: int, nbytes: float, algorithm: str) -> float:
+    """The bytes of the first message an op sends on each link (what slow start ramps up
+    for): a ring step's chunk S/n (all_reduce, reduce_scatter), the whole S for
+    all_gather, broadcast, the tree all_reduce and point-to-point."""
+    if op == "barrier" or n <= 1:
+        return 0.0
+    if op in ("all_reduce", "reduce_scatter") and algorithm != "nccl-tree":
+        return nbytes / n
+    return float(nbytes)
+
+
+def exchange_handshakes(algorithm: str) -> int:
+    """Latencies paid by a symmetric exchange (both peers post isend and irecv at once):
+    gloo sends only after the peer's ready-to-receive arrives, so 2; else 1."""
+    return _handshakes(check_algorithm(algorithm))
 
 
 def p2p_s(nbytes: float, tier: Tier, algorithm: str = "naive") -> float:

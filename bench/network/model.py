@@ -14,7 +14,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from bench.network.costs import COLLECTIVES, canonical_op, check_algorithm, p2p_s
+from bench.network.costs import (
+    COLLECTIVES,
+    canonical_op,
+    check_algorithm,
+    exchange_handshakes,
+    first_message_bytes,
+    p2p_s,
+    slow_start_extra_s,
+)
 from bench.network.profiles import Profile, Tier
 
 if TYPE_CHECKING:  # torch stays out of `commbench --help`
@@ -34,7 +42,8 @@ def shared_tier(tier: Tier, flows: int) -> Tier:
     """The share of `tier` one of `flows` concurrent flows out of a node gets: the flows
     spread over the tier's `nics` links, ceil(flows / nics) share each one."""
     share = math.ceil(flows / tier.nics)
-    return tier if share <= 1 else Tier(tier.latency_s, tier.bandwidth_Bps / share, 1)
+    return tier if share <= 1 else Tier(tier.latency_s, tier.bandwidth_Bps / share, 1,
+                                         tier.tcp_initial_window_B)
 
 
 def record_seconds(record: CommRecord, profile: Profile, rank: int = 0,
@@ -53,21 +62,48 @@ def record_seconds(record: CommRecord, profile: Profile, rank: int = 0,
     - exchange: nbytes is the total sent and peers all peers; each peer gets
       nbytes/len(peers) (symmetric exchange, as in gossip). Peers reached over the rank's
       node link (other nodes) share it: those messages leave one after the other,
-      max(alpha) + sum(S_p / beta_p); peers inside the node likewise share the intra link;
+      h max(alpha) + sum(S_p / beta_p), h = 2 on gloo (every send waits for the peer's
+      ready-to-receive, posted at the same moment), else 1; peers inside the node
+      likewise share the intra link;
       the two classes run concurrently. Each peer's link is the slower of both directions.
     """
     return _Model(profile, rank, ranks_per_node, backend)(record)
 
 
+IdleOf = Callable[[tuple], float]
+"""Seconds a connection has been idle, by `link_keys` key (math.inf: never used)."""
+
+
+def link_keys(record: CommRecord) -> list[tuple]:
+    """The connections an op uses: one per peer for point-to-point ops, the group's for a
+    collective (its ring or tree neighbours)."""
+    op = canonical_op(record.op)
+    if op in COLLECTIVES:
+        ranks = record.peers if record.peers is not None else tuple(range(record.group_size))
+        return [("group", tuple(ranks))]
+    return [("peer", p) for p in (record.peers or ())]
+
+
+def _warm(key: tuple) -> float:
+    return 0.0
+
+
 class _Model:
-    """record_seconds for one (profile, rank, backend), caching each group's tiers."""
+    """record_seconds for one (profile, rank, backend), caching each group's tiers.
+
+    `idle`: how long each connection the records use has been idle; TCP tiers
+    (`tcp_initial_window_B`) then pay slow start on the op's first message
+    (`slow_start_extra_s`; the slowest of the op's links, or of an exchange's peers, whose
+    ramps run at the same time). Default: every connection warm.
+    """
 
     def __init__(self, profile: Profile, rank: int, ranks_per_node: int,
-                 backend: str | None = None):
+                 backend: str | None = None, idle: IdleOf = _warm):
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node!r}")
         self.profile, self.rank, self.ranks_per_node = profile, rank, ranks_per_node
         self.algorithm = check_algorithm(backend or "naive")
+        self.idle = idle
         self.tiers: dict[tuple[int, ...], list[Tier]] = {}
 
     def __call__(self, record: CommRecord) -> float:
@@ -76,22 +112,31 @@ class _Model:
             ranks = record.peers if record.peers is not None else tuple(range(record.group_size))
             if ranks not in self.tiers:
                 self.tiers[ranks] = self._group_tiers(ranks)
-            formula = COLLECTIVES[op]
+            formula, tiers = COLLECTIVES[op], self.tiers[ranks]
+            first = first_message_bytes(op, len(ranks), record.nbytes, self.algorithm)
+            idle = self.idle(("group", tuple(ranks)))
             return max((formula(len(ranks), record.nbytes, t, self.algorithm)
-                        for t in self.tiers[ranks]), default=0.0)
+                        + slow_start_extra_s(first, t, idle) for t in tiers), default=0.0)
         if not record.peers:
             raise ValueError(f"{op} record needs peers, got {record.peers!r}")
         if op != "exchange":
-            return max(p2p_s(record.nbytes, t, self.algorithm) for t in self._both(record.peers[0]))
+            peer = record.peers[0]
+            idle = self.idle(("peer", peer))
+            return max(p2p_s(record.nbytes, t, self.algorithm)
+                       + slow_start_extra_s(record.nbytes, t, idle) for t in self._both(peer))
         per_peer = record.nbytes / len(record.peers)
         node = self.rank // self.ranks_per_node
         classes: dict[bool, list[tuple[float, float]]] = {}
+        ramp = 0.0
         for peer in record.peers:
             tiers = self._both(peer)
             classes.setdefault(peer // self.ranks_per_node == node, []).append(
                 (max(t.latency_s for t in tiers), max(per_peer / t.bandwidth_Bps for t in tiers)))
-        return max(max(a for a, _ in msgs) + sum(s for _, s in msgs)
-                   for msgs in classes.values())
+            idle = self.idle(("peer", peer))
+            ramp = max(ramp, *(slow_start_extra_s(per_peer, t, idle) for t in tiers))
+        h = exchange_handshakes(self.algorithm)
+        return ramp + max(h * max(a for a, _ in msgs) + sum(s for _, s in msgs)
+                          for msgs in classes.values())
 
     def _both(self, peer: int) -> tuple[Tier, Tier]:
         link = self.profile.link
@@ -113,16 +158,25 @@ class _Model:
 
 def project(records: Iterable[CommRecord], profile: Profile, rank: int = 0,
             ranks_per_node: int = 1, *, backend: str | None = None,
-            overlap: bool = False) -> float:
+            overlap: bool = False, idle: IdleOf | float = 0.0) -> float:
     """Modelled communication seconds of `records` (one rank's) on `profile`, summed.
 
     overlap=False: a plain sum, no overlap with compute or other ops (the naive
-    projection). overlap=True: `project_overlap`.
+    projection). overlap=True: `project_overlap`. `idle`: seconds each connection has been
+    idle before these records (a number for all of them, or a function of the `link_keys`
+    key; math.inf = never used): TCP slow start (`_Model`). 0 = warm.
     """
+    if not callable(idle):
+        idle = _constant(idle)
     if overlap:
-        return project_overlap(records, profile, rank, ranks_per_node, backend=backend)
-    model = _Model(profile, rank, ranks_per_node, backend)
+        return project_overlap(records, profile, rank, ranks_per_node, backend=backend,
+                               idle=idle)
+    model = _Model(profile, rank, ranks_per_node, backend, idle)
     return sum(model(r) for r in records)
+
+
+def _constant(seconds: float) -> IdleOf:
+    return lambda key: seconds
 
 
 def bucket_timeline(buckets: Iterable[tuple[float, float]]) -> float:
@@ -139,7 +193,8 @@ def bucket_timeline(buckets: Iterable[tuple[float, float]]) -> float:
 
 
 def project_overlap(records: Iterable[CommRecord], profile: Profile, rank: int = 0,
-                    ranks_per_node: int = 1, *, backend: str | None = None) -> float:
+                    ranks_per_node: int = 1, *, backend: str | None = None,
+                    idle: IdleOf = _warm) -> float:
     """Exposed communication seconds of `records` on `profile`, overlap-aware (torch DDP).
 
     Per step, the records carrying `lead_s` (seconds from the bucket's launch to the end of
@@ -147,7 +202,7 @@ def project_overlap(records: Iterable[CommRecord], profile: Profile, rank: int =
     exposed = max(0, end of the last one). Records without `lead_s` (or lead_s None) do not
     overlap: their modelled seconds are added in full.
     """
-    model = _Model(profile, rank, ranks_per_node, backend)
+    model = _Model(profile, rank, ranks_per_node, backend, idle)
     steps: dict[int, list[tuple[float, float]]] = {}
     exposed = 0.0
     for r in records:

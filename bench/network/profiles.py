@@ -35,11 +35,16 @@ class Tier:
 
     `nics`: independent links of this kind out of one node (e.g. one NIC per GPU); flows
     leaving a node at once share ceil(flows / nics) of them (see the model's contention).
+    `tcp_initial_window_B`: a TCP link's initial congestion window in bytes (Linux: 10
+    segments, 14480 B): a message over a COLD connection (idle for a whole step) ramps up
+    by slow start (bench/network/costs.py `slow_start_extra_s`); None = no slow start
+    (RDMA, NVLink, InfiniBand).
     """
 
     latency_s: float
     bandwidth_Bps: float
     nics: int = 1
+    tcp_initial_window_B: float | None = None
 
     def __post_init__(self):
         if not self.latency_s >= 0:
@@ -48,6 +53,9 @@ class Tier:
             raise ValueError(f"Tier.bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
         if not isinstance(self.nics, int) or self.nics < 1:
             raise ValueError(f"Tier.nics must be an integer >= 1, got {self.nics!r}")
+        if self.tcp_initial_window_B is not None and not self.tcp_initial_window_B > 0:
+            raise ValueError(f"Tier.tcp_initial_window_B must be > 0 bytes or None, got "
+                             f"{self.tcp_initial_window_B!r}")
 
 
 @dataclass(frozen=True)
@@ -136,7 +144,8 @@ def parse_bandwidth(value, where: str) -> float:
     return float(m.group(1)) * scale
 
 
-_TIER_KEYS = {"latency", "latency_s", "bandwidth", "bandwidth_Bps", "nics", "fit"}
+_TIER_KEYS = {"latency", "latency_s", "bandwidth", "bandwidth_Bps", "nics", "tcp_initial_window",
+              "fit"}
 
 
 def parse_tier(spec, where: str, named: dict[str, Tier]) -> Tier:
@@ -168,7 +177,13 @@ def parse_tier(spec, where: str, named: dict[str, Tier]) -> Tier:
         raise _fail(f"{where}.latency", spec.get("latency", spec.get("latency_s")), ">= 0")
     if bandwidth <= 0:
         raise _fail(f"{where}.bandwidth", spec.get("bandwidth", spec.get("bandwidth_Bps")), "> 0")
-    return Tier(latency, bandwidth, nics)
+    window = spec.get("tcp_initial_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float))
+                               or not window > 0):
+        raise _fail(f"{where}.tcp_initial_window", window,
+                    "a number of bytes > 0 (Linux: 14480 = 10 segments of 1448 B), or absent "
+                    "for links without TCP slow start")
+    return Tier(latency, bandwidth, nics, None if window is None else float(window))
 
 
 _PROFILE_KEYS = {"name", "description", "intra", "inter", "sites", "links"}

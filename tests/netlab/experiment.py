@@ -33,6 +33,8 @@ STEPS = int(os.environ.get("NETLAB_STEPS", "40"))
 LOG_EVERY = 10
 CONFIGS = {"ddp": "configs/ddp-tiny.yaml", "diloco": "configs/diloco-tiny.yaml",
            "gasloc": "configs/gasloc-tiny.yaml"}
+TCP_INITIAL_WINDOW = 14480
+"""Linux's initial congestion window: 10 segments of 1448 payload bytes (MTU 1500)."""
 ZERO_PROFILE = "intra: {latency_s: 0.0, bandwidth_Bps: 1.0e+18}\n" \
                "inter: {latency_s: 0.0, bandwidth_Bps: 1.0e+18}\n"
 
@@ -50,11 +52,13 @@ class Case:
 
     def profile_yaml(self) -> str:
         """The profile describing the shaped links (docs/network-model.md): alpha = delay +
-        50 us, beta = rate x 1448/1514 / 8; a pair's link is its slower endpoint's."""
+        50 us, beta = rate x 1448/1514 / 8, TCP's initial window 10 x 1448 B (Linux); a
+        pair's link is its slower endpoint's."""
         def tier(i, j):
             rate = min(self.rates_mbit[i], self.rates_mbit[j]) * 1e6 * 1448 / 1514 / 8
             delay = max(self.delays_ms[i], self.delays_ms[j]) / 1e3 + 50e-6
-            return f"{{latency_s: {delay!r}, bandwidth_Bps: {rate!r}}}"
+            return (f"{{latency_s: {delay!r}, bandwidth_Bps: {rate!r}, "
+                    f"tcp_initial_window: {TCP_INITIAL_WINDOW}}}")
         lines = ["intra: {latency_s: 5.0e-06, bandwidth_Bps: 1.0e+10}", f"inter: {tier(0, 1)}",
                  "links:"]
         lines += [f"  - {{nodes: [{i}, {j}], tier: {tier(i, j)}}}"
