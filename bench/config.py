@@ -129,6 +129,9 @@ class NetworkConfig:
     model: Literal["auto", "gloo", "nccl", "nccl-ring", "nccl-tree", "naive"] = "auto"
     """Collective algorithm the projection and emulation price (docs/network-model.md):
     auto = the run's backend (gloo on CPU, nccl on GPU); naive = textbook ring formulas."""
+    links: str | None = None
+    """What the run's own links are, for the report (e.g. "shaped: tbf 100 Mbit/s + 10 ms");
+    null = "this machine's own links" (or the emulated profile with `emulate`)."""
 
 
 @dataclass

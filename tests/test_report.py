@@ -581,3 +581,20 @@ def test_runs_below_the_target_at_their_first_validation_are_counted(tmp_path):
     assert rows.loc["diloco-H10", "at_first_validation"] == 2  # 3.8 at step 10
     assert rows.loc["ddp", "at_first_validation"] == 0  # 4.0, then 3.0: crosses at step 11
     assert rows.loc["ddp", "time_to_target_s"] == pytest.approx(11)
+
+
+def test_report_says_which_links_each_run_was_measured_on(tmp_path):
+    """Own links, sleep-based emulation, or what the user said (network.links: shaped)."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+        write_run(sweep_dir, sweep, "diloco", "diloco", seed, DILOCO_VAL[seed], 0.5,
+                  config={"network": {"emulate": "wan-1g"}})
+    write_run(sweep_dir, sweep, "gasloc", "gasloc", 0, DILOCO_VAL[0], 0.5,
+              config={"network": {"links": "shaped: tbf 100 Mbit/s + 10 ms"}})
+    out = tmp_path / "out"
+    build_report(_save(sweep_dir, sweep), out)
+    md = (out / "report.md").read_text()
+    assert "2 on this machine's own links" in md
+    assert "2 on sleep-based emulation of wan-1g" in md
+    assert "1 on shaped: tbf 100 Mbit/s + 10 ms" in md

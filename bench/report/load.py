@@ -197,10 +197,10 @@ def load_results(results_dir: str | os.PathLike) -> Results:
         row["delay_ref"] = f"{row['sweep']}#{_compared_config_key(config, _DELAY_KEYS)}"
         row["projection_model"] = (summary or {}).get(
             "projection_model", "naive formulas, no overlap (record without projection_model)")
-        emulated = (config.get("network") or {}).get("emulate") if isinstance(
-            config.get("network"), dict) else None
+        network = config.get("network") if isinstance(config.get("network"), dict) else {}
+        emulated, links = network.get("emulate"), network.get("links")
         row["links"] = (f"sleep-based emulation of {emulated}" if emulated
-                        else "this machine's own links")
+                        else str(links) if links else "this machine's own links")
         for key in SUMMARY_NUMBERS:
             value = (summary or {}).get(key)
             row[key] = float(value) if _is_number(value) else math.nan
