@@ -2,7 +2,7 @@
 links; backend formulas; the overlap timeline; the defects issue #17 found."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -126,7 +126,9 @@ def test_sites_profile_and_validation():
 
 
 def test_project_and_delay_policy_agree():
+    # on warm connections (wan-1g's TCP slow start: test_emulation_pays_slow_start_...)
     wan = get_profile("wan-1g")
+    wan = Profile("warm-wan", wan.intra, replace(wan.inter, tcp_initial_window_B=None))
     records = [rec("all_reduce", MB, 2), rec("send", MB, 2, peers=(1,)), rec("recv", MB, 2, (1,))]
     expected = all_reduce_s(2, MB, WAN_1G) + 2 * p2p_s(MB, WAN_1G)
     assert project(records, wan, 0, 1) == pytest.approx(expected)
@@ -195,6 +197,20 @@ def test_emulation_queues_overlapping_ops_on_the_link():
     cost = all_reduce_s(2, 0, Tier(1.0, 1e6))
     assert first == pytest.approx(cost, rel=1e-3)
     assert second == pytest.approx(2 * cost, rel=1e-3)
+
+
+def test_emulation_pays_slow_start_on_connections_idle_past_the_rto():
+    # a fake clock: ops complete instantly (seconds=0) at the times we set
+    tcp = Tier(10e-3, 1e6, tcp_initial_window_B=1000)
+    now = [0.0]
+    delay = delay_policy(Profile("tcp", tcp, tcp), 0, 1, clock=lambda: now[0])
+    send = rec("send", 10_000, 2, peers=(1,))
+    warm = p2p_s(10_000, tcp)
+    assert delay(send) == pytest.approx(warm + 0.053)  # a new connection: full ramp
+    now[0] = 0.1  # 0.1 s after launch, i.e. right after the first op ended: warm
+    assert delay(send) == pytest.approx(warm)
+    now[0] = 2.0  # idle ~1.9 s: many RTOs, back to the initial window
+    assert delay(send) == pytest.approx(warm + 0.053)
 
 
 # ---------------------------------------------------------------- profiles as YAML data

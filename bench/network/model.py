@@ -217,20 +217,29 @@ def project_overlap(records: Iterable[CommRecord], profile: Profile, rank: int =
 
 
 class _Emulator:
-    """delay_policy's callable: modelled seconds, queued per link on a busy-until timeline."""
+    """delay_policy's callable: modelled seconds, queued per link on a busy-until timeline;
+    TCP tiers pay slow start on connections idle (in wall time) past the RTO."""
 
     def __init__(self, model: _Model, clock: Callable[[], float]):
         self.model, self.clock = model, clock
         self.busy_until: dict[object, float] = {}
+        self.last_used: dict[tuple, float] = {}  # link_keys key -> emulated end of its last op
         self.lock = threading.Lock()
+        model.idle = self._idle
+        self.start = 0.0
+
+    def _idle(self, key: tuple) -> float:
+        return self.start - self.last_used.get(key, -math.inf)
 
     def __call__(self, record: CommRecord) -> float:
-        cost = self.model(record)
         with self.lock:
-            start = self.clock() - record.seconds  # the op's launch time
+            self.start = start = self.clock() - record.seconds  # the op's launch time
+            cost = self.model(record)
             key = record.peers if record.peers is not None else ("world", record.group_size)
             end = max(start, self.busy_until.get(key, -math.inf)) + cost
             self.busy_until[key] = end
+            for link in link_keys(record):
+                self.last_used[link] = end
         return end - start
 
 
@@ -239,7 +248,8 @@ def delay_policy(profile: Profile, rank: int, ranks_per_node: int = 1, *,
                  clock: Callable[[], float] = time.perf_counter) -> Callable[[CommRecord], float]:
     """The Communicator's emulation hook: record -> seconds the op must take from launch.
 
-    Called when an op completes (`clock()` then; launch = clock() - record.seconds). Ops on
+    Called when an op completes (`clock()` then; launch = clock() - record.seconds). A TCP
+    tier's connection idle past the RTO since its last emulated op pays slow start. Ops on
     one link (the same peers / group) are queued: an op launched while an earlier one is
     still busy on the modelled link starts when that one ends, so two DDP buckets whose
     completion callbacks run in parallel (gloo) are charged one after the other, not at
