@@ -262,6 +262,21 @@ def run_cli(args) -> int:
     return rc
 
 
+def caveats(local_ranks: int, cores: int, nodes: int) -> list[str]:
+    """What makes this machine's measurement a poor stand-in for links (printed and kept
+    in the profile's description)."""
+    notes = []
+    if nodes == 1 and local_ranks > 1:
+        notes.append("all ranks on one host: the links measured are this host's loopback "
+                     "or bridge, not a network; run netprobe across the nodes you mean to "
+                     "project onto")
+    if local_ranks > cores:
+        notes.append(f"{local_ranks} ranks share {cores} CPU cores: the ops wait for CPU, and "
+                     "a run that computes between them waits longer than measured here "
+                     "(docs/network-model.md, Calibration)")
+    return notes
+
+
 def _worker(argv: list[str] | None = None) -> int:
     """One rank under torchrun: probe, and on rank 0 fit and write the profile."""
     import argparse
@@ -280,11 +295,16 @@ def _worker(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     if rank == 0:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        notes = caveats(local, len(os.sched_getaffinity(0)), max(1, world // local))
         desc = (f"measured by commbench netprobe {time.strftime('%Y-%m-%d %H:%M')}: {world} "
-                f"ranks, {args.ranks_per_node} per node, {args.backend}")
+                f"ranks, {args.ranks_per_node} per node, {args.backend}"
+                + "".join(f"; caveat: {n}" for n in notes))
         doc = fit_profile(rows, args.backend, args.name, desc)
         write_profile(doc, Path(args.out))
         print(format_fit(doc))
+        for note in notes:
+            print(f"netprobe caveat: {note}", file=sys.stderr)
         print(f"wrote {args.out}; project onto it with network.profiles=[{args.out}]")
     return 0
 

@@ -78,3 +78,13 @@ def test_commbench_netprobe_cli(tmp_path):
                  "--iters", "2", "--name", "mine", "--timeout", "240"]) == 0
     p = get_profile(str(out))
     assert p.name == "mine" and p.inter.bandwidth_Bps > 0 and p.inter.latency_s >= 0
+
+
+def test_caveats_name_loopback_and_cpu_oversubscription():
+    from bench.netprobe import caveats
+
+    assert caveats(local_ranks=1, cores=8, nodes=4) == []  # one rank per node: links
+    one_host = caveats(local_ranks=4, cores=2, nodes=1)
+    assert len(one_host) == 2
+    assert "loopback" in one_host[0] and "4 ranks share 2 CPU cores" in one_host[1]
+    assert caveats(local_ranks=8, cores=64, nodes=2) == []
