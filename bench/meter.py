@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from algorithms.base import CriticalPath, StepStats
 from algorithms.comm import CommLedger, CommRecord
-from bench.network import Profile, link_keys, project, wire_bytes
-from bench.network.model import IdleOf
+from bench.network import Profile, link_keys, wire_bytes
+from bench.network.model import exposed_s, pricer
 from bench.network.pipeline import critical_path_step_s
 
 OVERLAP_MODES = (True, False)
@@ -176,35 +176,41 @@ class StepClock:
         self.comm = [0.0] * len(OVERLAP_MODES) * self.num_profiles  # modelled, this window
         self.links = {name: LinkClock() for name in profiles}
         """Per profile: when each connection was last used (lives for the whole run)."""
+        self.pricers = {name: pricer(profile, rank, ranks_per_node, backend=model,
+                                     idle=self.links[name].idle)
+                        for name, profile in profiles.items()}
+        """Per profile: record -> modelled seconds (caches each group's tiers)."""
 
     def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord]) -> None:
         """One timed step: its seconds, its stats and its training-traffic ledger records."""
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
-        values = {(overlap, name): self.modelled_step_s(compute_s, step_records, profile,
-                                                        overlap, self.links[name].idle)
-                  for overlap in OVERLAP_MODES for name, profile in self.profiles.items()}
-        for i, value in enumerate(values.values()):
+        modelled: dict[bool, dict[str, float]] = {True: {}, False: {}}  # overlap -> name ->
+        for name, profile in self.profiles.items():  # this rank's modelled step seconds
+            costs = [self.pricers[name](r) for r in step_records]  # each record priced once
+            modelled[True][name] = self.overlap_step_s(compute_s, step_records, costs, profile)
+            modelled[False][name] = compute_s + sum(costs)
+        values = [modelled[overlap][name] for overlap in OVERLAP_MODES for name in self.profiles]
+        for i, value in enumerate(values):
             self.comm[i] += value - compute_s
-        self.projected.extend(values.values())
+        self.projected.extend(values)
         for name, links in self.links.items():
-            links.advance(values[True, name], step_records)
+            links.advance(modelled[True][name], step_records)
         self.coupled.append(1.0 if step_records else 0.0)
         self.num_steps += 1
 
-    def modelled_step_s(self, compute_s: float, records: list[CommRecord], profile: Profile,
-                        overlap: bool, idle: IdleOf | float = 0.0) -> float:
-        """This rank's step on `profile`: compute plus modelled comm, or, overlap-aware
-        with a critical path, the schedule's length (bench/network/pipeline.py). `idle`:
-        how long each connection has been idle (TCP slow start; `bench.network.project`)."""
+    def overlap_step_s(self, compute_s: float, records: list[CommRecord], costs: list[float],
+                       profile: Profile) -> float:
+        """This rank's overlap-aware step on `profile`: compute plus the exposed part of the
+        records' modelled seconds `costs`, or, with a critical path, the schedule's length
+        (bench/network/pipeline.py)."""
         path = self.critical_path
-        if overlap and path is not None:
+        if path is not None:
             return critical_path_step_s(compute_s, records, profile, path.slots,
                                         path.work_slots, path.hops, self.rank,
                                         self.ranks_per_node, backend=self.model)
-        return compute_s + project(records, profile, self.rank, self.ranks_per_node,
-                                   backend=self.model, overlap=overlap, idle=idle)
+        return compute_s + exposed_s(records, costs)
 
     def settle(self) -> Settled:
         """Reduce over ranks (a collective: every rank calls it at the same step)."""

@@ -52,8 +52,9 @@ def check_algorithm(algorithm: str) -> str:
     return algorithm
 
 
-def _handshakes(algorithm: str) -> int:
-    """Latencies paid per ring step / tree round: 2 for gloo (ready-to-receive + data)."""
+def handshakes(algorithm: str) -> int:
+    """Latencies paid per ring step / tree round, and by a symmetric exchange (both peers
+    post at once): 2 for gloo (ready-to-receive + data), else 1."""
     return 2 if algorithm == "gloo" else 1
 
 
@@ -64,7 +65,7 @@ def all_reduce_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") ->
     if n == 1:
         return 0.0
     a, b = tier.latency_s, tier.bandwidth_Bps
-    ring = 2 * (n - 1) * (_handshakes(algorithm) * a + nbytes / (n * b))
+    ring = 2 * (n - 1) * (handshakes(algorithm) * a + nbytes / (n * b))
     tree = 2 * _log2(n) * a + 2 * nbytes / b
     if algorithm == "nccl-tree":
         return tree
@@ -76,14 +77,14 @@ def all_reduce_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") ->
 def reduce_scatter_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> float:
     """Ring reduce-scatter of an S-byte input: (n-1)(h a + S/(n b)), h = 2 on gloo else 1."""
     _check(n, nbytes)
-    h = _handshakes(check_algorithm(algorithm))
+    h = handshakes(check_algorithm(algorithm))
     return (n - 1) * (h * tier.latency_s + nbytes / (n * tier.bandwidth_Bps))
 
 
 def all_gather_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> float:
     """Ring all-gather, S = per-rank bytes: (n-1)(h a + S/b), h = 2 on gloo else 1."""
     _check(n, nbytes)
-    h = _handshakes(check_algorithm(algorithm))
+    h = handshakes(check_algorithm(algorithm))
     return (n - 1) * (h * tier.latency_s + nbytes / tier.bandwidth_Bps)
 
 
@@ -99,7 +100,7 @@ def broadcast_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> 
         return 0.0
     if algorithm.startswith("nccl"):
         return (n - 1) * tier.latency_s + nbytes / tier.bandwidth_Bps
-    h = _handshakes(algorithm)
+    h = handshakes(algorithm)
     return _log2(n) * (h * tier.latency_s + nbytes / tier.bandwidth_Bps)
 
 
@@ -144,12 +145,6 @@ def first_message_bytes(op: str, n: int, nbytes: float, algorithm: str) -> float
     if op in ("all_reduce", "reduce_scatter") and algorithm != "nccl-tree":
         return nbytes / n
     return float(nbytes)
-
-
-def exchange_handshakes(algorithm: str) -> int:
-    """Latencies paid by a symmetric exchange (both peers post isend and irecv at once):
-    gloo sends only after the peer's ready-to-receive arrives, so 2; else 1."""
-    return _handshakes(check_algorithm(algorithm))
 
 
 def p2p_s(nbytes: float, tier: Tier, algorithm: str = "naive") -> float:

@@ -18,8 +18,8 @@ from bench.network.costs import (
     COLLECTIVES,
     canonical_op,
     check_algorithm,
-    exchange_handshakes,
     first_message_bytes,
+    handshakes,
     p2p_s,
     slow_start_extra_s,
 )
@@ -84,26 +84,22 @@ def link_keys(record: CommRecord) -> list[tuple]:
     return [("peer", p) for p in (record.peers or ())]
 
 
-def _warm(key: tuple) -> float:
-    return 0.0
-
-
 class _Model:
     """record_seconds for one (profile, rank, backend), caching each group's tiers.
 
     `idle`: how long each connection the records use has been idle; TCP tiers
     (`tcp_initial_window_B`) then pay slow start on the op's first message
     (`slow_start_extra_s`; the slowest of the op's links, or of an exchange's peers, whose
-    ramps run at the same time). Default: every connection warm.
+    ramps run at the same time). A number applies to every connection; 0 = warm.
     """
 
     def __init__(self, profile: Profile, rank: int, ranks_per_node: int,
-                 backend: str | None = None, idle: IdleOf = _warm):
+                 backend: str | None = None, idle: IdleOf | float = 0.0):
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node!r}")
         self.profile, self.rank, self.ranks_per_node = profile, rank, ranks_per_node
         self.algorithm = check_algorithm(backend or "naive")
-        self.idle = idle
+        self.idle = idle if callable(idle) else lambda key, seconds=float(idle): seconds
         self.tiers: dict[tuple[int, ...], list[Tier]] = {}
 
     def __call__(self, record: CommRecord) -> float:
@@ -134,7 +130,7 @@ class _Model:
                 (max(t.latency_s for t in tiers), max(per_peer / t.bandwidth_Bps for t in tiers)))
             idle = self.idle(("peer", peer))
             ramp = max(ramp, *(slow_start_extra_s(per_peer, t, idle) for t in tiers))
-        h = exchange_handshakes(self.algorithm)
+        h = handshakes(self.algorithm)
         return ramp + max(h * max(a for a, _ in msgs) + sum(s for _, s in msgs)
                           for msgs in classes.values())
 
@@ -156,27 +152,28 @@ class _Model:
         return [shared_tier(t, flows) if t in inter else t for t in tiers]
 
 
+def pricer(profile: Profile, rank: int = 0, ranks_per_node: int = 1, *,
+           backend: str | None = None,
+           idle: IdleOf | float = 0.0) -> Callable[[CommRecord], float]:
+    """record -> modelled seconds on `profile` for this rank (`record_seconds`), keeping
+    its groups' tiers between calls: build one per profile and reuse it. `idle`: seconds
+    each connection has been idle before the record (a number for all of them, or a
+    function of the `link_keys` key; math.inf = never used): TCP slow start. 0 = warm."""
+    return _Model(profile, rank, ranks_per_node, backend, idle)
+
+
 def project(records: Iterable[CommRecord], profile: Profile, rank: int = 0,
             ranks_per_node: int = 1, *, backend: str | None = None,
             overlap: bool = False, idle: IdleOf | float = 0.0) -> float:
     """Modelled communication seconds of `records` (one rank's) on `profile`, summed.
 
     overlap=False: a plain sum, no overlap with compute or other ops (the naive
-    projection). overlap=True: `project_overlap`. `idle`: seconds each connection has been
-    idle before these records (a number for all of them, or a function of the `link_keys`
-    key; math.inf = never used): TCP slow start (`_Model`). 0 = warm.
+    projection). overlap=True: `project_overlap`. `idle`: as `pricer`'s.
     """
-    if not callable(idle):
-        idle = _constant(idle)
-    if overlap:
-        return project_overlap(records, profile, rank, ranks_per_node, backend=backend,
-                               idle=idle)
-    model = _Model(profile, rank, ranks_per_node, backend, idle)
-    return sum(model(r) for r in records)
-
-
-def _constant(seconds: float) -> IdleOf:
-    return lambda key: seconds
+    records = list(records)
+    price = pricer(profile, rank, ranks_per_node, backend=backend, idle=idle)
+    costs = [price(r) for r in records]
+    return exposed_s(records, costs) if overlap else sum(costs)
 
 
 def bucket_timeline(buckets: Iterable[tuple[float, float]]) -> float:
@@ -194,23 +191,28 @@ def bucket_timeline(buckets: Iterable[tuple[float, float]]) -> float:
 
 def project_overlap(records: Iterable[CommRecord], profile: Profile, rank: int = 0,
                     ranks_per_node: int = 1, *, backend: str | None = None,
-                    idle: IdleOf = _warm) -> float:
-    """Exposed communication seconds of `records` on `profile`, overlap-aware (torch DDP).
+                    idle: IdleOf | float = 0.0) -> float:
+    """Exposed communication seconds of `records` on `profile`, overlap-aware (torch DDP):
+    `exposed_s` of their modelled seconds."""
+    return project(records, profile, rank, ranks_per_node, backend=backend, overlap=True,
+                   idle=idle)
+
+
+def exposed_s(records: list[CommRecord], costs: list[float]) -> float:
+    """The exposed part of `records`' modelled seconds `costs` (one per record).
 
     Per step, the records carrying `lead_s` (seconds from the bucket's launch to the end of
     backward; set by the DDP hook) are queued in order on the link by `bucket_timeline`:
-    exposed = max(0, end of the last one). Records without `lead_s` (or lead_s None) do not
-    overlap: their modelled seconds are added in full.
+    exposed = max(0, end of the last one). Records without `lead_s` do not overlap: their
+    modelled seconds are added in full.
     """
-    model = _Model(profile, rank, ranks_per_node, backend, idle)
     steps: dict[int, list[tuple[float, float]]] = {}
     exposed = 0.0
-    for r in records:
-        lead = getattr(r, "lead_s", None)
-        if lead is None:
-            exposed += model(r)
+    for r, cost in zip(records, costs, strict=True):
+        if r.lead_s is None:
+            exposed += cost
         else:
-            steps.setdefault(r.step, []).append((lead, model(r)))
+            steps.setdefault(r.step, []).append((r.lead_s, cost))
     for buckets in steps.values():
         exposed += max(0.0, bucket_timeline(sorted(buckets, key=lambda b: -b[0])))
     return exposed
@@ -220,12 +222,13 @@ class _Emulator:
     """delay_policy's callable: modelled seconds, queued per link on a busy-until timeline;
     TCP tiers pay slow start on connections idle (in wall time) past the RTO."""
 
-    def __init__(self, model: _Model, clock: Callable[[], float]):
-        self.model, self.clock = model, clock
+    def __init__(self, profile: Profile, rank: int, ranks_per_node: int,
+                 backend: str | None, clock: Callable[[], float]):
+        self.model = _Model(profile, rank, ranks_per_node, backend, idle=self._idle)
+        self.clock = clock
         self.busy_until: dict[object, float] = {}
         self.last_used: dict[tuple, float] = {}  # link_keys key -> emulated end of its last op
         self.lock = threading.Lock()
-        model.idle = self._idle
         self.start = 0.0
 
     def _idle(self, key: tuple) -> float:
@@ -255,4 +258,4 @@ def delay_policy(profile: Profile, rank: int, ranks_per_node: int = 1, *,
     completion callbacks run in parallel (gloo) are charged one after the other, not at
     once. Returns (modelled end - launch); the Communicator sleeps off the rest.
     """
-    return _Emulator(_Model(profile, rank, ranks_per_node, backend), clock)
+    return _Emulator(profile, rank, ranks_per_node, backend, clock)
