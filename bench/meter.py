@@ -332,10 +332,9 @@ class RunTotals:
     """Every rank's ledger aggregates (comm.jsonl rows, tagged with the rank)."""
 
 
-def run_totals(ledger: CommLedger, phases, device: torch.device,
-               model: str | None = None) -> RunTotals:
+def run_totals(ledger: CommLedger, device: torch.device, model: str | None = None) -> RunTotals:
     """At the end of a run (a collective over all ranks)."""
-    train = [r for r in ledger.records if r.phase in phases]
+    train = [r for r in ledger.records if r.phase in TRAIN_PHASES]
     nbytes, wire = all_reduce_floats([sum(r.nbytes for r in train),
                                       sum(wire_bytes(r, backend=model) for r in train)], device)
     aggregates = [None] * dist.get_world_size()

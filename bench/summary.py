@@ -20,11 +20,13 @@ class Projection:
     """The run's time on one network profile (bench/network/), modelled from its ledger."""
 
     total_s: float
-    """Sum over steps of the max over ranks of (measured compute + modelled comm)."""
+    """Measured compute + modelled comm, the slowest rank's between the steps where ranks
+    communicate, summed (bench/meter.py `coupled_max`)."""
     step_s: float
     """total_s / steps."""
     comm_s: float
-    """Modelled communication seconds per step of the slowest rank."""
+    """Modelled communication seconds per step in `total_s` (the slowest rank's per settle
+    window)."""
     throughput_tokens_per_s: float | None
     """Tokens consumed / total_s."""
 

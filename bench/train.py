@@ -220,7 +220,7 @@ class Trainer:
     def summarise(self, state: LoopState) -> dict:
         """The run's summary (every rank returns it) and, on rank 0, comm.jsonl."""
         cfg = self.cfg
-        totals = run_totals(self.ledger, TRAIN_PHASES, self.device, self.net_model)
+        totals = run_totals(self.ledger, self.device, self.net_model)
         steps = max(1, state.step)
         if self.rank == 0:
             write_jsonl(self.records.comm, totals.comm_rows)

@@ -36,7 +36,7 @@ class Tier:
     `nics`: independent links of this kind out of one node (e.g. one NIC per GPU); flows
     leaving a node at once share ceil(flows / nics) of them (see the model's contention).
     `tcp_initial_window_B`: a TCP link's initial congestion window in bytes (Linux: 10
-    segments, 14480 B): a message over a COLD connection (idle for a whole step) ramps up
+    segments, 14480 B): a message over a connection idle longer than the RTO ramps up
     by slow start (bench/network/costs.py `slow_start_extra_s`); None = no slow start
     (RDMA, NVLink, InfiniBand).
     """
@@ -148,6 +148,13 @@ _TIER_KEYS = {"latency", "latency_s", "bandwidth", "bandwidth_Bps", "nics", "tcp
               "fit"}
 
 
+def _reject_unknown(spec: dict, allowed: set[str], where: str, noun: str) -> None:
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise _fail(f"{where}.{unknown[0]}", spec[unknown[0]],
+                    f"absent: a {noun}'s keys are {sorted(allowed)}")
+
+
 def parse_tier(spec, where: str, named: dict[str, Tier]) -> Tier:
     """A Tier from a name in `named` or an inline mapping (`fit` is ignored: netprobe notes)."""
     if isinstance(spec, str):
@@ -157,10 +164,7 @@ def parse_tier(spec, where: str, named: dict[str, Tier]) -> Tier:
         return named[spec]
     if not isinstance(spec, dict):
         raise _fail(where, spec, "a tier name or a mapping {latency: ..., bandwidth: ...}")
-    unknown = sorted(set(spec) - _TIER_KEYS)
-    if unknown:
-        raise _fail(f"{where}.{unknown[0]}", spec[unknown[0]],
-                    f"absent: a tier's keys are {sorted(_TIER_KEYS)}")
+    _reject_unknown(spec, _TIER_KEYS, where, "tier")
     values = []
     for short, parse in (("latency", parse_latency), ("bandwidth", parse_bandwidth)):
         full = "latency_s" if short == "latency" else "bandwidth_Bps"
@@ -193,10 +197,7 @@ def parse_profile(name: str, spec, where: str, named: dict[str, Tier]) -> Profil
     """A Profile from its YAML mapping (see the module docstring)."""
     if not isinstance(spec, dict):
         raise _fail(where, spec, "a mapping with keys intra, inter (or sites), ...")
-    unknown = sorted(set(spec) - _PROFILE_KEYS)
-    if unknown:
-        raise _fail(f"{where}.{unknown[0]}", spec[unknown[0]],
-                    f"absent: a profile's keys are {sorted(_PROFILE_KEYS)}")
+    _reject_unknown(spec, _PROFILE_KEYS, where, "profile")
     if "intra" not in spec:
         raise _fail(f"{where}.intra", None, "a tier (the link between ranks of one node)")
     intra = parse_tier(spec["intra"], f"{where}.intra", named)
