@@ -147,3 +147,8 @@ def test_coupled_max_takes_the_slowest_rank_per_stretch_not_per_step():
     # a coupled step in the middle: stretches [0, 1] (5 vs 5) and [2..4] (7 vs 6)
     mid = torch.tensor([False, True, False, False, False])
     assert coupled_max(values, mid).tolist() == [12.0, 24.0]
+    # the slowest rank changes between stretches: rank 0 leads steps 0-1, rank 1 steps 2-3
+    swap = torch.tensor([[[3.0], [3.0], [1.0], [1.0]], [[1.0], [1.0], [3.0], [3.0]]],
+                        dtype=torch.float64)
+    assert coupled_max(swap, torch.tensor([False, True, False, False])).tolist() == [12.0]
+    assert coupled_max(swap, torch.zeros(4, dtype=torch.bool)).tolist() == [8.0]

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.netprobe import TCP_INITIAL_WINDOW_B as TCP_INITIAL_WINDOW
 from tests.netlab.lab import ROOT, Lab
 
 WORLD = 4
@@ -33,8 +34,6 @@ STEPS = int(os.environ.get("NETLAB_STEPS", "40"))
 LOG_EVERY = 10
 CONFIGS = {"ddp": "configs/ddp-tiny.yaml", "diloco": "configs/diloco-tiny.yaml",
            "gasloc": "configs/gasloc-tiny.yaml"}
-TCP_INITIAL_WINDOW = 14480
-"""Linux's initial congestion window: 10 segments of 1448 payload bytes (MTU 1500)."""
 ZERO_PROFILE = "intra: {latency_s: 0.0, bandwidth_Bps: 1.0e+18}\n" \
                "inter: {latency_s: 0.0, bandwidth_Bps: 1.0e+18}\n"
 

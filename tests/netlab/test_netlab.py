@@ -113,8 +113,7 @@ def results(tmp_path_factory):
     for cid, rows in out.items():
         if cid.startswith("netprobe:"):
             continue
-        med = {k: statistics.median((r[k] - r["measured"]) / r["measured"] for r in rows)
-               for k in ("naive", "aware")}
+        med = {k: _median_error(rows, k) for k in ("naive", "aware")}
         _report(f"| {cid} | {summarize([r['measured'] for r in rows])} | "
                 f"{summarize([r['naive'] for r in rows])} | "
                 f"{summarize([r['aware'] for r in rows])} | {med['naive']:+.1%} | "
