@@ -31,10 +31,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from algorithms.comm import CommRecord
+from bench.network.costs import P2P
 from bench.network.model import project, record_seconds
 from bench.network.profiles import Profile
-
-P2P_OPS = ("send", "recv", "exchange")
 
 
 def critical_path_step_s(compute_s: float, records: Iterable[CommRecord], profile: Profile,
@@ -45,8 +44,8 @@ def critical_path_step_s(compute_s: float, records: Iterable[CommRecord], profil
         raise ValueError(f"critical path: need 1 <= work_slots <= slots and hops >= 0, got "
                          f"slots={slots}, work_slots={work_slots}, hops={hops}")
     records = list(records)
-    p2p = [r for r in records if r.op in P2P_OPS]
-    other = [r for r in records if r.op not in P2P_OPS]
+    p2p = [r for r in records if r.op in P2P]
+    other = [r for r in records if r.op not in P2P]
     tau = max((record_seconds(r, profile, rank, ranks_per_node, backend=backend)
                for r in p2p), default=0.0)
     slot = max(compute_s / work_slots, 2 * tau)
