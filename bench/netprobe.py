@@ -12,8 +12,9 @@ ranks_per_node):
 - all_reduce, all_gather and broadcast on a group of that tier (the ops the ledger records);
 at each message size, the median of `--iters` timed repetitions after one warm-up.
 It then fits alpha and beta per tier by least squares on relative errors, using the SAME
-formulas the projection uses for `--backend` (bench/network/costs.py): each formula is
-k_a * alpha + k_b * S / beta, linear in (alpha, 1/beta). The fit's residuals are printed
+formulas the projection uses for `--backend` (bench/network/costs.py): linear least
+squares on (alpha, 1/beta), refined on the formulas themselves where they are not linear
+in them (gloo's segment-level all_reduce). The fit's residuals are printed
 and stored under each tier's `fit:` in the YAML, which `get_profile(path)` loads.
 With one rank per node (the default locally) only `inter` is measured and `intra` is a copy.
 With gloo the tiers also get TCP's initial window (slow start after idle).
@@ -122,22 +123,33 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int) ->
 # ---------------------------------------------------------------------- fitting
 
 
-def coefficients(op: str, n: int, nbytes: float, algorithm: str) -> tuple[float, float]:
-    """(k_a, k_b) with model seconds = k_a * alpha + k_b * nbytes / beta for this op."""
+def model_s(op: str, n: int, nbytes: float, tier: Tier, algorithm: str) -> float:
+    """The projection's seconds for one measured point (p2p: one message)."""
     if op == "p2p":
-        return 1.0, 1.0
-    formula = costs.COLLECTIVES[op]
-    k_a = formula(n, 0.0, Tier(1.0, 1e300), algorithm)
-    k_b = formula(n, nbytes, Tier(0.0, 1.0), algorithm) / nbytes if nbytes else 0.0
+        return costs.p2p_s(nbytes, tier, algorithm)
+    return costs.COLLECTIVES[op](n, nbytes, tier, algorithm)
+
+
+def coefficients(op: str, n: int, nbytes: float, algorithm: str) -> tuple[float, float]:
+    """(k_a, k_b): the formula's seconds at (alpha = 1, beta = inf) and, per byte, at
+    (alpha = 0, beta = 1). For a formula k_a * alpha + k_b * S / beta these are exact; for
+    gloo's all_reduce (a max-plus recurrence) they are its two limits."""
+    k_a = model_s(op, n, 0.0, Tier(1.0, 1e300), algorithm)
+    k_b = model_s(op, n, nbytes, Tier(0.0, 1.0), algorithm) / nbytes if nbytes else 0.0
     return k_a, k_b
 
 
 def fit_tier(rows: list[dict], algorithm: str) -> tuple[Tier, dict]:
-    """alpha, beta minimising the relative squared error of the model over `rows`."""
+    """alpha, beta minimising the relative squared error of the model over `rows`.
+
+    Linear least squares on (alpha, 1/beta) with `coefficients`, then (formulas that are
+    not linear in them: gloo's all_reduce) refined by bounded least squares on the model
+    itself, from there."""
     import numpy as np
+    from scipy.optimize import least_squares
 
     if algorithm == "nccl":
-        algorithm = "nccl-ring"  # the fit needs a formula linear in (alpha, 1/beta)
+        algorithm = "nccl-ring"  # the fit needs one formula, not the cheaper of two
     a = np.array([coefficients(r["op"], r["n"], r["nbytes"], algorithm) for r in rows])
     design = np.stack([a[:, 0], a[:, 1] * [r["nbytes"] for r in rows]], axis=1)
     t = np.array([r["seconds"] for r in rows])
@@ -152,15 +164,24 @@ def fit_tier(rows: list[dict], algorithm: str) -> tuple[Tier, dict]:
     if not inv_beta > 0:
         raise ValueError(f"netprobe could not fit a positive bandwidth (1/beta = {inv_beta:.3g}); "
                          "use larger --sizes so that transfer time dominates")
-    model = design @ np.array([alpha, inv_beta])
-    rel = (t - model) / t
+
+    def model(x):
+        tier = Tier(float(x[0]), 1.0 / float(x[1]))
+        return np.array([model_s(r["op"], r["n"], r["nbytes"], tier, algorithm) for r in rows])
+
+    scale = np.array([max(alpha, 1e-3 * float(np.min(t))), inv_beta])
+    refined = least_squares(lambda x: (t - model(x * scale)) / t, [alpha / scale[0], 1.0],
+                            bounds=([0.0, 1e-9], [np.inf, np.inf]), diff_step=1e-4)
+    alpha, inv_beta = (float(v) for v in refined.x * scale)
+    predicted = model([alpha, inv_beta])
+    rel = (t - predicted) / t
     residuals = [dict(op=r["op"], n=r["n"], nbytes=int(r["nbytes"]),
                       measured_s=float(r["seconds"]), model_s=float(m), rel_residual=float(e))
-                 for r, m, e in zip(rows, model, rel, strict=True)]
+                 for r, m, e in zip(rows, predicted, rel, strict=True)]
     fit = dict(points=len(rows), algorithm=algorithm,
                rms_rel_residual=float(math.sqrt(float(np.mean(rel**2)))),
                max_abs_rel_residual=float(np.max(np.abs(rel))), residuals=residuals)
-    return Tier(float(alpha), float(1.0 / inv_beta)), fit
+    return Tier(alpha, 1.0 / inv_beta), fit
 
 
 def fit_profile(rows: list[dict], backend: str, name: str, description: str) -> dict:

@@ -24,8 +24,12 @@ def synthetic_rows(tier_name, tier, n, sizes):
 
 
 def test_coefficients_match_the_formulas():
-    # gloo ring all-reduce on 4 ranks: 2*3*(2 alpha + S/(4 beta)) -> k_a = 12, k_b = 1.5
-    assert coefficients("all_reduce", 4, 1000, "gloo") == pytest.approx((12.0, 1.5))
+    # gloo's ring all-reduce on 4 ranks, its two limits: a tiny message pays 4(n-1) = 12
+    # latencies; with no latency the link carries 2 x 6 segments of S/8
+    assert coefficients("all_reduce", 4, 1024, "gloo") == pytest.approx((12.0, 1.5))
+    # segments are whole float32 elements: 1000 B -> 8 segments of 128 B
+    assert coefficients("all_reduce", 4, 1000, "gloo") == pytest.approx((12.0, 1.536))
+    assert coefficients("all_gather", 4, 1000, "gloo") == pytest.approx((6.0, 3.0))
     assert coefficients("p2p", 2, 1000, "gloo") == (1.0, 1.0)
 
 

@@ -281,13 +281,32 @@ def test_yaml_validation_names_field_value_and_valid(tmp_path, text, message):
 # ---------------------------------------------------------------- backends and wire bytes
 
 
+def test_gloo_all_reduce_replays_the_ring_by_hand():
+    # 4 ranks, 8 segments of 4 B, alpha = 1 s, a segment takes 1 s on the link (beta = 4 B/s).
+    # Reduce-scatter, 6 sends: send i leaves at max(post + 1, link free), arrives 1 s after
+    # it left the link; iteration i >= 2 first waits for arrival i - 2:
+    #   sends leave at 1, 2, 4, 5, 7, 8 and arrive at 3, 4, 6, 7, 9, 10 -> the phase ends at 10;
+    # the all-gather phase repeats it 10 s later: 20 s. "2 alpha + S/(n beta) per ring step"
+    # would say 24 (the handshake of one segment hides under the other's transfer), the
+    # naive ring 18.
+    assert all_reduce_s(4, 32, Tier(1.0, 4.0), "gloo") == pytest.approx(20.0)
+    # two ranks: 4 segments, nothing to hide, 2 x (2 alpha + S/(2 beta)) = 4 alpha + S/beta
+    assert all_reduce_s(2, 16, Tier(1.0, 4.0), "gloo") == pytest.approx(8.0)
+    # latency bound: 4(n - 1) alpha; bandwidth bound: 2(n - 1)/n S/beta, the ring's bytes
+    assert all_reduce_s(8, 0, Tier(1e-3, 1e9), "gloo") == pytest.approx(28e-3)
+    assert all_reduce_s(4, 64 * MB, Tier(0.0, 1e9), "gloo") == pytest.approx(1.5 * 64 * MB / 1e9)
+    # segments of at most 1 MiB: 8 MiB on 2 ranks is 8 segments, 4 sends per phase, only two
+    # in flight, so every pair pays a handshake: leave at 1, 2, 4, 5 (arrive 3, 4, 6, 7),
+    # then 8, 9, 11, 12 (arrive 10, 11, 13, 14): 14 s, more than 2 x (2 alpha + 4 s) = 12
+    assert all_reduce_s(2, 8 * 2**20, Tier(1.0, 2.0**20), "gloo") == pytest.approx(14.0)
+
+
 def test_backend_formulas_by_hand():
     a, b, n, s = 10e-3, 1e8, 4, 8 * MB
     t = Tier(a, b)
     assert all_reduce_s(n, s, t) == pytest.approx(2 * 3 * (a + s / (4 * b)))  # naive
     assert all_reduce_s(n, s, t, "nccl-ring") == all_reduce_s(n, s, t)
-    # gloo: a ready-to-receive handshake per ring step, 2 alpha per step
-    assert all_reduce_s(n, s, t, "gloo") == pytest.approx(2 * 3 * (2 * a + s / (4 * b)))
+    # gloo: a ready-to-receive handshake before every send (all_reduce: next test)
     assert reduce_scatter_s(n, s, t, "gloo") == pytest.approx(3 * (2 * a + s / (4 * b)))
     assert all_gather_s(n, s, t, "gloo") == pytest.approx(3 * (2 * a + s / b))
     assert broadcast_s(n, s, t, "gloo") == pytest.approx(2 * (2 * a + s / b))

@@ -10,13 +10,17 @@ Algorithms (`algorithm=` below; bench.network's `backend=` picks them):
   backends existed, and still the default):
     all_reduce 2(n-1)(a + S/(n b)); reduce_scatter (n-1)(a + S/(n b));
     all_gather (n-1)(a + S/b); broadcast L(a + S/b); p2p a + S/b.
-- `gloo`: gloo's ring waits for the receiver's ready-to-receive notification before each
-  send, so every ring step costs two one-way latencies (measured on shaped links: charging
-  2a per step predicts gloo's all_reduce within 4%, the naive ring is 1.4-2.1x off at
-  10 ms). all_reduce 2(n-1)(2a + S/(n b)); reduce_scatter (n-1)(2a + S/(n b));
-  all_gather (n-1)(2a + S/b); broadcast L(2a + S/b). send/recv stay a + S/b (the receive
-  is posted before the data arrives; ping-pong measured within 13%); a symmetric
-  `exchange` (both peers post at once, gossip) pays the handshake: 2a + S/b per link.
+- `gloo`: every gloo send waits for the receiver's ready-to-receive notification.
+  all_reduce is gloo's ring (gloo/allreduce.cc) replayed segment by segment
+  (`gloo_ring_all_reduce_s`): the buffer cut into at least 2n segments of at most 1 MiB,
+  two in flight, each send leaving when the peer's notification (posted when the receive
+  was, a one-way latency earlier) has arrived and the link is free; a tiny message costs
+  4(n-1)a, the handshake of one segment hides under the other's transfer when the link is
+  the bottleneck. reduce_scatter (n-1)(2a + S/(n b)); all_gather (n-1)(2a + S/b);
+  broadcast L(2a + S/b) (a handshake per step; not measured separately). send/recv stay
+  a + S/b (the receive is posted before the data arrives; ping-pong measured within 13%);
+  a symmetric `exchange` (both peers post at once, gossip) pays the handshake:
+  2a + S/b per link.
 - `nccl-ring`: pipelined rings. all_reduce 2(n-1)(a + S/(n b)) (as naive);
   broadcast (n-1)a + S/b (chunks pipelined round the ring); others as naive.
 - `nccl-tree`: double binary tree all_reduce (reduce up, broadcast down, pipelined):
@@ -26,6 +30,7 @@ Algorithms (`algorithm=` below; bench.network's `backend=` picks them):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -65,13 +70,53 @@ def all_reduce_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") ->
     if n == 1:
         return 0.0
     a, b = tier.latency_s, tier.bandwidth_Bps
-    ring = 2 * (n - 1) * (handshakes(algorithm) * a + nbytes / (n * b))
+    if algorithm == "gloo":
+        return gloo_ring_all_reduce_s(n, float(nbytes), a, b)
+    ring = 2 * (n - 1) * (a + nbytes / (n * b))
     tree = 2 * _log2(n) * a + 2 * nbytes / b
     if algorithm == "nccl-tree":
         return tree
     if algorithm == "nccl":
         return min(ring, tree)
     return ring
+
+
+GLOO_MAX_SEGMENT_B = 1 << 20
+"""gloo's AllreduceOptionsImpl::kMaxSegmentSize (gloo/allreduce.h)."""
+GLOO_ELEMENT_B = 4
+"""Segments are rounded up to whole elements; the ledger records bytes, float32 assumed."""
+
+
+@functools.lru_cache(maxsize=4096)
+def gloo_ring_all_reduce_s(n: int, nbytes: float, alpha: float, beta: float) -> float:
+    """gloo's ring all_reduce (gloo/allreduce.cc, `ring`), replayed segment by segment.
+
+    The buffer is cut into `segments` = max(ceil(S / 1 MiB), 2n), rounded up to a multiple
+    of n, of ceil(S / segments) bytes. Each of the two phases (reduce-scatter, then
+    all-gather) issues segments - segments/n sends to the previous rank and as many
+    receives from the next, two in flight: iteration i posts receive and send i, and from
+    i = 2 on first waits for receive i - 2. A receive notifies the sender
+    (ready-to-receive, one latency); a send leaves when that notification has arrived and
+    the rank's link is free, takes seg / beta on it and arrives a latency later. Every
+    rank runs the same timeline (symmetric ring, one tier), so one rank's is replayed;
+    the last chunk's shorter segments are counted full (an upper bound of a few bytes).
+    """
+    if n <= 1:
+        return 0.0
+    segments = math.ceil(max(math.ceil(nbytes / GLOO_MAX_SEGMENT_B), 2 * n) / n) * n
+    seg_s = math.ceil(nbytes / segments / GLOO_ELEMENT_B) * GLOO_ELEMENT_B / beta
+    sends = segments - segments // n
+    now = link_free = 0.0
+    for _phase in ("reduce-scatter", "all-gather"):
+        arrivals: list[float] = []
+        for i in range(sends + 2):
+            if i >= 2:
+                now = max(now, arrivals[i - 2])  # waitRecv(i - 2); its send left earlier
+            if i < sends:
+                leaves = max(now + alpha, link_free)  # the peer's ready-to-receive is in
+                link_free = leaves + seg_s
+                arrivals.append(link_free + alpha)
+    return now
 
 
 def reduce_scatter_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> float:
