@@ -147,10 +147,19 @@ class LinkClock:
     def __init__(self):
         self.now = 0.0
         self.last: dict[tuple, float] = {}
+        self.ramped: set[tuple] = set()
+        """Connections an earlier record of the current step has already used."""
 
     def idle(self, key: tuple) -> float:
-        """Seconds since the connection was last used at the end of a step (inf: never)."""
+        """Seconds since the connection was last used at the end of a step (inf: never);
+        0 once a record of this step has used it (its window has ramped up)."""
+        if key in self.ramped:
+            return 0.0
         return self.now - self.last.get(key, -math.inf)
+
+    def use(self, record: CommRecord) -> None:
+        """`record` has been priced: later records of this step find its connections warm."""
+        self.ramped.update(link_keys(record))
 
     def advance(self, step_s: float, records: list[CommRecord]) -> None:
         """The step took `step_s` on this profile; its records' connections are now warm."""
@@ -158,6 +167,7 @@ class LinkClock:
         for r in records:
             for key in link_keys(r):
                 self.last[key] = self.now
+        self.ramped.clear()
 
 
 class StepClock:
@@ -188,7 +198,10 @@ class StepClock:
         self.tokens += stats.tokens
         modelled: dict[bool, dict[str, float]] = {True: {}, False: {}}  # overlap -> name ->
         for name, profile in self.profiles.items():  # this rank's modelled step seconds
-            costs = [self.pricers[name](r) for r in step_records]  # each record priced once
+            costs = []  # each record priced once, in order: slow start once per connection
+            for r in step_records:
+                costs.append(self.pricers[name](r))
+                self.links[name].use(r)
             modelled[True][name] = self.overlap_step_s(compute_s, step_records, costs, profile)
             modelled[False][name] = compute_s + sum(costs)
         values = [modelled[overlap][name] for overlap in OVERLAP_MODES for name in self.profiles]

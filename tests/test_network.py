@@ -448,4 +448,11 @@ def test_step_clock_prices_idle_connections():
     warm = 1.0 + all_reduce_s(2, 20_000, tcp)
     assert overlap_aware == pytest.approx([warm + 0.053, warm, 1.0, warm + 0.053])
     assert clock.coupled == [1.0, 1.0, 0.0, 1.0]
+    # two records on one cold connection in one step (two DDP buckets): the first ramps the
+    # window up, the second finds it open; a record on another group still pays
+    clock = StepClock({"tcp": Profile("tcp", tcp, tcp)}, 0, 1, torch.device("cpu"))
+    other = rec("all_reduce", 20_000, 2, peers=(0, 2))
+    clock.add(1.0, stats, [ar, ar, other])
+    no_overlap = clock.projected[1]
+    assert no_overlap == pytest.approx(1.0 + 3 * all_reduce_s(2, 20_000, tcp) + 2 * 0.053)
     assert clock.comm[0] == pytest.approx(2 * 0.053 + 3 * all_reduce_s(2, 20_000, tcp))
