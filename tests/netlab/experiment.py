@@ -2,7 +2,8 @@
 
 A user with a fast network projects a run onto a slow one; this checks that projection
 against the same run on the slow one. Per replicate and strategy:
-1. the UNSHAPED run (4 namespaces, plain veths) with `network.profiles` = the YAML profile
+1. the UNSHAPED run (4 namespaces, plain veths, received packets through the delayer at 0 ms
+   so that its per-packet CPU lands on both sides) with `network.profiles` = the YAML profile
    of every shaped case (plus a zero-cost profile: compute only) and `network.model=gloo`:
    its own summary rows give the projected step time on each case, exactly as a report
    would (step-wise, max over ranks, overlap-aware);

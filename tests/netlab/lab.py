@@ -14,6 +14,14 @@ tbf on `lab0`, its download by tbf on `pI`; received packets on `lab0` pass an N
 held by tools/netlab/delay.c for delays_ms[I]. Nothing is routed out: no uplink, no
 default route, addresses only inside the namespaces. `close()` kills the delayers and
 deletes the namespaces (which removes the veths and the bridge).
+
+TCP congestion control: every namespace runs `congestion_control` (default "cubic", the
+Linux default; $NETLAB_CC overrides it in the experiment). A host whose default is BBR
+(this one) would otherwise hand it to every namespace, and BBR paces gloo's short,
+application-limited bursts at a fraction of the link (1 Gbit/s + 10 ms: 125 kB bursts
+spread over 7.7 ms instead of 1 ms; docs/network-model.md). Setting a CC in a namespace
+needs it in the global `tcp_allowed_congestion_control`: the lab adds it there if missing
+and puts the list back on close.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DELAYER_SRC = ROOT / "tools" / "netlab" / "delay.c"
 PREFIX = "cbl"
 SUBNET = "10.77.0"
+ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+AVAILABLE_CC = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 
 
 def missing_requirements() -> str | None:
@@ -56,12 +66,18 @@ def _sh(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
 class Lab:
     """The namespaces, links and delayers of one shaped network (a context manager)."""
 
-    def __init__(self, rates_mbit: list[float], delays_ms: list[float], delayer: Path):
+    def __init__(self, rates_mbit: list[float], delays_ms: list[float], delayer: Path,
+                 congestion_control: str = "cubic", always_delayer: bool = False):
         if len(rates_mbit) != len(delays_ms) or not rates_mbit:
             raise ValueError(f"one rate and one delay per rank, got {rates_mbit}, {delays_ms}")
         self.rates, self.delays, self.delayer = list(rates_mbit), list(delays_ms), delayer
+        self.cc = congestion_control
+        self.always_delayer = always_delayer
+        """Pass received packets through the delayer even at 0 ms: an unshaped baseline
+        then pays the same per-packet CPU as the shaped runs (2 cores, 4 ranks, 4 delayers)."""
         self.n = len(rates_mbit)
         self.procs: list[subprocess.Popen] = []
+        self._allowed_before: str | None = None
 
     def ns(self, i: int) -> str:
         return f"{PREFIX}-{i}"
@@ -81,7 +97,18 @@ class Lab:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _allow_cc(self) -> None:
+        available = AVAILABLE_CC.read_text().split()
+        if self.cc not in available:
+            raise RuntimeError(f"TCP congestion control {self.cc!r} is not available here "
+                               f"(available: {available}); set NETLAB_CC to one of them")
+        allowed = ALLOWED_CC.read_text().split()
+        if self.cc not in allowed:
+            self._allowed_before = " ".join(allowed)
+            ALLOWED_CC.write_text(" ".join([*allowed, self.cc]))
+
     def _build(self) -> None:
+        self._allow_cc()
         sw = f"{PREFIX}-sw"
         _sh("ip", "netns", "add", sw)
         _sh("ip", "link", "add", "br0", "type", "bridge", ns=sw)
@@ -90,6 +117,7 @@ class Lab:
             ns = self.ns(i)
             _sh("ip", "netns", "add", ns)
             _sh("ip", "link", "set", "lo", "up", ns=ns)
+            _sh("sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.cc}", ns=ns)
             _sh("ip", "link", "add", "lab0", "netns", ns, "type", "veth", "peer", "name",
                 f"p{i}", "netns", sw)
             _sh("ip", "link", "set", f"p{i}", "master", "br0", ns=sw)
@@ -99,7 +127,7 @@ class Lab:
             for dev, where in (("lab0", ns), (f"p{i}", sw)):
                 if self.rates[i] > 0:  # 0: unshaped
                     _sh(*self.tbf(dev, self.rates[i]), ns=where)
-            if self.delays[i] > 0:
+            if self.delays[i] > 0 or self.always_delayer:
                 _sh("iptables", "-A", "INPUT", "-i", "lab0", "-j", "NFQUEUE", "--queue-num",
                     "0", ns=ns)
                 self.procs.append(subprocess.Popen(
@@ -132,3 +160,6 @@ class Lab:
             if name == f"{PREFIX}-sw" or (name.startswith(f"{PREFIX}-") and
                                           name[len(PREFIX) + 1:].isdigit()):
                 _sh("ip", "netns", "del", name, check=False)
+        if self._allowed_before is not None:
+            ALLOWED_CC.write_text(self._allowed_before)
+            self._allowed_before = None

@@ -3,6 +3,7 @@
     tox -e netlab          (root; tools/netlab/setup.sh installs iptables, gcc, libnfq)
     NETLAB_REPS=3 NETLAB_OUT=netlab.md NETLAB_DIR=netlab-runs pytest -m netlab tests/netlab -s
     NETLAB_STRATEGIES=diloco,gasloc ...   (only those strategies' cases)
+    NETLAB_CC=bbr ...                      (TCP congestion control in the namespaces; cubic)
 
 tests/netlab/experiment.py says what is compared. Replicates are interleaved (every case
 once, then every case again) so that slow drift of the machine lands on every case alike;
@@ -39,6 +40,8 @@ pytestmark = [pytest.mark.netlab, pytest.mark.timeout(7200)]
 REPS = int(os.environ.get("NETLAB_REPS", "3"))
 ONLY = [s for s in os.environ.get("NETLAB_STRATEGIES", "").split(",") if s]
 """Run only these strategies' cases (default: all)."""
+CC = os.environ.get("NETLAB_CC", "cubic")
+"""TCP congestion control of every rank's namespace (tests/netlab/lab.py)."""
 PROBED = [Case("ddp", (100,) * WORLD, (10,) * WORLD), Case("ddp", (1000,) * WORLD, (1,) * WORLD)]
 
 
@@ -76,17 +79,17 @@ def results(tmp_path_factory):
                 profiles[c.id].write_text(c.profile_yaml())
             for c in (PROBED if strategy == "ddp" else []):
                 port += 1
-                with Lab(list(c.rates_mbit), list(c.delays_ms), delayer) as lab:
+                with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC) as lab:
                     profiles[f"netprobe:{c.id}"] = netprobe_in_lab(
                         lab, rdir / f"netprobe-{c.id}.yaml", port)
             port += 1
-            with Lab([0] * WORLD, [0] * WORLD, delayer) as lab:
+            with Lab([0] * WORLD, [0] * WORLD, delayer, CC, always_delayer=True) as lab:
                 base = train(lab, strategy, rdir / "unshaped", port,
                              [str(zero), *map(str, profiles.values())])
             compute = base.projected_step_s[str(zero)]
             for c in cases:
                 port += 1
-                with Lab(list(c.rates_mbit), list(c.delays_ms), delayer) as lab:
+                with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC) as lab:
                     shaped = train(lab, strategy, rdir / c.id, port)
                 profile = get_profile(str(profiles[c.id]))
                 aware = base.projected_step_s[str(profiles[c.id])]
