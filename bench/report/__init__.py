@@ -63,9 +63,9 @@ def _how_measured(runs: pd.DataFrame) -> str:
     return (f"**Measured** times: {links} (runs, by where their communication ran). "
             f"**Projected** times: measured compute plus modelled communication per network "
             f"profile ({models}; docs/network-model.md). On shaped TCP links (4 gloo ranks, "
-            "100 Mbit/s-1 Gbit/s, 1-10 ms) it predicted step times within 10% in 12 of 13 "
-            "cases (DDP at 100 Mbit/s + 10 ms: +10.4%); it is not validated for NCCL, more "
-            "ranks, or lossy links.")
+            "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC) it predicted step times within 10% in 12 "
+            "of 13 cases (DDP at 1 Gbit/s + 1 ms: -12%, 4 ranks on 2 cores); it is not "
+            "validated for NCCL, more ranks, or lossy links.")
 
 
 def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
