@@ -431,6 +431,26 @@ def test_cold_links_pay_slow_start_once_per_op():
     assert link_keys(rec("exchange", 1, 3, peers=(1, 2))) == [("peer", 1), ("peer", 2)]
 
 
+def test_slow_start_follows_the_algorithm_nccl_picks():
+    # 64 ranks, 100 kB on a TCP tier (NCCL over sockets): the tree is the cheaper
+    # all-reduce, and its first message is the whole 100 kB (the ring's would be S/64 =
+    # 1.6 kB, inside the initial window: no ramp at all)
+    tcp = Tier(10e-3, 1e8, tcp_initial_window_B=14480)
+    ar = rec("all_reduce", 100_000, 64)
+    tree = all_reduce_s(64, 100_000, tcp, "nccl-tree")
+    assert all_reduce_s(64, 100_000, tcp, "nccl") == tree
+    cold = project([ar], Profile("tcp", tcp, tcp), 0, 1, backend="nccl", idle=math.inf)
+    assert cold == pytest.approx(tree + slow_start_extra_s(100_000, tcp))
+    # two ramp rounds before the window (57.9 kB) covers what is left of 100 kB
+    assert slow_start_extra_s(100_000, tcp) == pytest.approx(
+        (0.02 - 14480 / 1e8) + (0.02 - 28960 / 1e8))
+    # the ring keeps its chunk: 2 ranks, 1 MB -> the ring wins, first message 500 kB
+    ar2 = rec("all_reduce", 1e6, 2)
+    ring = all_reduce_s(2, 1e6, tcp, "nccl-ring")
+    assert project([ar2], Profile("tcp", tcp, tcp), 0, 1, backend="nccl", idle=math.inf) == \
+        pytest.approx(ring + slow_start_extra_s(5e5, tcp))
+
+
 def test_step_clock_prices_idle_connections():
     """The loop's clock: a connection unused since the previous step is warm; one unused
     for a modelled second (four RTOs) restarts from the initial window."""

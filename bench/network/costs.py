@@ -181,6 +181,17 @@ def slow_start_extra_s(nbytes: float, tier: Tier, idle_s: float = math.inf) -> f
     return extra
 
 
+def resolve(op: str, n: int, nbytes: float, tier: Tier, algorithm: str) -> str:
+    """The algorithm that runs: `nccl` is the cheaper of nccl-ring and nccl-tree for
+    all_reduce (as `all_reduce_s` prices it) and nccl-ring otherwise; others are themselves."""
+    if algorithm != "nccl":
+        return algorithm
+    if op == "all_reduce" and (all_reduce_s(n, nbytes, tier, "nccl-tree")
+                               < all_reduce_s(n, nbytes, tier, "nccl-ring")):
+        return "nccl-tree"
+    return "nccl-ring"
+
+
 def first_message_bytes(op: str, n: int, nbytes: float, algorithm: str) -> float:
     """The bytes of the first message an op sends on each link (what slow start ramps up
     for): a ring step's chunk S/n (all_reduce, reduce_scatter), the whole S for

@@ -21,6 +21,7 @@ from bench.network.costs import (
     first_message_bytes,
     handshakes,
     p2p_s,
+    resolve,
     slow_start_extra_s,
 )
 from bench.network.profiles import Profile, Tier
@@ -108,11 +109,15 @@ class _Model:
             ranks = record.peers if record.peers is not None else tuple(range(record.group_size))
             if ranks not in self.tiers:
                 self.tiers[ranks] = self._group_tiers(ranks)
-            formula, tiers = COLLECTIVES[op], self.tiers[ranks]
-            first = first_message_bytes(op, len(ranks), record.nbytes, self.algorithm)
+            formula, tiers, n = COLLECTIVES[op], self.tiers[ranks], len(ranks)
             idle = self.idle(("group", tuple(ranks)))
-            return max((formula(len(ranks), record.nbytes, t, self.algorithm)
-                        + slow_start_extra_s(first, t, idle) for t in tiers), default=0.0)
+            cost = 0.0
+            for t in tiers:  # the group goes at its slowest link's pace
+                alg = resolve(op, n, record.nbytes, t, self.algorithm)
+                first = first_message_bytes(op, n, record.nbytes, alg)
+                cost = max(cost, formula(n, record.nbytes, t, alg)
+                           + slow_start_extra_s(first, t, idle))
+            return cost
         if not record.peers:
             raise ValueError(f"{op} record needs peers, got {record.peers!r}")
         if op != "exchange":
