@@ -295,10 +295,16 @@ def test_gloo_all_reduce_replays_the_ring_by_hand():
     # latency bound: 4(n - 1) alpha; bandwidth bound: 2(n - 1)/n S/beta, the ring's bytes
     assert all_reduce_s(8, 0, Tier(1e-3, 1e9), "gloo") == pytest.approx(28e-3)
     assert all_reduce_s(4, 64 * MB, Tier(0.0, 1e9), "gloo") == pytest.approx(1.5 * 64 * MB / 1e9)
-    # segments of at most 1 MiB: 8 MiB on 2 ranks is 8 segments, 4 sends per phase, only two
-    # in flight, so every pair pays a handshake: leave at 1, 2, 4, 5 (arrive 3, 4, 6, 7),
-    # then 8, 9, 11, 12 (arrive 10, 11, 13, 14): 14 s, more than 2 x (2 alpha + 4 s) = 12
-    assert all_reduce_s(2, 8 * 2**20, Tier(1.0, 2.0**20), "gloo") == pytest.approx(14.0)
+    # segments of at most 1 MiB: 8 MiB on 2 ranks is 8 segments of 1 s, 4 sends per phase,
+    # two in flight. With 2 ranks the ready-to-receive shares the pair's one connection
+    # with this rank's data and waits behind what is already written to it:
+    #   reduce-scatter: sends leave at 1, 2 (arrive 3, 4); at 3 data 1 is off the link, the
+    #   notice leaves at 3, send 2 leaves at 4 (arrives 6); at 4 data 2 (written at 4) is
+    #   on it until 5, send 3 leaves at 6 (arrives 8) -> the phase ends at 8;
+    #   all-gather: leaves 9, 10, 12, 14, arrives 11, 12, 14, 16 -> 16 s.
+    # Without the shared connection (n >= 3, notices to the other neighbour) it would be
+    # 14; 2 x (2 alpha + 4 s) = 12.
+    assert all_reduce_s(2, 8 * 2**20, Tier(1.0, 2.0**20), "gloo") == pytest.approx(16.0)
 
 
 def test_backend_formulas_by_hand():
