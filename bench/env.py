@@ -98,7 +98,7 @@ def resolve_device(cfg: Config) -> tuple[torch.device, str]:
     return device, backend
 
 
-FAULT_MODES = ("crash", "hang", "stop", "kill", "nan")
+FAULT_MODES = ("crash", "hang", "stop", "kill", "nan", "exit")
 
 
 def fault_injection(rank: int) -> tuple[int, str] | None:
@@ -107,7 +107,9 @@ def fault_injection(rank: int) -> tuple[int, str] | None:
     Modes: crash (raises), hang (sleeps forever: the others time out in their next
     collective after `parallel.timeout_s`), stop (SIGSTOP to itself: frozen, as by a
     debugger or a stuck driver), kill (SIGKILL to itself, like the OOM killer),
-    nan (its parameters become NaN: its loss is the first non-finite one). Used by
+    nan (its parameters become NaN: its loss is the first non-finite one), exit (the run
+    completes, then the rank aborts in teardown, as a library's exit path can; STEP is
+    ignored). Used by
     tests/test_crash_safety.py (and handy on a cluster) to check that the run ends with
     the right status and names the culprit rank, within the process-group timeout.
     """
@@ -123,7 +125,9 @@ def fault_injection(rank: int) -> tuple[int, str] | None:
 
 
 def inject_fault(mode: str, rank: int, step: int, model: torch.nn.Module) -> None:
-    """Make this rank fail as `mode` says (see `fault_injection`)."""
+    """Make this rank fail as `mode` says (see `fault_injection`; `exit` acts in teardown)."""
+    if mode == "exit":
+        return
     if mode == "hang":
         time.sleep(10**6)
     if mode in ("stop", "kill"):

@@ -25,6 +25,10 @@ Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` an
 `commbench run CONFIG --run-dir SHARED_DIR` once per node; torchrun's c10d rendezvous
 assigns node ranks. The run directory must be on a shared filesystem. Rank 0's node
 writes summary.json; on the other nodes success is torchrun's exit code 0.
+
+A rank that dies after every rank finished the run (each writes logs/finished-rankN
+before the last barrier), e.g. a library aborting at interpreter exit, does not fail the
+run: its record stays as rank 0 wrote it, with the failure under `teardown_error`.
 """
 
 from __future__ import annotations
@@ -111,7 +115,18 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
         # rank 0 is on another node and writes the record; this node's ranks succeeded
         return {**summary, "status": "ok", "run_dir": str(run.path),
                 "note": "this node's ranks finished; rank 0's node writes summary.json"}
-    if rc != 0 or summary.get("status") == "running":
+    if rc != 0 and summary.get("status") in DONE_STATUSES and \
+            run.all_finished(cfg.parallel.world_size):
+        # every rank finished the run and rank 0 wrote its record; a rank died at exit
+        summary = run.update_summary({
+            "teardown_error": error_text(run, rc, tail, cfg.parallel.world_size,
+                                         cfg.parallel.timeout_s),
+            "launcher_wall_s": time.perf_counter() - started,
+        })
+        print(f"warning: every rank finished the run, then torchrun exited with {rc}: "
+              f"{summary['teardown_error'].splitlines()[0]} (kept as {summary['status']}; "
+              f"summary.json teardown_error)", file=sys.stderr)
+    elif rc != 0 or summary.get("status") == "running":
         summary = run.update_summary({
             "status": "failed",
             "error": error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s),

@@ -185,6 +185,14 @@ class RunDir:
         """The traceback of the exception that ended rank `rank`."""
         return self.logs / f"error-rank{rank}.txt"
 
+    def finished(self, rank: int) -> Path:
+        """Written by rank `rank` when its part of the run is done (before the last barrier):
+        a failure after every rank wrote one is in teardown, not in the run."""
+        return self.logs / f"finished-rank{rank}"
+
+    def all_finished(self, world_size: int) -> bool:
+        return all(self.finished(r).exists() for r in range(world_size))
+
     def error_logs(self) -> list[Path]:
         """Every rank's error text, first written first (the first is usually the cause)."""
         return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
@@ -192,9 +200,10 @@ class RunDir:
     # ----------------------------------------------------------------------- writes
 
     def prepare(self) -> None:
-        """Create the directory and logs/, and drop error texts of an earlier attempt."""
+        """Create the directory and logs/, and drop error texts and finished marks of an
+        earlier attempt."""
         self.logs.mkdir(parents=True, exist_ok=True)
-        for stale in self.error_logs():
+        for stale in [*self.error_logs(), *self.logs.glob("finished-rank*")]:
             stale.unlink()
 
     def read_summary(self) -> dict | None:

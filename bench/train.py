@@ -57,7 +57,7 @@ from bench.meter import (
 from bench.model import GPT, autocast_context, gpt_config, lm_loss
 from bench.network import delay_policy, get_profile
 from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
-from bench.records import RunDir, write_json, write_jsonl
+from bench.records import RunDir, write_json, write_jsonl, write_text
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
 from bench.tokenizers import get_tokenizer
 
@@ -277,7 +277,11 @@ def main(run_dir: str) -> int:
         trainer.strategy.close()
         if rank == 0:
             run.update_summary(summary)
+        write_text(run.finished(rank), "")
         dist.barrier()
+        fault = fault_injection(rank)
+        if fault is not None and fault[1] == "exit":
+            os.abort()
         return 0
     except Exception:
         log = run.error_log(rank)

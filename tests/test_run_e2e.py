@@ -79,6 +79,21 @@ def test_dead_or_stuck_rank_ends_run_as_failed(tmp_path, mode):
     assert time.time() - start < 200  # ended by the timeout, not hung
 
 
+@pytest.mark.timeout(300)
+def test_rank_dying_at_exit_after_the_run_keeps_the_record(tmp_path):
+    # seen once in a real sweep: "terminate called without an active exception" (SIGABRT)
+    # in one rank's interpreter exit after a complete run turned it into a failed one
+    proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set",
+                     f"run.output_dir={tmp_path}", env={"COMMBENCH_FAULT": "1:0:exit"})
+    assert proc.returncode == 0, proc.stderr
+    run = only_run_dir(tmp_path)
+    summary = run.read_summary()
+    assert summary["status"] == "ok" and summary["steps"] == 20
+    assert "final_val_loss" in summary and "error" not in summary
+    assert "rank 1" in summary["teardown_error"] and "SIGABRT" in summary["teardown_error"]
+    assert "every rank finished the run" in proc.stderr
+
+
 @pytest.mark.timeout(400)
 def test_interrupted_run_resumes_to_the_same_result(tmp_path):
     common = [*SHORT, "--set", "checkpoint.every=10", "--set", "run.val_every=0"]
