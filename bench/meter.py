@@ -157,16 +157,16 @@ class LinkClock:
             return 0.0
         return self.now - self.last.get(key, -math.inf)
 
-    def use(self, record: CommRecord) -> None:
-        """`record` has been priced: later records of this step find its connections warm."""
-        self.ramped.update(link_keys(record))
+    def use(self, keys: list[tuple]) -> None:
+        """A record on these connections (`link_keys`) has been priced: later records of
+        this step find them warm."""
+        self.ramped.update(keys)
 
-    def advance(self, step_s: float, records: list[CommRecord]) -> None:
-        """The step took `step_s` on this profile; its records' connections are now warm."""
+    def advance(self, step_s: float) -> None:
+        """The step took `step_s` on this profile; the connections it used are now warm."""
         self.now += step_s
-        for r in records:
-            for key in link_keys(r):
-                self.last[key] = self.now
+        for key in self.ramped:
+            self.last[key] = self.now
         self.ramped.clear()
 
 
@@ -196,12 +196,13 @@ class StepClock:
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
+        keys = [link_keys(r) for r in step_records]
         modelled: dict[bool, dict[str, float]] = {True: {}, False: {}}  # overlap -> name ->
         for name, profile in self.profiles.items():  # this rank's modelled step seconds
             costs = []  # each record priced once, in order: slow start once per connection
-            for r in step_records:
+            for r, k in zip(step_records, keys, strict=True):
                 costs.append(self.pricers[name](r))
-                self.links[name].use(r)
+                self.links[name].use(k)
             modelled[True][name] = self.overlap_step_s(compute_s, step_records, costs, profile)
             modelled[False][name] = compute_s + sum(costs)
         values = [modelled[overlap][name] for overlap in OVERLAP_MODES for name in self.profiles]
@@ -209,7 +210,7 @@ class StepClock:
             self.comm[i] += value - compute_s
         self.projected.extend(values)
         for name, links in self.links.items():
-            links.advance(modelled[True][name], step_records)
+            links.advance(modelled[True][name])
         self.coupled.append(1.0 if step_records else 0.0)
         self.num_steps += 1
 
@@ -243,8 +244,8 @@ class StepClock:
         values = every[:, self.num_steps:].reshape(len(ranks), self.num_steps, width)
         totals = coupled_max(values, coupled).tolist()
         overlap, no_overlap, comm_overlap, comm_no_overlap = (
-            {name: values[offset + i] for i, name in enumerate(self.profiles)}
-            for values in (totals, comm) for offset in (0, self.num_profiles))
+            {name: column[offset + i] for i, name in enumerate(self.profiles)}
+            for column in (totals, comm) for offset in (0, self.num_profiles))
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
         self.projected, self.coupled = [], []
         self.comm = [0.0] * len(self.comm)

@@ -33,13 +33,9 @@ from pathlib import Path
 import yaml
 
 from bench.network import costs
-from bench.network.profiles import Tier, parse_tier
+from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B, Tier, parse_tier
 
 DEFAULT_SIZES = ("4KiB", "64KiB", "1MiB", "4MiB")
-TCP_INITIAL_WINDOW_B = 14480
-"""gloo runs over TCP: Linux's initial congestion window (10 segments of 1448 B) goes into
-the fitted tiers, for slow start on idle connections (docs/network-model.md). The probe
-itself times warm connections (a warm-up round first)."""
 OPS = ("p2p", "all_reduce", "all_gather", "broadcast")
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 10**3, "KB": 10**3,
           "MB": 10**6, "GB": 10**9}
@@ -199,7 +195,9 @@ def fit_profile(rows: list[dict], backend: str, name: str, description: str) -> 
         source = tier if tier in tiers else next(iter(tiers))
         doc_tiers[f"{name}-{tier}"] = dict(
             latency_s=tiers[source].latency_s, bandwidth_Bps=tiers[source].bandwidth_Bps,
-            **({"tcp_initial_window": TCP_INITIAL_WINDOW_B} if backend == "gloo" else {}),
+            # gloo runs over TCP: slow start on idle connections (the probe itself times
+            # warm ones, after a warm-up round)
+            **({"tcp_initial_window": LINUX_TCP_INITIAL_WINDOW_B} if backend == "gloo" else {}),
             fit=fits[source] if source == tier else f"not measured: copy of {source}")
     profile = dict(description=description, intra=f"{name}-intra", inter=f"{name}-inter")
     return dict(tiers=doc_tiers, profiles={name: profile})

@@ -217,11 +217,17 @@ class Trainer:
                             "tokens_to_target": state.tokens,
                             "projected_time_to_target_s": dict(state.projected_s)}
 
+    def _projections(self, total_s: dict[str, float], comm_s: dict[str, float],
+                     state: LoopState) -> dict[str, Projection]:
+        """Per profile: the run's projected total and modelled comm per step."""
+        steps = max(1, state.step)
+        return {name: Projection.of(total_s.get(name, 0.0), comm_s.get(name, 0.0) / steps,
+                                    state.step, state.tokens) for name in self.profiles}
+
     def summarise(self, state: LoopState) -> dict:
         """The run's summary (every rank returns it) and, on rank 0, comm.jsonl."""
         cfg = self.cfg
         totals = run_totals(self.ledger, self.device, self.net_model)
-        steps = max(1, state.step)
         if self.rank == 0:
             write_jsonl(self.records.comm, totals.comm_rows)
         with self.comm.phase("metrics"):
@@ -242,15 +248,9 @@ class Trainer:
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
             final_val_loss_extra=state.extra_val, target_loss=cfg.run.target_loss,
             **(state.target or {}),
-            projected={name: Projection.of(state.projected_s.get(name, 0.0),
-                                           state.projected_comm_s.get(name, 0.0) / steps,
-                                           state.step, state.tokens)
-                       for name in self.profiles},
-            projected_no_overlap={
-                name: Projection.of(state.projected_no_overlap_s.get(name, 0.0),
-                                    state.projected_comm_no_overlap_s.get(name, 0.0) / steps,
-                                    state.step, state.tokens)
-                for name in self.profiles},
+            projected=self._projections(state.projected_s, state.projected_comm_s, state),
+            projected_no_overlap=self._projections(state.projected_no_overlap_s,
+                                                   state.projected_comm_no_overlap_s, state),
             projection_model=f"{self.net_model} collectives, overlap-aware",
             optim=describe_optimizer(getattr(self.strategy, "optimizer", None)),
             num_params=self.num_params, flops_per_token=self.flops_per_token,

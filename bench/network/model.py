@@ -75,13 +75,16 @@ IdleOf = Callable[[tuple], float]
 """Seconds a connection has been idle, by `link_keys` key (math.inf: never used)."""
 
 
+def group_of(record: CommRecord) -> tuple[int, ...]:
+    """A collective's ranks: its subgroup's (`peers`), else the world's."""
+    return tuple(record.peers) if record.peers is not None else tuple(range(record.group_size))
+
+
 def link_keys(record: CommRecord) -> list[tuple]:
     """The connections an op uses: one per peer for point-to-point ops, the group's for a
     collective (its ring or tree neighbours)."""
-    op = canonical_op(record.op)
-    if op in COLLECTIVES:
-        ranks = record.peers if record.peers is not None else tuple(range(record.group_size))
-        return [("group", tuple(ranks))]
+    if canonical_op(record.op) in COLLECTIVES:
+        return [("group", group_of(record))]
     return [("peer", p) for p in (record.peers or ())]
 
 
@@ -106,11 +109,11 @@ class _Model:
     def __call__(self, record: CommRecord) -> float:
         op = canonical_op(record.op)
         if op in COLLECTIVES:
-            ranks = record.peers if record.peers is not None else tuple(range(record.group_size))
+            ranks = group_of(record)
             if ranks not in self.tiers:
                 self.tiers[ranks] = self._group_tiers(ranks)
             formula, tiers, n = COLLECTIVES[op], self.tiers[ranks], len(ranks)
-            idle = self.idle(("group", tuple(ranks)))
+            idle = self.idle(("group", ranks))
             cost = 0.0
             for t in tiers:  # the group goes at its slowest link's pace
                 alg = resolve(op, n, record.nbytes, t, self.algorithm)

@@ -10,7 +10,7 @@ the pipelines); tested by `pytest tests/test_pipeline.py -k critical_path`. The 
 - `c` = the rank's measured compute per microbatch slot: its compute seconds of the step
   (step_s - comm_s, the bubble and transfers excluded) over `work_slots` (M);
 - `tau` = the modelled seconds of one activation transfer on the profile: the largest of
-  the step's point-to-point records (send / recv / exchange) priced by `record_seconds`;
+  the step's point-to-point records (send / recv / exchange) priced by `pricer`;
   inside a slot the forward activation and the backward gradient of other microbatches
   travel while the stage computes, so a slot lasts `max(c, 2 tau)`;
 - `slots` = the schedule's length in slots: M + S - 1 with a flush (1F1B, GPipe), M
@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 from algorithms.comm import CommRecord
 from bench.network.costs import P2P
-from bench.network.model import project, record_seconds
+from bench.network.model import pricer
 from bench.network.profiles import Profile
 
 
@@ -43,11 +43,13 @@ def critical_path_step_s(compute_s: float, records: Iterable[CommRecord], profil
     if work_slots < 1 or slots < work_slots or hops < 0:
         raise ValueError(f"critical path: need 1 <= work_slots <= slots and hops >= 0, got "
                          f"slots={slots}, work_slots={work_slots}, hops={hops}")
-    records = list(records)
-    p2p = [r for r in records if r.op in P2P]
-    other = [r for r in records if r.op not in P2P]
-    tau = max((record_seconds(r, profile, rank, ranks_per_node, backend=backend)
-               for r in p2p), default=0.0)
+    price = pricer(profile, rank, ranks_per_node, backend=backend)
+    p2p, other = [], 0.0
+    for r in records:
+        if r.op in P2P:
+            p2p.append(price(r))
+        else:
+            other += price(r)
+    tau = max(p2p, default=0.0)
     slot = max(compute_s / work_slots, 2 * tau)
-    return (slots * slot + hops * tau
-            + project(other, profile, rank, ranks_per_node, backend=backend))
+    return slots * slot + hops * tau + other

@@ -29,6 +29,11 @@ import yaml
 SHIPPED = Path(__file__).resolve().parent.parent / "profiles.yaml"
 
 
+LINUX_TCP_INITIAL_WINDOW_B = 14480
+"""Linux's initial congestion window: 10 segments of 1448 B (netprobe's gloo tiers, the
+shaped-link lab; bench/profiles.yaml spells it for wan-1g)."""
+
+
 @dataclass(frozen=True)
 class Tier:
     """One kind of link: latency alpha in seconds, bandwidth beta in bytes per second.

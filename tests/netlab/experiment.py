@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.netprobe import TCP_INITIAL_WINDOW_B as TCP_INITIAL_WINDOW
+from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B
 from tests.netlab.lab import ROOT, Lab
 
 WORLD = 4
@@ -58,7 +58,7 @@ class Case:
             rate = min(self.rates_mbit[i], self.rates_mbit[j]) * 1e6 * 1448 / 1514 / 8
             delay = max(self.delays_ms[i], self.delays_ms[j]) / 1e3 + 50e-6
             return (f"{{latency_s: {delay!r}, bandwidth_Bps: {rate!r}, "
-                    f"tcp_initial_window: {TCP_INITIAL_WINDOW}}}")
+                    f"tcp_initial_window: {LINUX_TCP_INITIAL_WINDOW_B}}}")
         lines = ["intra: {latency_s: 5.0e-06, bandwidth_Bps: 1.0e+10}", f"inter: {tier(0, 1)}",
                  "links:"]
         lines += [f"  - {{nodes: [{i}, {j}], tier: {tier(i, j)}}}"
