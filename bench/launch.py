@@ -115,23 +115,18 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
         # rank 0 is on another node and writes the record; this node's ranks succeeded
         return {**summary, "status": "ok", "run_dir": str(run.path),
                 "note": "this node's ranks finished; rank 0's node writes summary.json"}
-    if rc != 0 and summary.get("status") in DONE_STATUSES and \
-            run.all_finished(cfg.parallel.world_size):
-        # every rank finished the run and rank 0 wrote its record; a rank died at exit
-        summary = run.update_summary({
-            "teardown_error": error_text(run, rc, tail, cfg.parallel.world_size,
-                                         cfg.parallel.timeout_s),
-            "launcher_wall_s": time.perf_counter() - started,
-        })
-        print(f"warning: every rank finished the run, then torchrun exited with {rc}: "
-              f"{summary['teardown_error'].splitlines()[0]} (kept as {summary['status']}; "
-              f"summary.json teardown_error)", file=sys.stderr)
-    elif rc != 0 or summary.get("status") == "running":
-        summary = run.update_summary({
-            "status": "failed",
-            "error": error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s),
-            "launcher_wall_s": time.perf_counter() - started,
-        })
+    if rc != 0 or summary.get("status") == "running":
+        error = error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s)
+        wall = time.perf_counter() - started
+        if summary.get("status") in DONE_STATUSES and run.all_finished(cfg.parallel.world_size):
+            # every rank finished the run and rank 0 wrote its record; a rank died at exit
+            summary = run.update_summary({"teardown_error": error, "launcher_wall_s": wall})
+            print(f"warning: every rank finished the run, then torchrun exited with {rc}: "
+                  f"{error.splitlines()[0]} (kept as {summary['status']}; summary.json "
+                  "teardown_error)", file=sys.stderr)
+        else:
+            summary = run.update_summary({"status": "failed", "error": error,
+                                          "launcher_wall_s": wall})
     elif cfg.launch.nnodes == 1:  # several nodes: only rank 0 writes (no lost update)
         summary = run.update_summary({"launcher_wall_s": time.perf_counter() - started})
     return {**summary, "run_dir": str(run.path)}
