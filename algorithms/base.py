@@ -52,6 +52,12 @@ class StrategyConfig:
         Field-local checks belong in `__post_init__`; the default checks nothing.
         """
 
+    def update_delay(self, cfg) -> int:
+        """Steps by which this strategy's weight updates lag the weights their gradients
+        were taken at: `optim.delay` (the emulation) unless the strategy delays updates
+        itself (PipeDream-2BW). A delay correction (`optim.delay_correction`) needs >= 1."""
+        return cfg.optim.delay
+
 
 def require_data_parallel(config: StrategyConfig, cfg) -> None:
     """The rule every data-parallel strategy shares: no pipeline stages."""
@@ -117,6 +123,11 @@ class TrainSetup:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     """(logits, targets) -> mean loss, what `model(x, y)` applies (bench.model.lm_loss);
     a pipeline's last stage applies it to its output."""
+    delay_correction: str = "none"
+    """`optim.delay_correction`, for strategies that delay updates themselves (2BW); the
+    `optim.delay` emulation gets it through `make_optimizer` (algorithms/delay.py)."""
+    ef_lambda: float = 1.0
+    """`optim.ef_lambda`, the error-feedback correction's weight."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -355,6 +366,9 @@ class DataParallelStrategy(Strategy):
 
     def train_step(self, batch) -> StepStats:
         self.optimizer.zero_grad(set_to_none=True)
+        begin = getattr(self.optimizer, "begin_step", None)  # algorithms/delay.py
+        if begin is not None:
+            begin()
         loss, tokens = self.forward_backward(batch)
         comm_s = self.after_backward()
         self.clip_gradients()

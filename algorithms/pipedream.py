@@ -20,8 +20,16 @@ the newest version at the end of step k+1, when every stage has finished it:
 one step. Reconstruction choices (ours): W(-1) = W(0), so step 0 applies no update and
 the last minibatch's gradient is never applied; the update at the end of step k uses
 step k's learning rate. Two version modules alternate roles; the optimizer (and its
-state) is re-bound to whichever holds the newest weights, so never more than two weight
-versions exist. Requires M >= S - 1 (the previous minibatch must finish within a step).
+state, whatever the optimizer's structure: `algorithms.delay.rebind_parameters`) is
+re-bound to whichever holds the newest weights, so never more than two weight versions
+exist. Requires M >= S - 1 (the previous minibatch must finish within a step).
+
+Corrections (`optim.delay_correction`): the same `algorithms.delay.DelayCorrection` as the
+`optim.delay: 1` emulation, applied around the update: `ef` corrects the update itself;
+`predict` makes the version module hold the extrapolated weights W(k) + u(k) that the next
+minibatch runs on (the true W(k) = stash - u(k) is rebuilt before the next update, and for
+evaluation in a separate copy). Each equals the emulation with the same correction on the
+same data (tests/test_pipeline.py).
 
 `delay: 0` runs the same executor with a flush every step (synchronous 1F1B, one version):
 its parameters equal torch's Schedule1F1B and one process with gradient accumulation.
@@ -38,6 +46,7 @@ import torch
 from torch import nn
 
 from algorithms.base import CriticalPath, TrainSetup
+from algorithms.delay import DelayCorrection, rebind_parameters
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 
@@ -56,6 +65,9 @@ class PipeDreamConfig(PipelineConfigBase):
         if self.backend != "ours":
             raise ValueError(f"strategy.backend for pipedream-2bw must be 'ours' (neither "
                              f"torch nor deepspeed has a 2BW schedule), got {self.backend!r}")
+
+    def update_delay(self, cfg) -> int:
+        return self.delay
 
     def check(self, cfg) -> None:
         super().check(cfg)
@@ -84,6 +96,9 @@ class PipeDream2BW(PipelineStrategy):
         self.versions = [self.stage_module]
         if self.delay:
             self.versions.append(copy.deepcopy(self.stage_module))
+        self.correction = DelayCorrection(setup.delay_correction, setup.ef_lambda)
+        self._eval_copy: nn.Module | None = None
+        """`predict`: the newest version's true weights (stash - u), built for evaluation."""
         self.bound = 0
         """Index of the version module the optimizer's param_groups hold."""
         self.inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -106,7 +121,18 @@ class PipeDream2BW(PipelineStrategy):
         return self.versions[(microbatch // self.num_microbatches - 1) % 2]
 
     def eval_model(self) -> nn.Module:
-        return self.versions[self.newest_index()]
+        """The newest weights W (with `predict`, a copy: the stash holds W + u)."""
+        newest = self.versions[self.newest_index()]
+        if self.correction.previous is None or self.correction.kind != "predict":
+            return newest
+        if self._eval_copy is None:
+            self._eval_copy = copy.deepcopy(newest).requires_grad_(False)
+        with torch.no_grad():
+            params = list(self._eval_copy.parameters())
+            for p, q in zip(params, newest.parameters(), strict=True):
+                p.copy_(q)
+            self.correction.shift(params, -1)
+        return self._eval_copy
 
     def newest_index(self) -> int:
         # after the update at the end of step k-1 (k = step_index), W(k-1) is the newest
@@ -207,12 +233,14 @@ class PipeDream2BW(PipelineStrategy):
             return 0.0  # W(0) = W(-1): no gradient is due yet
         target, newest = self.versions[k % 2], self.versions[(k - 1) % 2]
         comm_s = self.sync_gradients(target)  # g_{k-1}, computed on W(k-2)
+        params = list(target.parameters())
         with torch.no_grad():
-            for p_target, p_newest in zip(target.parameters(), newest.parameters(),
-                                          strict=True):
+            for p_target, p_newest in zip(params, newest.parameters(), strict=True):
                 p_target.copy_(p_newest)
         self.rebind(k % 2)
-        self.optimizer.step()
+        self.correction.shift(params, -1)  # predict: the stash held W + u; update W
+        self.correction.step(params, self.optimizer.step)
+        self.correction.shift(params, +1)  # predict: the next minibatch runs at W + u
         self.optimizer.zero_grad(set_to_none=True)
         return comm_s
 
@@ -220,14 +248,9 @@ class PipeDream2BW(PipelineStrategy):
         """Point the optimizer (param_groups and state) at version module `index`."""
         if index == self.bound:
             return
-        old = list(self.versions[self.bound].parameters())
-        new = list(self.versions[index].parameters())
-        mapping = {id(a): b for a, b in zip(old, new, strict=True)}
-        for group in self.optimizer.param_groups:
-            group["params"] = [mapping[id(p)] for p in group["params"]]
-        for a, b in zip(old, new, strict=True):
-            if a in self.optimizer.state:
-                self.optimizer.state[b] = self.optimizer.state.pop(a)
+        old = self.versions[self.bound].parameters()
+        new = self.versions[index].parameters()
+        rebind_parameters(self.optimizer, dict(zip(old, new, strict=True)))
         self.bound = index
 
 
@@ -252,6 +275,7 @@ class PipeDream2BW(PipelineStrategy):
             "grads": [[None if p.grad is None else p.grad.clone() for p in v.parameters()]
                       for v in self.versions],
             "optimizer": self.optimizer.state_dict(),
+            "correction": self.correction.state_dict(),
             "bound": self.bound,
             "step_index": self.step_index,
             "inflight": {j: h.detach().clone() for j, (h, _) in self.inflight.items()},
@@ -266,6 +290,8 @@ class PipeDream2BW(PipelineStrategy):
                 p.grad = g
         self.rebind(state["bound"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.correction.load_state_dict(state["correction"],
+                                        [p.device for p in self.stage_module.parameters()])
         self.step_index = state["step_index"]
         self.pending = state["pending"]
         self.inflight = {}

@@ -319,6 +319,11 @@ def validate(cfg: Config) -> None:
     check_corpus_path(cfg.data.corpus)
     check_straggler(cfg.run.straggler, cfg.parallel.world_size)
     cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
+    if cfg.optim.delay_correction != "none" and cfg.strategy.update_delay(cfg) == 0:
+        raise ValueError(f"optim.delay_correction={cfg.optim.delay_correction!r} corrects a "
+                         f"delayed update, but strategy {cfg.strategy.name!r} with "
+                         f"optim.delay=0 delays nothing: set optim.delay=1 (the emulation), "
+                         "or use pipedream-2bw with strategy.delay=1")
 
 
 def check_device(cfg: Config) -> None:

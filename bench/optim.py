@@ -12,7 +12,8 @@ classified by module type, never by name, so the same rule works on any slice of
   AdamW under Muon, and under the other optimizers the usual two groups: >= 2-D tensors
   decay, 1-D tensors (biases, norm gains) do not (nanoGPT's rule).
 `optim.delay: 1` wraps the optimizer in `algorithms.delay.DelayedOptimizer` (one-step
-gradient delay, optional error-feedback correction; docs/algorithms.md).
+gradient delay); `optim.delay_correction` corrects a delayed update, the emulation's or
+PipeDream-2BW's (algorithms/delay.py `DelayCorrection`; docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -25,20 +26,22 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from algorithms.delay import CORRECTIONS, DelayedOptimizer
+from algorithms.delay import CORRECTIONS, DelayedOptimizer, rebind_parameters
 from bench.model import Block
 
 if TYPE_CHECKING:
     from bench.config import Config
 
-OPTIMIZERS = ("adamw", "sgd", "muon", "lion", "adan", "soap")
+OPTIMIZERS = ("adamw", "sgd", "muon", "lion", "adan", "soap", "nadamw")
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd", "muon", "lion", "adan", "soap"] = "adamw"
+    name: Literal["adamw", "sgd", "muon", "lion", "adan", "soap", "nadamw"] = "adamw"
     """Optimizer: adamw; sgd (optional momentum); muon (torch.optim.Muon on the hidden
-    matrices, AdamW on the rest); lion, adan, soap (from the pytorch-optimizer package)."""
+    matrices, AdamW on the rest); lion, adan, soap (from the pytorch-optimizer package);
+    nadamw (torch.optim.NAdam, Nesterov momentum, decoupled weight decay: with betas
+    [0.99, 0.999] the asynchronous-pipeline recipe of Ajanthan et al. 2025)."""
     lr: float = 1e-3
     """Peak learning rate (under muon: of the AdamW part)."""
     min_lr_ratio: float = 0.1
@@ -48,8 +51,8 @@ class OptimConfig:
     schedule: Literal["cosine", "constant"] = "cosine"
     """Learning-rate shape after warmup."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas (also muon's AdamW part, lion's and soap's betas; adan keeps the
-    package's three defaults)."""
+    """AdamW betas (also muon's AdamW part, lion's, soap's and nadamw's betas; adan keeps
+    the package's three defaults)."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on biases and norms); under muon, on the
     AdamW part's matrices (embeddings and head)."""
@@ -66,12 +69,16 @@ class OptimConfig:
     muon_weight_decay: float = 0.0
     """muon: decoupled weight decay of the hidden matrices (our default; the paper's is
     not known)."""
+    nadam_momentum_decay: float = 0.004
+    """nadamw: torch NAdam's momentum_decay ψ (μ_t = β1 (1 - 0.5 · 0.96^(tψ)))."""
     delay: int = 0
     """0 = synchronous; 1 = one-step gradient delay (PipeDream-2BW's rule W(t+1) = W(t) -
     opt(grad f(W(t-1)))) emulated on any single-replica or data-parallel run."""
-    delay_correction: Literal["none", "ef"] = "none"
-    """With delay 1: none, or ef = error-feedback correction on the optimizer's update,
-    u + ef_lambda (u - u_prev) (a RECONSTRUCTION: the paper's equations were not available)."""
+    delay_correction: Literal["none", "ef", "predict"] = "none"
+    """Correction of a delayed update (optim.delay 1, or pipedream-2bw's strategy.delay 1):
+    none; ef = error feedback on the optimizer's update, u + ef_lambda (u - u_prev); predict
+    = the gradient taken at the extrapolated weights W + u_prev (SpecTrain/PipeMare). Both
+    are RECONSTRUCTIONS (docs/algorithms.md)."""
     ef_lambda: float = 1.0
     """Weight λ of the error-feedback correction (reconstruction; 0 = plain delay)."""
 
@@ -84,9 +91,6 @@ class OptimConfig:
         if self.delay_correction not in CORRECTIONS:
             raise ValueError(f"optim.delay_correction must be one of {list(CORRECTIONS)}, "
                              f"got {self.delay_correction!r}")
-        if self.delay_correction != "none" and self.delay == 0:
-            raise ValueError(f"optim.delay_correction={self.delay_correction!r} corrects a "
-                             "delayed update: it needs optim.delay=1, got optim.delay=0")
         if self.muon_lr <= 0:
             raise ValueError(f"optim.muon_lr must be > 0, got {self.muon_lr!r}")
 
@@ -172,6 +176,11 @@ class ChainedOptimizer:
         for opt, sub in zip(self.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(sub)
 
+    def rebind(self, mapping: dict) -> None:
+        """Move every child to other Parameter objects (PipeDream-2BW's version swap)."""
+        for opt in self.optimizers:
+            rebind_parameters(opt, mapping)
+
 
 def _muon(module: nn.Module, o: OptimConfig):
     hidden = hidden_matrices(module)
@@ -210,6 +219,10 @@ def build_optimizer(module: nn.Module, o: OptimConfig):
         return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas)
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+    if o.name == "nadamw":
+        return torch.optim.NAdam(groups, lr=o.lr, betas=o.betas,
+                                 momentum_decay=o.nadam_momentum_decay,
+                                 decoupled_weight_decay=True)
     if o.name in ("lion", "adan", "soap"):
         return _from_package(o.name, groups, o)
     raise ValueError(f"optim.name must be one of {list(OPTIMIZERS)}, got {o.name!r}")
@@ -228,8 +241,10 @@ def make_optimizer_factory(cfg: Config):
     return make
 
 
-def describe_optimizer(optimizer) -> dict | None:
-    """What a run's summary records about its optimizer: class names, group sizes, delay.
+def describe_optimizer(optimizer, cfg: Config) -> dict | None:
+    """What a run's summary records about its optimizer: class names, group sizes, and the
+    update delay whichever mechanism makes it (`delayed_by`: the `optim.delay` emulation or
+    the strategy itself, PipeDream-2BW) with its correction.
 
     None for a strategy without a single optimizer object."""
     if optimizer is None or not hasattr(optimizer, "param_groups"):
@@ -243,9 +258,10 @@ def describe_optimizer(optimizer) -> dict | None:
                     "weight_decay": g.get("weight_decay"), "lr_scale": g.get("lr_scale", 1.0)}
                    for p in parts for g in getattr(p, "param_groups", [])],
     }
-    if isinstance(optimizer, DelayedOptimizer):
-        info.update(delay=1, delay_correction=optimizer.correction,
-                    ef_lambda=optimizer.ef_lambda)
-    else:
-        info.update(delay=0, delay_correction="none")
+    delay = cfg.strategy.update_delay(cfg)
+    info.update(delay=delay, delay_correction=cfg.optim.delay_correction if delay else "none")
+    if delay:
+        info["delayed_by"] = "emulation" if cfg.optim.delay else "strategy"
+    if info["delay_correction"] == "ef":
+        info["ef_lambda"] = cfg.optim.ef_lambda
     return info

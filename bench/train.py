@@ -108,7 +108,8 @@ class Trainer:
             num_microbatches=cfg.parallel.num_microbatches,
             autocast=lambda: autocast_context(device.type, precision),
             num_stages=cfg.parallel.num_stages, partition=cfg.parallel.partition,
-            loss_fn=lm_loss,
+            loss_fn=lm_loss, delay_correction=cfg.optim.delay_correction,
+            ef_lambda=cfg.optim.ef_lambda,
         )
         self.strategy = strategy_class(cfg.strategy.name)(cfg.strategy, setup)
         shard, num_shards = self.strategy.data_shard()
@@ -252,7 +253,7 @@ class Trainer:
             projected_no_overlap=self._projections(state.projected_no_overlap_s,
                                                    state.projected_comm_no_overlap_s, state),
             projection_model=f"{self.net_model} collectives, overlap-aware",
-            optim=describe_optimizer(getattr(self.strategy, "optimizer", None)),
+            optim=describe_optimizer(getattr(self.strategy, "optimizer", None), cfg),
             num_params=self.num_params, flops_per_token=self.flops_per_token,
             device=self.device.type, backend=self.backend, data=self.data_meta, mfu=mfu,
             error=state.diverged,

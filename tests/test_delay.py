@@ -38,11 +38,13 @@ def cfg_of(*overrides):
 
 
 def train(model, optimizer, cfg, data, start: int = 0) -> None:
-    """The strategy's step order: set lr, zero_grad, forward/backward, (clip), step."""
+    """The strategy's step order: set lr, zero_grad, begin_step, forward/backward, (clip),
+    step (algorithms/base.py DataParallelStrategy.train_step)."""
     for step, (x, y) in enumerate(data, start=start):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
         optimizer.zero_grad(set_to_none=True)
+        optimizer.begin_step()
         model(x, y)[1].backward()
         optimizer.step()
 
@@ -122,6 +124,50 @@ def test_ef_lambda_1_sgd_matches_hand_math():
     assert_same_params(named(model), w[4], atol=1e-6, rtol=1e-6)
 
 
+def test_predict_sgd_takes_each_gradient_at_the_extrapolated_weights():
+    """g(t) is taken at W(t) + u(t-1), u(t-1) = W(t) - W(t-1) the last applied update (none
+    before the first); the update still applies to W(t): W(t+1) = W(t) - lr(t) g(t-1)."""
+    sgd = ["optim.name=sgd", "optim.weight_decay=0", "optim.delay=1", "optim.lr=0.3"]
+    cfg = cfg_of(*sgd, "optim.delay_correction=predict")
+    model, data = tiny_gpt(), batches(5)
+    reference = tiny_gpt()
+    w = {0: named(reference), 1: named(reference)}  # step 0 applies nothing
+    g = {0: grad_at(reference, w[0], data[0])}
+    for t in range(1, 5):
+        at = w[t] if t == 1 else {k: w[t][k] + (w[t][k] - w[t - 1][k]) for k in w[t]}
+        g[t] = grad_at(reference, at, data[t])
+        w[t + 1] = {k: w[t][k] - lr_at(t, cfg) * g[t - 1][k] for k in w[t]}
+    optimizer = make_optimizer_factory(cfg)(model)
+    train(model, optimizer, cfg, data)
+
+    plain = tiny_gpt()
+    train(plain, make_optimizer_factory(cfg_of(*sgd))(plain), cfg, data)
+    assert max_change(named(plain), w[5]) > 1e-4  # the prediction changed the result
+    assert_same_params(named(model), w[5], atol=1e-6, rtol=1e-6)
+
+
+def test_predict_resumes_bit_exactly_between_steps():
+    """The weights between two steps are W (predict's shift is undone by step()), and the
+    state dict carries u(t-1): a resumed run continues bit for bit (ef: the test above)."""
+    cfg = cfg_of("optim.delay=1", "optim.delay_correction=predict")
+    data = batches(6)
+    model = tiny_gpt()
+    train(model, make_optimizer_factory(cfg)(model), cfg, data)
+    first = tiny_gpt()
+    optimizer = make_optimizer_factory(cfg)(first)
+    train(first, optimizer, cfg, data[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    resumed = tiny_gpt(seed=5)
+    resumed.load_state_dict(saved["model"])
+    optimizer = make_optimizer_factory(cfg)(resumed)
+    optimizer.load_state_dict(saved["optimizer"])
+    train(resumed, optimizer, cfg, data[3:], start=3)
+    assert_same_params(params_of(resumed), params_of(model), atol=0, rtol=0)
+
+
 def test_ef_correction_is_the_reconstructed_formula():
     u, previous = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 1.0])
     torch.testing.assert_close(ef_correction(u, previous, 0.5), torch.tensor([1.25, -3.5]))
@@ -177,7 +223,7 @@ def test_diagnostics_are_the_update_and_the_stale_minus_fresh_gradient():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"delay": 2}, "optim.delay must be 1"),
-    ({"correction": "momentum"}, "optim.delay_correction must be one of ['none', 'ef']"),
+    ({"correction": "momentum"}, "optim.delay_correction must be one of ['none', 'ef', 'predict']"),
 ])
 def test_wrapper_rejects_bad_arguments(kwargs, message):
     optimizer = torch.optim.SGD(tiny_gpt().parameters(), lr=0.1)

@@ -183,8 +183,9 @@ def test_package_optimizers_build_and_train(name, kind):
     x = torch.randint(0, 256, (2, SEQ))
     train_steps(model, optimizer, cfg, [(x, x)] * 3)
     assert max_change(params_of(model), start) > 0
-    info = describe_optimizer(optimizer)
+    info = describe_optimizer(optimizer, cfg)
     assert info["optimizers"] == [kind.__name__] and info["delay"] == 1
+    assert info["delayed_by"] == "emulation"
 
 
 # ---------------------------------------------------------------------- bad input
@@ -192,10 +193,12 @@ def test_package_optimizers_build_and_train(name, kind):
 
 @pytest.mark.parametrize("override, message", [
     (["optim.delay=2"], "optim.delay must be 0 (synchronous) or 1 (one-step delay), got 2"),
-    (["optim.delay_correction=ef"], "it needs optim.delay=1, got optim.delay=0"),
+    (["optim.delay_correction=ef"], "delays nothing: set optim.delay=1"),
+    (["optim.delay_correction=predict", "strategy.name=pipedream-2bw", "strategy.delay=0",
+      "parallel.world_size=2", "parallel.num_stages=2"], "delays nothing"),
     (["optim.name=adam"], "optim.name must be one of ['adamw', 'sgd', 'muon', 'lion', 'adan'"),
     (["optim.delay=1", "optim.delay_correction=feedback"],
-     "optim.delay_correction must be one of ['none', 'ef'], got 'feedback'"),
+     "optim.delay_correction must be one of ['none', 'ef', 'predict'], got 'feedback'"),
     (["optim.muon_lr=0"], "optim.muon_lr must be > 0, got 0.0"),
 ])
 def test_bad_optim_config_names_key_value_and_valid_choices(override, message):
@@ -209,7 +212,7 @@ def test_direct_construction_is_checked_too():
 
 def test_config_show_documents_the_new_fields():
     text = describe(load_config(None, ["optim.delay=1", "optim.delay_correction=ef"]))
-    assert "delay_correction: ef  # With delay 1" in text
+    assert "delay_correction: ef  # Correction of a delayed update" in text
     assert "RECONSTRUCTION" in text
 
 

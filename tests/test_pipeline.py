@@ -15,7 +15,7 @@ import io
 import pytest
 import torch
 
-from algorithms.base import TrainSetup
+from algorithms.base import TrainSetup, set_lr
 from algorithms.comm import Communicator
 from algorithms.delay import DelayedOptimizer
 from algorithms.partition import split_layers, stage_bounds
@@ -24,6 +24,7 @@ from algorithms.pipeline import Pipeline, PipelineConfig
 from bench.config import Config, DataConfig, ModelConfig, ParallelConfig
 from bench.model import GPT, GPTConfig, lm_loss
 from bench.optim import (
+    OPTIMIZERS,
     OptimConfig,
     build_optimizer,
     configure_optimizer_groups,
@@ -45,6 +46,8 @@ def make_model(seed: int = 0, n_layer: int = LAYERS) -> GPT:
 def make_optimizer(module, optim="adamw"):
     if optim == "config":  # bench's own optimizer builder, as `commbench run` makes it
         return build_optimizer(module, optim_config(delay=0))
+    if optim.startswith("config:"):  # "config:NAME": bench's builder for optim.name NAME
+        return build_optimizer(module, named_optim_config(optim.split(":")[1], delay=0))
     groups = configure_optimizer_groups(module, 0.1)
     if optim == "sgd":
         return torch.optim.SGD(groups, lr=LR * 10, momentum=0.9)
@@ -55,6 +58,12 @@ def optim_config(delay: int) -> OptimConfig:
     """SGD with momentum (stateful): with AdamW the attention's key bias, whose gradient is
     zero up to rounding, turns summation-order noise into ~1e-6 differences."""
     return OptimConfig(name="sgd", lr=LR * 10, momentum=0.9, weight_decay=0.1, delay=delay)
+
+
+def named_optim_config(name: str, delay: int, correction: str = "none") -> OptimConfig:
+    """optim.name NAME as `commbench run` builds it (SGD with momentum: stateful)."""
+    return OptimConfig(name=name, lr=LR, momentum=0.9, weight_decay=0.1, delay=delay,
+                       delay_correction=correction)
 
 
 def lr_of(step: int) -> float:
@@ -127,6 +136,8 @@ class Spec:
     optim: str = "sgd"
     lr_schedule: bool = False
     """Set `lr_of(step)` before each step (else the optimizer's own lr throughout)."""
+    correction: str = "none"
+    """optim.delay_correction, as the loop hands it to the strategy (TrainSetup)."""
 
 
 def build(rank, world, spec: Spec, model_seed=0, grad_clip=0.0):
@@ -135,7 +146,8 @@ def build(rank, world, spec: Spec, model_seed=0, grad_clip=0.0):
         model=make_model(model_seed), comm=comm,
         make_optimizer=lambda m: make_optimizer(m, spec.optim), total_steps=10,
         grad_clip=grad_clip, rank_batch_size=spec.rank_batch,
-        num_microbatches=spec.microbatches, num_stages=spec.num_stages, loss_fn=lm_loss)
+        num_microbatches=spec.microbatches, num_stages=spec.num_stages, loss_fn=lm_loss,
+        delay_correction=spec.correction)
     cls, config_cls = (Pipeline, PipelineConfig) if spec.kind == "pipeline" else \
         (PipeDream2BW, PipeDreamConfig)
     return cls(config_cls(**dict(spec.kwargs)), setup)
@@ -162,8 +174,13 @@ def _run_specs(rank, world, specs):
         records = [(r.step, r.phase, r.op, r.nbytes) for r in strategy.comm.ledger.records]
         val = strategy.evaluate([global_batch(99, 4)])
         strategy.close()
+        versions = getattr(strategy, "versions", None)
+        stray = None  # optimizer state held for parameters of a version it is not bound to
+        if versions:
+            bound = {id(p) for p in versions[strategy.bound].parameters()}
+            stray = sum(id(p) not in bound for p in strategy.optimizer.state)
         out.append(dict(replica=strategy.grid.replica, state=strategy.export_state(),
-                        losses=losses, records=records, val=val,
+                        losses=losses, records=records, val=val, stray_state=stray,
                         versions=len(getattr(strategy, "versions", [None]))))
     return out
 
@@ -288,18 +305,21 @@ def test_2bw_equals_one_step_delay_loop(two_ranks):
     assert all(r["versions"] == 2 for r in ranks)
 
 
-def delayed_optimizer_run(steps: int, batch: int, microbatches: int, lr_shift: int = 0):
+def delayed_optimizer_run(steps: int, batch: int, microbatches: int, lr_shift: int = 0,
+                          optim: OptimConfig | None = None):
     """One process, no pipeline, `optim.delay: 1` through bench.optim's factory (the
-    DelayedOptimizer emulation); the lr of step `t - lr_shift` is set before step t."""
+    DelayedOptimizer emulation, SGD unless `optim` says otherwise), driven as
+    DataParallelStrategy drives it; the lr of step `t - lr_shift` is set before step t."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = make_model()
-        optimizer = make_optimizer_factory(Config(optim=optim_config(delay=1)))(model)
+        optimizer = make_optimizer_factory(Config(optim=optim or optim_config(delay=1)))(model)
         assert isinstance(optimizer, DelayedOptimizer)
         for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_of(max(0, step - lr_shift))
+            set_lr(optimizer, lr_of(max(0, step - lr_shift)))
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.begin_step()
             x, y = global_batch(step, batch)
             for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
                 (model(xm, ym)[1] / microbatches).backward()
@@ -323,6 +343,77 @@ def test_2bw_equals_the_delayed_optimizer_emulation(two_ranks):
     # the test can tell which step's lr an update used, and that the delay matters
     assert max_change(state, delayed_optimizer_run(4, 4, 4, lr_shift=1)) > 1e-5
     assert max_change(state, one_process(4, 4, 4)) > 1e-4
+
+
+# Every optimizer the schema accepts, and every correction, in the asynchronous pipeline.
+# On one stage the pipeline computes bit-identical gradients to the emulation, so the two
+# must agree exactly whatever the optimizer: this pins the version swap (every piece of
+# optimizer state moved). Across stages the tied embedding's gradient is summed in another
+# order (rounding), which AdamW-like optimizers turn into ~lr-sized differences on the
+# attention key bias (its true gradient is 0: softmax ignores it), Muon's bf16
+# Newton-Schulz into bf16 flips and SOAP's eigenbases of rank-deficient statistics into
+# O(1) ones; so the multi-stage identities use SGD with momentum and Lion (stateful,
+# numerically stable) at 1e-6.
+OPTIMIZER_2BW = {name: Spec("pipedream", (("delay", 1),), num_stages=1, rank_batch=4,
+                            steps=4, optim=f"config:{name}", lr_schedule=True)
+                 for name in OPTIMIZERS}
+STAGED_2BW = {(name, correction): Spec("pipedream", (("delay", 1),), rank_batch=4, steps=4,
+                                       optim=f"config:{name}", lr_schedule=True,
+                                       correction=correction)
+              for name in ("sgd", "lion") for correction in ("none", "ef", "predict")}
+CORRECTED_1STAGE = {(name, correction): dataclasses.replace(OPTIMIZER_2BW[name],
+                                                            correction=correction)
+                    for name in ("adamw", "muon") for correction in ("ef", "predict")}
+
+
+@pytest.fixture(scope="module")
+def one_stage_2bw():
+    return run_all(1, [*OPTIMIZER_2BW.values(), *CORRECTED_1STAGE.values()])
+
+
+@pytest.fixture(scope="module")
+def two_stage_2bw():
+    return run_all(2, list(STAGED_2BW.values()))
+
+
+def emulation(name: str, correction: str = "none", steps: int = 4) -> dict:
+    return delayed_optimizer_run(steps, 4, 4, optim=named_optim_config(name, 1, correction))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_2bw_with_every_optimizer_equals_its_delay_emulation(one_stage_2bw, name):
+    """The version swap moves every piece of optimizer state, whatever its structure (Muon's
+    two optimizers, the package optimizers): 2BW == `optim.delay: 1`, bit for bit."""
+    state, ranks = one_stage_2bw[OPTIMIZER_2BW[name]]
+    assert all(r["versions"] == 2 and r["stray_state"] == 0 for r in ranks)
+    assert_same_params(state, emulation(name), atol=0, rtol=0)
+    assert max_change(state, full_state(make_model())) > 1e-3  # it trained
+    # and the test can tell: one step earlier on the lr schedule is another answer
+    assert max_change(state, delayed_optimizer_run(4, 4, 4, lr_shift=1,
+                                                   optim=named_optim_config(name, 1))) > 1e-6
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name,correction", list(CORRECTED_1STAGE))
+def test_each_correction_in_2bw_equals_it_emulated(one_stage_2bw, name, correction):
+    """Bit for bit, but for `predict`'s evaluation copy: the pipeline stashes W + u and
+    evaluates (W + u) - u, one rounding away from the emulation's W (~1 ulp)."""
+    state, _ = one_stage_2bw[CORRECTED_1STAGE[name, correction]]
+    atol = 5e-7 if correction == "predict" else 0
+    assert_same_params(state, emulation(name, correction), atol=atol, rtol=0)
+    # the correction changed the answer: the test tells corrections apart
+    assert max_change(state, one_stage_2bw[OPTIMIZER_2BW[name]][0]) > 1e-4
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name,correction", list(STAGED_2BW))
+def test_each_correction_on_2_stages_equals_it_emulated(two_stage_2bw, name, correction):
+    state, ranks = two_stage_2bw[STAGED_2BW[name, correction]]
+    assert all(r["versions"] == 2 for r in ranks)
+    assert_same_params(state, emulation(name, correction), atol=1e-6, rtol=0)
+    if correction != "none":
+        assert max_change(state, two_stage_2bw[STAGED_2BW[name, "none"]][0]) > 1e-4
 
 
 @pytest.mark.timeout(400)
