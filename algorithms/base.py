@@ -165,6 +165,14 @@ def mean_loss(model: nn.Module, batches, device: torch.device,
     return (total[0] / total[1]).item()
 
 
+def begin_step(optimizer) -> None:
+    """Before a step's forward pass: an optimizer that moves the weights where the gradient
+    is taken (the delay emulation's `predict` correction, algorithms/delay.py) does so."""
+    begin = getattr(optimizer, "begin_step", None)
+    if begin is not None:
+        begin()
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The module itself under a torch.compile wrapper (whose state keys are prefixed)."""
     return getattr(model, "_orig_mod", model)
@@ -366,9 +374,7 @@ class DataParallelStrategy(Strategy):
 
     def train_step(self, batch) -> StepStats:
         self.optimizer.zero_grad(set_to_none=True)
-        begin = getattr(self.optimizer, "begin_step", None)  # algorithms/delay.py
-        if begin is not None:
-            begin()
+        begin_step(self.optimizer)
         loss, tokens = self.forward_backward(batch)
         comm_s = self.after_backward()
         self.clip_gradients()

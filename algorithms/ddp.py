@@ -77,14 +77,32 @@ class DDPConfig(StrategyConfig):
 
     def check(self, cfg) -> None:
         require_data_parallel(self, cfg)
-        if self.backend == "deepspeed" and (cfg.optim.name == "muon" or cfg.optim.delay):
-            # DeepSpeed wraps a torch.optim.Optimizer; Muon's two-optimizer chain and the
-            # one-step-delay wrapper are not one.
-            raise ValueError(
-                f"strategy.backend=deepspeed takes a plain torch optimizer: optim.name "
-                f"{cfg.optim.name!r} with optim.delay={cfg.optim.delay} is not supported "
-                "(use strategy.backend=torch, or optim.name adamw/sgd/lion/adan/soap with "
-                "optim.delay=0)")
+        if self.backend == "deepspeed":
+            require_deepspeed_optimizer(cfg, self.zero_stage)
+
+
+DEEPSPEED_REFUSES = {
+    "muon": "Muon + AdamW is two torch optimizers, DeepSpeed wraps one",
+    "soap": "ZeRO-1/2 hand the optimizer flat 1-D partitions, on which SOAP's Kronecker "
+            "preconditioners of each matrix do not exist",
+}
+"""Optimizers a DeepSpeed engine cannot run as the schema means them, and why."""
+
+
+def require_deepspeed_optimizer(cfg, zero_stage: int = 0) -> None:
+    """A DeepSpeed engine (ZeRO, or its pipeline) wraps ONE plain torch optimizer: not
+    Muon's pair, not the one-step-delay wrapper, not SOAP on ZeRO-1/2's flat partitions."""
+    name = cfg.optim.name
+    if name == "soap" and zero_stage == 0:
+        name = None
+    if name in DEEPSPEED_REFUSES or cfg.optim.delay:
+        why = ("the one-step-delay wrapper is not a torch optimizer" if cfg.optim.delay
+               else DEEPSPEED_REFUSES[name])
+        raise ValueError(
+            f"strategy.backend=deepspeed takes a plain torch optimizer: optim.name "
+            f"{cfg.optim.name!r} with optim.delay={cfg.optim.delay} is not supported ({why}); "
+            "use strategy.backend=torch, or optim.name adamw/sgd/lion/adan/nadamw (soap: "
+            "ZeRO stage 0 only) with optim.delay=0")
 
 
 # ---------------------------------------------------------------------------- clocks
@@ -266,3 +284,18 @@ class DDP(DataParallelStrategy):
             return super().train_step(batch)
         self.step_index += 1
         return self.zero.train_step(batch)
+
+    def state_dict(self) -> dict:
+        if self.zero is None:
+            return super().state_dict()
+        return {**self.zero.state_dict(), "step_index": self.step_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.zero is None:
+            return super().load_state_dict(state)
+        self.zero.load_state_dict(state)
+        self.step_index = state["step_index"]
+
+    def close(self) -> None:
+        if self.zero is not None:
+            self.zero.close()

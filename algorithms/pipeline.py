@@ -67,6 +67,10 @@ class PipelineConfig(PipelineConfigBase):
 
     def check(self, cfg) -> None:
         super().check(cfg)
+        if self.backend == "deepspeed":
+            from algorithms.ddp import require_deepspeed_optimizer
+
+            require_deepspeed_optimizer(cfg)
         p = cfg.parallel
         blocks = cfg.model.n_layer
         if blocks is not None and p.num_stages * self.stages_per_rank > blocks:

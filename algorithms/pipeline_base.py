@@ -29,6 +29,7 @@ from algorithms.base import (
     Strategy,
     StrategyConfig,
     TrainSetup,
+    begin_step,
     peak_memory_bytes,
     set_lr,
     unwrap,
@@ -179,6 +180,7 @@ class PipelineStrategy(Strategy):
                 for k, v in module.named_parameters(remove_duplicate=False)}
 
     def train_step(self, batch) -> StepStats:
+        begin_step(self.optimizer)  # the optim.delay emulation's predict correction
         loss, idle_s = self.run_schedule(batch)
         comm_s = self.apply_update()
         self.step_index += 1

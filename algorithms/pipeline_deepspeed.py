@@ -125,7 +125,10 @@ class DeepSpeedPipe:
         return total_s
 
     def close(self) -> None:
+        from algorithms.zero import release_deepspeed_state
+
         self.engine = None
+        release_deepspeed_state()
 
 
 def _tied(module: nn.Module) -> torch.nn.Parameter:

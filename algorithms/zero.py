@@ -44,6 +44,9 @@ class ZeroEngine:
             "train_batch_size": micro * setup.num_microbatches * setup.comm.world_size,
             "gradient_clipping": setup.grad_clip,
             "zero_optimization": {"stage": config.zero_stage},
+            # ZeRO-1/2 hand the optimizer flat partitions: fine for the elementwise
+            # optimizers config validation lets through (algorithms/ddp.py DEEPSPEED_REFUSES)
+            "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**31 - 1,
             "comms_logger": {"enabled": True, "verbose": False, "prof_all": True,
                              "debug": False},
@@ -53,6 +56,7 @@ class ZeroEngine:
         )
         reset_comms_log()  # the initial parameter broadcast is not training traffic
         self.comm, self.num_microbatches = setup.comm, setup.num_microbatches
+        self.zero_stage = config.zero_stage
         self.clock = clock_for(next(setup.model.parameters()).device)
         self.last_gradient = None
         """Clock mark of the latest gradient accumulation (the end of backward compute)."""
@@ -62,6 +66,25 @@ class ZeroEngine:
                     p.register_post_accumulate_grad_hook(self._gradient_ready)
         self.step_ops: list[tuple[str, int]] | None = None
         """CUDA: the (op, bytes) of one step, learnt from the logger on the first step."""
+
+    def state_dict(self) -> dict:
+        """The model and the engine's optimizer (ZeRO-1/2: this rank's partition of the fp32
+        master weights and optimizer state, DeepSpeed's own format)."""
+        return {"model": self.engine.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.module.load_state_dict(state["model"])
+        if self.zero_stage == 0:
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
+        # DeepSpeed reads the entry of this rank's data-parallel index from a list of every
+        # rank's partition; each rank restores its own, from the fp32 master copy (exact)
+        states = [state["optimizer"]] * self.comm.world_size
+        self.optimizer.load_state_dict(states, load_optimizer_states=True,
+                                       load_from_fp32_weights=True)
+
+    def close(self) -> None:
+        release_deepspeed_state()
 
     def _gradient_ready(self, param) -> None:
         self.last_gradient = self.clock.mark()
@@ -115,6 +138,15 @@ def per_op_seconds(comms_dict: dict) -> list[tuple[str, int, float]]:
             ops.append((name, nbytes, max(0.0, ms - previous) / 1e3))
             previous = ms
     return ops
+
+
+def release_deepspeed_state() -> None:
+    """Drop DeepSpeed's module-level references to this engine's process groups and model
+    parallel unit, so another engine built later in the same process (the combination
+    matrix, `commbench doctor`) does not inherit them."""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(None)
 
 
 def reset_comms_log() -> None:

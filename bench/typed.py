@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import os
@@ -102,13 +103,19 @@ def _scalar(value: Any, tp: Any, path: str) -> Any:
     raise TypeError(f"{path}: unsupported config type {tp}")  # a bug in a config class
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a dataclass (evaluating them is most of a parse)."""
+    return typing.get_type_hints(cls)
+
+
 def from_mapping(cls: type, data: Any, path: str = "") -> Any:
     """An instance of dataclass `cls` from a mapping; unknown keys and bad values fail."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{path or 'config'} must be a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:

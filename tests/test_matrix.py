@@ -1,0 +1,303 @@
+"""The combination matrix: every option value works with every other, or config validation
+refuses the combination with a reason. No combination may fail after launch.
+
+    pytest tests/test_matrix.py                 # pairwise: every accepted pair of values runs
+    tox -e matrix                               # every accepted combination runs (hours)
+
+Each dimension below is one option of the schema with the values a user can pick. The
+whole product is validated (`bench.config.from_dict`, the check `commbench run` makes
+before launch); a refused combination must name a config key in its message. From the
+accepted combinations a greedy all-pairs cover is chosen (every pair of values that occurs
+in some accepted combination occurs in a chosen one), and each chosen combination trains
+3 steps on a tiny model on real gloo ranks through the loop's own `Trainer`: the run ends
+`ok`, its loss and validation loss are finite, its records are written, and where it
+checkpoints, a resume from step 2 ends bit-identical to the uninterrupted run.
+
+Counts (this commit): see `test_the_matrix_counts`, which prints them; docs/architecture.md
+records the latest (product, accepted, refused, pairwise rows run).
+
+Adding an option: add a dimension (or values) here. If some combination cannot work, refuse
+it in config validation (the strategy's `check`, or `bench.config.validate`) with a reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bench.config import from_dict
+from bench.records import RunDir
+from tests.distributed import run_distributed
+
+BASE = {
+    "run": {"name": "matrix", "steps": 3, "log_every": 3, "val_every": 0, "val_batches": 1},
+    "model": {"preset": "tiny", "n_layer": 4, "n_embd": 32, "n_head": 2, "seq_len": 16},
+    "data": {"corpus": "embedded", "tokenizer": "byte", "batch_size": 4},
+    "optim": {"lr": 1e-3, "warmup_steps": 1},
+    "network": {"ranks_per_node": 1, "profiles": ["eth-10g"]},
+    "checkpoint": {"every": 0, "final": True},
+}
+
+STRATEGIES = {
+    "ddp": {"strategy.name": "ddp"},
+    "ddp-zero0": {"strategy.name": "ddp", "strategy.backend": "deepspeed",
+                  "strategy.zero_stage": 0},
+    "ddp-zero1": {"strategy.name": "ddp", "strategy.backend": "deepspeed",
+                  "strategy.zero_stage": 1},
+    "ddp-zero2": {"strategy.name": "ddp", "strategy.backend": "deepspeed",
+                  "strategy.zero_stage": 2},
+    "diloco": {"strategy.name": "diloco", "strategy.inner_steps": 2},
+    "pier": {"strategy.name": "pier", "strategy.inner_steps": 2,
+             "strategy.warmup_fraction": 0.34},
+    "gasloc": {"strategy.name": "gasloc", "strategy.inner_steps": 2},
+    "gossip": {"strategy.name": "gossip", "strategy.inner_steps": 2},
+    "1f1b": {"strategy.name": "pipeline", "strategy.schedule": "1f1b"},
+    "gpipe": {"strategy.name": "pipeline", "strategy.schedule": "gpipe"},
+    "interleaved": {"strategy.name": "pipeline", "strategy.schedule": "interleaved-1f1b",
+                    "strategy.stages_per_rank": 2},
+    "deepspeed-pp": {"strategy.name": "pipeline", "strategy.backend": "deepspeed"},
+    "2bw": {"strategy.name": "pipedream-2bw", "strategy.delay": 1},
+    "2bw-sync": {"strategy.name": "pipedream-2bw", "strategy.delay": 0},
+}
+PIPELINES = {"1f1b", "gpipe", "interleaved", "deepspeed-pp", "2bw", "2bw-sync"}
+LOCAL_UPDATES = {"diloco", "pier"}
+
+
+def layout(strategy: str, world: int) -> dict:
+    """World size and grid: pipelines 2 stages (x 2 replicas on 4 ranks); DiLoCo and Pier
+    replicas of 2 ranks on 4 ranks (hierarchical groups); the rest one rank per worker."""
+    out = {"parallel.world_size": world}
+    if strategy in PIPELINES:
+        out.update({"parallel.num_stages": 2, "parallel.num_microbatches": 2})
+    elif strategy in LOCAL_UPDATES and world == 4:
+        out["parallel.group_size"] = 2
+    return out
+
+
+DIMENSIONS: dict[str, list] = {
+    "strategy": list(STRATEGIES),
+    "world": [2, 4],
+    "optim.name": ["adamw", "sgd", "muon", "lion", "adan", "soap", "nadamw"],
+    "optim.delay": [0, 1],
+    "optim.delay_correction": ["none", "ef", "predict"],
+    "model.precision": ["fp32", "bf16"],
+    "network.emulate": [None, "eth-10g"],
+    "resume": [False, True],
+}
+
+
+@dataclass(frozen=True)
+class Combination:
+    values: tuple
+
+    @property
+    def named(self) -> dict:
+        return dict(zip(DIMENSIONS, self.values, strict=True))
+
+    @property
+    def id(self) -> str:
+        return "-".join(str(v) for v in self.values).replace(".", "")
+
+    def config_dict(self) -> dict:
+        named = self.named
+        data = copy.deepcopy(BASE)
+        flat = {**layout(named["strategy"], named["world"]), **STRATEGIES[named["strategy"]]}
+        for key, value in named.items():
+            if "." in key:
+                flat[key] = value
+        if named["resume"]:
+            flat["checkpoint.every"] = 2
+        for key, value in flat.items():
+            section, name = key.split(".", 1)
+            data.setdefault(section, {})[name] = value
+        return data
+
+
+def validate(combo: Combination) -> str | None:
+    """None when `commbench run` would launch it, else the refusal's message."""
+    try:
+        from_dict(combo.config_dict())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def product() -> list[Combination]:
+    return [Combination(values) for values in itertools.product(*DIMENSIONS.values())]
+
+
+def pairs_of(combo: Combination) -> set[tuple]:
+    items = list(enumerate(combo.values))
+    return {(i, a, j, b) for (i, a), (j, b) in itertools.combinations(items, 2)}
+
+
+def all_pairs(accepted: list[Combination]) -> list[Combination]:
+    """A greedy cover: combinations until every pair of values occurring in an accepted
+    combination occurs in a chosen one (deterministic: ties go to the earliest)."""
+    covers = [pairs_of(c) for c in accepted]
+    uncovered = set().union(*covers)
+    chosen = []
+    while uncovered:
+        best = max(range(len(accepted)), key=lambda k: len(covers[k] & uncovered))
+        chosen.append(accepted[best])
+        uncovered -= covers[best]
+    return chosen
+
+
+def classify() -> tuple[list[Combination], dict[Combination, str]]:
+    accepted, refused = [], {}
+    for combo in product():
+        reason = validate(combo)
+        if reason is None:
+            accepted.append(combo)
+        else:
+            refused[combo] = reason
+    return accepted, refused
+
+
+# ---------------------------------------------------------------------- the runs
+
+
+def _train(cfg, run_dir: Path):
+    """(summary, this rank's eval weights, the steps it trained)."""
+    from bench.train import Trainer
+
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+    trained, timed_step = [], trainer.timed_step
+    trainer.timed_step = lambda step: (trained.append(step), timed_step(step))[1]
+    summary = trainer.run()
+    state = {k: v.detach().clone() for k, v in trainer.strategy.export_state().items()}
+    trainer.strategy.close()
+    return summary, state, trained
+
+
+def _run_rows(rank, world, rows: list[Combination], base_dir: str):
+    """Each row on these ranks in turn; per row this rank's findings (or raises, naming it)."""
+    torch.set_num_threads(1)
+    out = []
+    for combo in rows:
+        cfg = from_dict(combo.config_dict())
+        run_dir = Path(base_dir) / combo.id
+        try:
+            summary, state, _ = _train(cfg, run_dir)
+            row = {"status": summary["status"], "loss_finite": None,
+                   "val": summary.get("final_val_loss"), "steps": summary["steps"],
+                   "tokens": summary["total_tokens"]}
+            if rank == 0:
+                rows_written = RunDir(run_dir).read_metrics()
+                row["loss_finite"] = bool(rows_written) and all(
+                    math.isfinite(r["loss"]) for r in rows_written if "loss" in r)
+                row["final_pt"] = RunDir(run_dir).final_checkpoint.exists()
+            if combo.named["resume"]:
+                resumed_dir = Path(base_dir) / f"{combo.id}-resumed"
+                if rank == 0:
+                    shutil.copytree(run_dir, resumed_dir)
+                dist.barrier()
+                os.environ["COMMBENCH_RESUME"] = "1"
+                try:
+                    resumed_summary, resumed_state, trained = _train(cfg, resumed_dir)
+                finally:
+                    del os.environ["COMMBENCH_RESUME"]
+                row["resumed_status"] = resumed_summary["status"]
+                row["resumed_steps"] = trained  # [2]: it continued from the checkpoint
+                row["resume_exact"] = state.keys() == resumed_state.keys() and all(
+                    torch.equal(state[k], resumed_state[k]) for k in state)
+            out.append(row)
+        except Exception as err:  # symmetric failures (every rank raises): record, go on
+            out.append({"error": f"rank {rank}: {type(err).__name__}: {err}"})
+            dist.barrier()
+    return out
+
+
+def run_rows(rows: list[Combination], tmp_path: Path, timeout: float) -> dict:
+    """{combination: rank 0's findings (with every rank's resume verdict)}."""
+    results = {}
+    for world in sorted({c.named["world"] for c in rows}):
+        mine = [c for c in rows if c.named["world"] == world]
+        per_rank = run_distributed(_run_rows, world, mine, str(tmp_path), timeout=timeout)
+        for i, combo in enumerate(mine):
+            found = dict(per_rank[0][i])
+            errors = [r[i]["error"] for r in per_rank if "error" in r[i]]
+            if errors:
+                results[combo] = {"error": errors[0]}
+                continue
+            if combo.named["resume"]:
+                found["resume_exact"] = all(r[i]["resume_exact"] for r in per_rank)
+            results[combo] = found
+    return results
+
+
+def check(combo: Combination, found: dict) -> None:
+    named = combo.named
+    assert "error" not in found, f"failed after launch: {named}: {found['error']}"
+    assert found["status"] == "ok", (named, found)
+    assert found["steps"] == 3 and found["tokens"] > 0, (named, found)
+    assert found["loss_finite"] and math.isfinite(found["val"]), (named, found)
+    assert found["final_pt"], named
+    if named["resume"]:
+        assert found["resumed_status"] == "ok", (named, found)
+        assert found["resumed_steps"] == [2], f"did not resume from step 2: {named} {found}"
+        assert found["resume_exact"], f"resume from step 2 is not bit-exact: {named}"
+
+
+# ---------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def classified():
+    return classify()
+
+
+def test_every_refusal_names_a_config_key(classified):
+    """A refused combination is refused with a reason a user can act on: the message names
+    the key path of an option (section.field)."""
+    _, refused = classified
+    sections = ("run.", "model.", "data.", "strategy", "optim.", "parallel.", "network.",
+                "checkpoint.", "launch.", "eval.")
+    unnamed = {r for r in refused.values() if not any(s in r for s in sections)}
+    assert not unnamed, sorted(unnamed)[:5]
+
+
+def test_the_matrix_counts(classified):
+    """Every value of every dimension is accepted somewhere: an option no combination can
+    use is a schema bug. Prints the counts the module docstring speaks of."""
+    accepted, refused = classified
+    for i, (name, values) in enumerate(DIMENSIONS.items()):
+        used = {c.values[i] for c in accepted}
+        assert used == set(values), f"{name}: {set(values) - used} never accepted"
+    rows = all_pairs(accepted)
+    print(f"\nmatrix: {len(accepted) + len(refused)} combinations, {len(accepted)} accepted, "
+          f"{len(refused)} refused; {len(rows)} pairwise rows")
+
+
+@pytest.mark.timeout(1500)
+def test_every_accepted_pair_of_values_runs(classified, tmp_path):
+    accepted, _ = classified
+    rows = all_pairs(accepted)
+    results = run_rows(rows, tmp_path, timeout=1400)
+    failures = []
+    for combo in rows:
+        try:
+            check(combo, results[combo])
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, f"{len(failures)} of {len(rows)} rows:\n" + "\n".join(failures)
+
+
+@pytest.mark.matrix
+@pytest.mark.timeout(0)
+def test_every_accepted_combination_runs(classified, tmp_path):
+    """The full product (tox -e matrix): hours on 2 cores."""
+    accepted, _ = classified
+    results = run_rows(accepted, tmp_path, timeout=10**6)
+    for combo in accepted:
+        check(combo, results[combo])
