@@ -520,7 +520,8 @@ def test_delay_study_section_gaps_to_sync_per_optimizer(tmp_path):
     assert adamw["gap_ci"] == pytest.approx(4.302653 * diffs.std(ddof=1) / math.sqrt(3))
     assert adamw["gap_method"] == "paired" and adamw["sync"] == "adamw-sync"
     assert cells.loc["adamw-ef", "gap"] == pytest.approx(0.05)
-    assert cells.loc["adamw-ef", "ef_recovered"] == pytest.approx(1 - 0.05 / 0.21)
+    assert cells.loc["adamw-ef", "recovered"] == pytest.approx(1 - 0.05 / 0.21)
+    assert set(cells["mechanism"]) == {"emulation"}
     assert cells.loc["muon-delayed", "gap"] == pytest.approx(0.04 / 3)
     assert cells.loc["muon-sync", "final_val_loss"] == pytest.approx(1.90)
     assert math.isnan(cells.loc["muon-sync", "gap"])
@@ -530,7 +531,41 @@ def test_delay_study_section_gaps_to_sync_per_optimizer(tmp_path):
     caption = next(x for x in md.splitlines() if x.startswith("_Gap of the final"))
     assert "reconstruct" in caption
     line = next(x for x in md.splitlines() if x.startswith("| adamw-ef | adamw |"))
-    assert "delayed + EF" in line and "76.2%" in line
+    assert "| emulation | delayed + EF |" in line and "76.2%" in line
+
+
+def test_delay_study_puts_the_pipeline_beside_the_emulation(tmp_path):
+    """PipeDream-2BW's own delay (strategy.delay) is a delayed cell too; its sync reference
+    is the same executor with strategy.delay 0, not the emulation's synchronous run."""
+    sweep_dir, sweep = _sweep(tmp_path, "delay")
+    cells = {  # label: (strategy, config, finals per seed)
+        "emu-sync": ("ddp", {"optim": {"delay": 0}}, [2.00, 2.02, 1.98]),
+        "emu-delayed": ("ddp", {"optim": {"delay": 1}}, [2.20, 2.25, 2.18]),
+        "2bw-sync": ("pipedream-2bw", {"strategy": {"delay": 0},
+                                       "optim": {"delay_correction": "none"}},
+                     [2.10, 2.12, 2.08]),
+        "2bw": ("pipedream-2bw", {"strategy": {"delay": 1},
+                                  "optim": {"delay_correction": "none"}}, [2.30, 2.32, 2.28]),
+        "2bw-predict": ("pipedream-2bw", {"strategy": {"delay": 1},
+                                          "optim": {"delay_correction": "predict"}},
+                        [2.15, 2.17, 2.13]),
+    }
+    for label, (strategy, config, finals) in cells.items():
+        for seed, final in enumerate(finals):
+            write_run(sweep_dir, sweep, label, strategy, seed, [3.5, 3.0, 2.5, final], 1.0,
+                      config=config)
+    out = tmp_path / "out"
+    build_report(_save(sweep_dir, sweep), out)
+    table = pd.read_csv(out / "delay_study.csv").set_index("label")
+    assert table.loc["2bw", "mechanism"] == "pipeline" and table.loc["2bw", "delay"] == 1
+    assert table.loc["2bw", "sync"] == "2bw-sync"
+    assert table.loc["2bw", "gap"] == pytest.approx(0.20)
+    assert table.loc["emu-delayed", "sync"] == "emu-sync"
+    assert table.loc["emu-delayed", "gap"] == pytest.approx(0.21)
+    assert table.loc["2bw-predict", "recovered"] == pytest.approx(1 - 0.05 / 0.20)
+    md = (out / "report.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("| 2bw-predict | adamw |"))
+    assert "| pipeline | delayed + predict |" in line and "75.0%" in line
 
 
 def test_records_without_delay_settings_count_as_adamw_sync(tmp_path):

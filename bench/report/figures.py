@@ -210,28 +210,30 @@ def communication(comm: pd.DataFrame, profiles: list[str],
 
 
 def delay_gaps(cells: pd.DataFrame) -> Figure | None:
-    """Bars: gap to sync per optimizer, delayed and delayed + EF, 95% error bars.
+    """Bars: gap to sync per sync reference (optimizer and mechanism), one bar per delayed
+    setting (plain delay and each correction), 95% error bars.
 
     `cells` is bench/report/studies.py's delay_study table."""
     gaps = cells[cells["delay"] > 0].dropna(subset=["gap"])
     if gaps.empty:
         return None
-    names = list(dict.fromkeys(gaps["optimizer"]))
-    settings = [("none", "delayed", "#c44e52"), ("ef", "delayed + EF (reconstruction)",
-                                                  "#4c72b0")]
-    fig = _figure(max(5.0, 1.4 * len(names) + 2), 3.8)
+    refs = list(dict.fromkeys(gaps["sync"]))
+    settings = [("none", "delayed", "#c44e52"), ("ef", "+ EF (reconstruction)", "#4c72b0"),
+                ("predict", "+ predict (reconstruction)", "#55a868")]
+    settings = [s for s in settings if (gaps["correction"] == s[0]).any()]
+    width = 0.8 / len(settings)
+    fig = _figure(max(5.0, 1.2 * len(refs) + 2), 3.8)
     ax = fig.add_subplot()
-    x = np.arange(len(names))
+    x = np.arange(len(refs))
     for i, (corr, label, color) in enumerate(settings):
-        part = gaps[gaps["correction"] == corr].drop_duplicates("optimizer").set_index(
-            "optimizer")
-        values = [part["gap"].get(n, np.nan) for n in names]
-        errors = [part["gap_ci"].get(n, np.nan) for n in names]
+        part = gaps[gaps["correction"] == corr].drop_duplicates("sync").set_index("sync")
+        values = [part["gap"].get(r, np.nan) for r in refs]
+        errors = [part["gap_ci"].get(r, np.nan) for r in refs]
         errors = [0 if not np.isfinite(e) else e for e in errors]
-        ax.bar(x + (i - 0.5) * 0.38, values, 0.38, yerr=errors, capsize=3, color=color,
-               label=label)
+        ax.bar(x + (i - (len(settings) - 1) / 2) * width, values, width, yerr=errors,
+               capsize=3, color=color, label=label)
     ax.axhline(0, color="grey", linewidth=1)
-    ax.set_xticks(x, names)
+    ax.set_xticks(x, refs, rotation=20, ha="right", fontsize=7)
     ax.set_ylabel("final val loss − sync")
     ax.set_title("One-step delay: validation-loss gap to the synchronous run", fontsize=10)
     ax.grid(axis="y", alpha=0.3)

@@ -45,8 +45,9 @@ SUMMARY_NUMBERS = [
 ]
 # Config fields the study sections read; absent in older records: these defaults.
 CONFIG_FIELDS = {"optim.name": "adamw", "optim.delay": 0, "optim.delay_correction": "none",
-                 "strategy.schedule": None}
-_DELAY_KEYS = ("run.name", "optim.delay", "optim.delay_correction", "optim.ef_lambda")
+                 "strategy.schedule": None, "strategy.delay": None}
+_DELAY_KEYS = ("run.name", "optim.delay", "optim.delay_correction", "optim.ef_lambda",
+               "strategy.delay")
 # Config keys that say where things go or which repetition it is: not what is compared.
 _NOT_COMPARED = ("run.seed", *NON_IDENTITY_KEYS)
 
@@ -60,6 +61,17 @@ class Results:
     sweep_targets: dict[str, float] = field(default_factory=dict)
     """target_loss set by each sweep's spec, by sweep name."""
     warnings: list[str] = field(default_factory=list)
+
+
+def _update_delay(row: dict) -> int:
+    """Steps by which a run's updates lag their gradients: `optim.delay` (the emulation),
+    or PipeDream-2BW's own `strategy.delay` (1 unless set), as algorithms.base
+    StrategyConfig.update_delay says."""
+    if row["optim.delay"]:
+        return int(row["optim.delay"])
+    if row["strategy"] == "pipedream-2bw":
+        return 1 if row["strategy.delay"] is None else int(row["strategy.delay"])
+    return 0
 
 
 def find_run_dirs(results_dir: Path) -> list[Path]:
@@ -194,6 +206,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
                 config.get(section), dict) else None
             row["schedule" if key == "strategy.schedule" else key] = (
                 default if value is None else value)
+        row["update_delay"] = _update_delay(row)
         row["delay_ref"] = f"{row['sweep']}#{_compared_config_key(config, _DELAY_KEYS)}"
         row["projection_model"] = (summary or {}).get(
             "projection_model", "naive formulas, no overlap (record without projection_model)")

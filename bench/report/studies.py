@@ -3,14 +3,16 @@
     commbench sweep configs/sweeps/delay-study.yaml    # its report holds the delay section
     commbench report results/pipelines -o reports/pipelines
 
-Delay study (shown when runs differ by `optim.name`, `optim.delay` (0|1) and
-`optim.delay_correction` (none|ef), read from each run's config.yaml; older records
-without them count as adamw, 0, none). A cell is one group (config minus seed); its sync
-reference is the group with the same config except the delay settings (delay 0, no
-correction). Table: final validation loss per cell over its ok runs (mean ± 95%
-half-width, n), and the gap to sync (delayed minus sync, paired by seed when both ran the
-same seeds, else Welch). The EF correction is the project's reconstruction of the
-paper's error-feedback correction (docs/algorithms.md), not the paper's own equations.
+Delay study (shown when runs differ by `optim.name`, the update delay and
+`optim.delay_correction` (none|ef|predict), read from each run's config.yaml; older
+records without them count as adamw, 0, none). The update delay is `optim.delay` (the
+emulation) or PipeDream-2BW's `strategy.delay` (the real asynchronous pipeline), so both
+mechanisms sit side by side. A cell is one group (config minus seed); its sync reference
+is the group with the same config except the delay settings (delay 0, no correction).
+Table: final validation loss per cell over its ok runs (mean ± 95% half-width, n), the
+gap to sync (delayed minus sync, paired by seed when both ran the same seeds, else Welch)
+and what each correction recovers of the plain delay's gap. The corrections are the
+project's reconstructions (docs/algorithms.md), not the papers' own equations.
 
 Pipelines (shown when a run's strategy is `pipeline` or `pipedream-2bw`): measured and
 theoretical bubble fractions (summary keys `bubble_fraction_measured`,
@@ -58,9 +60,10 @@ def _finals(part: pd.DataFrame) -> dict:
 
 
 def delay_study(runs: pd.DataFrame) -> pd.DataFrame | None:
-    """One row per cell: optimizer, delay, correction, final loss, gap to sync (or None)."""
-    keys = ["optim.name", "optim.delay", "optim.delay_correction"]
-    if runs.empty or not (runs["optim.delay"].astype(float) > 0).any():
+    """One row per cell: optimizer, mechanism (emulation or pipeline), delay, correction,
+    final loss, gap to its sync reference (or None), and what the correction recovers."""
+    keys = ["optim.name", "update_delay", "optim.delay_correction", "strategy"]
+    if runs.empty or not (runs["update_delay"] > 0).any():
         return None
     if len(runs.drop_duplicates(keys)) < 2:
         return None
@@ -69,11 +72,12 @@ def delay_study(runs: pd.DataFrame) -> pd.DataFrame | None:
         first = part.iloc[0]
         finals = _finals(part)
         final = mean_interval(finals.values())
-        sync = runs[(runs["delay_ref"] == first["delay_ref"])
-                    & (runs["optim.delay"].astype(float) == 0)
+        sync = runs[(runs["delay_ref"] == first["delay_ref"]) & (runs["update_delay"] == 0)
                     & (runs["optim.delay_correction"] == "none")]
         row = {"sweep": first["sweep"], "label": first["label"],
-               "optimizer": first["optim.name"], "delay": int(first["optim.delay"]),
+               "optimizer": first["optim.name"],
+               "mechanism": "pipeline" if first["strategy"] in PIPELINES else "emulation",
+               "delay": int(first["update_delay"]), "delay_ref": first["delay_ref"],
                "correction": first["optim.delay_correction"], "runs": len(part),
                "ok": len(finals), "final_val_loss": final.estimate,
                "final_val_loss_ci": final.half_width, "gap": math.nan, "gap_ci": math.nan,
@@ -86,31 +90,36 @@ def delay_study(runs: pd.DataFrame) -> pd.DataFrame | None:
                        gap_method=gap.method, sync=sync["label"].iloc[0])
         rows.append(row)
     table = pd.DataFrame(rows)
-    recovered = {}
-    for (sweep, name), part in table.groupby(["sweep", "optimizer"], sort=False):
+    table["recovered"] = math.nan  # 1 - gap(corrected) / gap(delayed), same sync reference
+    for _, part in table.groupby(["sweep", "delay_ref"], sort=False):
         plain = part[(part["delay"] > 0) & (part["correction"] == "none")]["gap"]
-        ef = part[(part["delay"] > 0) & (part["correction"] == "ef")]["gap"]
-        if len(plain) == 1 and len(ef) == 1 and plain.iloc[0] > 0:
-            recovered[(sweep, name)] = 1 - ef.iloc[0] / plain.iloc[0]
-    table["ef_recovered"] = [recovered.get((s, n), math.nan) if c == "ef" else math.nan
-                             for s, n, c in zip(table["sweep"], table["optimizer"],
-                                                table["correction"], strict=True)]
-    table["_order"] = table["correction"] == "ef"  # sync, delayed, delayed + EF
-    return table.sort_values(["sweep", "optimizer", "delay", "_order"], kind="stable").drop(
-        columns="_order").reset_index(drop=True)
+        if len(plain) != 1 or not plain.iloc[0] > 0:
+            continue
+        corrected = part[(part["delay"] > 0) & (part["correction"] != "none")]
+        table.loc[corrected.index, "recovered"] = 1 - corrected["gap"] / plain.iloc[0]
+    table["_order"] = [CORRECTION_ORDER.index(c) if c in CORRECTION_ORDER else 9
+                       for c in table["correction"]]
+    return table.sort_values(["sweep", "mechanism", "optimizer", "delay", "_order"],
+                             kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
-def _setting(delay: int, correction: str) -> str:
+CORRECTION_ORDER = ["none", "ef", "predict"]
+CORRECTION_NAMES = {"none": "", "ef": " + EF", "predict": " + predict"}
+
+
+def setting(delay: int, correction: str) -> str:
+    """sync, delayed, delayed + EF, delayed + predict."""
     if not delay:
         return "sync"
-    return "delayed + EF" if correction == "ef" else "delayed"
+    return "delayed" + CORRECTION_NAMES.get(correction, f" + {correction}")
 
 
 def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
     table = pd.DataFrame({
         "group": cells["label"], "optimizer": cells["optimizer"],
-        "setting": [_setting(d, c) for d, c in zip(cells["delay"], cells["correction"],
-                                                   strict=True)],
+        "delay by": cells["mechanism"],
+        "setting": [setting(d, c) for d, c in zip(cells["delay"], cells["correction"],
+                                                  strict=True)],
         "runs (ok)": [f"{r} ({o})" for r, o in zip(cells["runs"], cells["ok"], strict=True)],
         "final val loss": [render.with_ci(m, c) + f" (n={n})" for m, c, n in
                            zip(cells["final_val_loss"], cells["final_val_loss_ci"],
@@ -120,25 +129,29 @@ def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
                         for d, g, c, n, m in zip(cells["delay"], cells["gap"], cells["gap_ci"],
                                                  cells["gap_n"], cells["gap_method"],
                                                  strict=True)],
-        "EF recovers": [render.percent(v) for v in cells["ef_recovered"]],
+        "correction recovers": [render.percent(v) for v in cells["recovered"]],
     })
     if cells["sweep"].nunique() > 1:
         table.insert(0, "sweep", cells["sweep"])
     out = [("h2", "One-step delay: optimizers, delay and correction"),
            ("p", "Final validation loss per cell (ok runs: mean ± 95% half-width, n seeds) "
-                 "and the gap to the synchronous run of the same optimizer (delayed minus "
-                 "sync: paired by seed when both ran the same seeds, else Welch). "
-                 "\"EF recovers\" = 1 − gap(delayed + EF) / gap(delayed), from the means. "
-                 + EF_CAPTION + "."),
+                 "and the gap to the synchronous run of the same config (delayed minus "
+                 "sync: paired by seed when both ran the same seeds, else Welch). \"delay "
+                 "by\": emulation = `optim.delay: 1` on a data-parallel run; pipeline = "
+                 "PipeDream-2BW's own weight versions (its sync reference: the same "
+                 "executor with `strategy.delay: 0`). \"correction recovers\" = 1 − "
+                 "gap(delayed + correction) / gap(delayed), from the means. "
+                 + EF_CAPTION + "; predict = weight prediction after SpecTrain/PipeMare, "
+                 "also a reconstruction."),
            ("table", table)]
     fig = figures.delay_gaps(cells)
     if fig is not None:
         path = out_dir / "figures" / "delay_gaps.png"
         fig.savefig(path)
         out.append(("figure", path, "Gap of the final validation loss to the synchronous "
-                                    "run, per optimizer (error bars: 95% interval). "
-                                    + EF_CAPTION + "."))
-    cells.to_csv(out_dir / "delay_study.csv", index=False)
+                                    "run, per sync reference and setting (error bars: 95% "
+                                    "interval). " + EF_CAPTION + "."))
+    cells.drop(columns="delay_ref").to_csv(out_dir / "delay_study.csv", index=False)
     return out
 
 
