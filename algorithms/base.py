@@ -257,6 +257,12 @@ class Strategy:
         that step (e.g. the delayed optimizer's update norm). What it arms runs inside the
         timed step: keep it cheap. Default: nothing."""
 
+    def warm_up(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Called once per process before its first step (fresh or resumed), outside the
+        timed steps, with that step's batch: one-off work that must not land in a timed
+        step and must happen the same way whether the run starts or resumes. Changes no
+        weights and records no training traffic. Default: nothing."""
+
     def critical_path(self) -> CriticalPath | None:
         """The step's critical-path shape when its point-to-point traffic overlaps compute
         in a schedule (pipelines); None (default): the projection prices op by op."""
@@ -308,11 +314,41 @@ class DataParallelStrategy(Strategy):
         self.step_index = 0
         self.comm_hook = None
         """The DDPCommHook of `train_model` when that is a torch DDP wrapper, else None."""
+        self.ddp_wrappers: list[tuple[nn.Module, object]] = []
+        """Every torch DDP wrapper of the model, with its hook (`register_ddp`)."""
         self.backward_end = None
         """The comm hook's clock mark when the step's last backward returned."""
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
+
+    def register_ddp(self, wrapped: tuple[nn.Module, object]) -> tuple[nn.Module, object]:
+        """Keep a `make_ddp(...)` result (wrapper, hook) for `warm_up`; returns it."""
+        self.ddp_wrappers.append(wrapped)
+        return wrapped
+
+    @torch.no_grad()
+    def _zero_grads(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def warm_up(self, batch) -> None:
+        """One backward through every torch DDP wrapper (one sequence, nothing recorded, no
+        update): DDP rebuilds its buckets in gradient-ready order after its first backward,
+        so without this the first timed step of a process all-reduces other buckets than
+        every later one, and a resumed run on 3 or more ranks sums its first step in
+        another order than the uninterrupted run (not bit-exact). With it every timed step,
+        fresh or resumed, uses the rebuilt buckets, as DDP means them to be."""
+        if not self.ddp_wrappers:
+            return
+        x, y = (t[:1] for t in batch)
+        autocast = self.setup.autocast
+        for model, hook in self.ddp_wrappers:
+            with autocast() if autocast else contextlib.nullcontext():
+                _, loss = model(x, y)
+            loss.backward()
+            hook.pending = []  # not training traffic
+            self._zero_grads()
 
     def is_ddp_wrapped(self) -> bool:
         """Whether `train_model` is a torch DDP wrapper (gradients sync in backward)."""

@@ -275,9 +275,8 @@ class DDP(DataParallelStrategy):
             self.zero = ZeroEngine(config, setup, self.optimizer)
             self.optimizer = self.zero.optimizer
         elif self.comm.world_size > 1:
-            self.train_model, self.comm_hook = make_ddp(
-                self.model, self.comm, bucket_cap_mb=config.bucket_cap_mb
-            )
+            self.train_model, self.comm_hook = self.register_ddp(make_ddp(
+                self.model, self.comm, bucket_cap_mb=config.bucket_cap_mb))
 
     def train_step(self, batch) -> StepStats:
         if self.zero is None:

@@ -93,8 +93,8 @@ class DiLoCo(DataParallelStrategy):
         self.group, self.cross_group, self.num_replicas = replica_groups(
             self.comm, setup.group_size)
         if setup.group_size > 1:
-            self.train_model, self.comm_hook = make_ddp(self.model, self.comm, self.group,
-                                                    config.bucket_cap_mb)
+            self.train_model, self.comm_hook = self.register_ddp(
+                make_ddp(self.model, self.comm, self.group, config.bucket_cap_mb))
         self.outer = OuterOptimizer(
             self.model.parameters(), self.comm, self.cross_group, self.num_replicas,
             kind=config.outer_optimizer, lr=config.outer_lr, momentum=config.outer_momentum,

@@ -173,8 +173,8 @@ class Pier(DiLoCo):
         self.group_model, self.group_hook = self.train_model, self.comm_hook
         self.world_model, self.world_hook = self.train_model, self.comm_hook
         if self.warmup_steps > 0 and 1 < self.num_replicas:
-            self.world_model, self.world_hook = make_ddp(self.model, self.comm, None,
-                                                         config.bucket_cap_mb)
+            self.world_model, self.world_hook = self.register_ddp(
+                make_ddp(self.model, self.comm, None, config.bucket_cap_mb))
 
     def in_warmup(self) -> bool:
         """Whether the last step taken (or, before a step, the next) belongs to T_w."""
@@ -185,7 +185,9 @@ class Pier(DiLoCo):
             self.train_model, self.comm_hook = self.world_model, self.world_hook
         else:
             self.train_model, self.comm_hook = self.group_model, self.group_hook
-            self.world_model = self.world_hook = None  # free the world DDP's buckets
+            if self.world_model is not None:  # free the world DDP's buckets
+                self.ddp_wrappers = [w for w in self.ddp_wrappers if w[0] is not self.world_model]
+            self.world_model = self.world_hook = None
         return super().train_step(batch)
 
     def outer_hyperparameters(self) -> tuple[float, float]:

@@ -143,6 +143,8 @@ class Trainer:
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
         every = checkpoint.interval(cfg)
+        if state.step < cfg.run.steps:  # untimed, the same fresh or resumed
+            self.strategy.warm_up(tuple(t.to(self.device) for t in self.stream.batch(state.step)))
         for step in range(state.step, cfg.run.steps):
             if fault is not None and step == fault[0]:
                 inject_fault(fault[1], rank, step, self.model)

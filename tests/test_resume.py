@@ -5,7 +5,11 @@ Each case checkpoints where a strategy has state to lose: DiLoCo mid-round (oute
 momentum, offloaded global θ, inner Adam state), Pier after its lazy start's momentum
 fill and mid-round, GASLoC mid-round with a worker idling part of each round (θ_i,
 y_prev, the round counter, the idle worker's last loss), DDP (optimizer state).
-Runs go through the real loop (bench.train.Trainer) on 2 gloo ranks.
+Runs go through the real loop (bench.train.Trainer) on 2 gloo ranks, and on 4: with 3 or
+more ranks a reduction's summation order depends on how DDP buckets the gradients (2 ranks
+sum commutatively), which caught DDP rebuilding its buckets after the first step of each
+process (algorithms/base.py `DataParallelStrategy.warm_up`). The 4-rank cases checkpoint
+off the logging grid; the long ones (44 steps, every family) run under `tox -e slow`.
 """
 
 import os
@@ -28,6 +32,24 @@ CASES = {
     "gasloc": ("configs/gasloc-tiny.yaml",  # rounds of 2, worker 1 idles; checkpoint mid-round
                ["run.steps=8", "strategy.inner_steps=[2, 1]", "checkpoint.every=5"], 5),
 }
+LONG = ["run.steps=44", "checkpoint.every=23", "run.log_every=10", "run.val_every=20"]
+FOUR_RANKS = {  # case -> (config, overrides, checkpoint step)
+    "ddp": ("configs/ddp-tiny.yaml", ["run.steps=12", "checkpoint.every=7",
+                                      "run.log_every=5"], 7),
+}
+FOUR_RANKS_LONG = {
+    "ddp": ("configs/ddp-tiny.yaml", LONG, 23),
+    "ddp-delayed-predict": ("configs/ddp-tiny.yaml", [*LONG, "optim.name=muon", "optim.delay=1",
+                                                      "optim.delay_correction=predict"], 23),
+    "zero2": ("configs/ddp-tiny.yaml", [*LONG, "strategy.backend=deepspeed",
+                                        "strategy.zero_stage=2"], 23),
+    "diloco-groups": ("configs/diloco-tiny.yaml", [*LONG, "parallel.group_size=2",
+                                                   "strategy.inner_steps=5"], 23),
+    "pier-groups": ("configs/pier-tiny.yaml", [*LONG, "parallel.group_size=2",
+                                               "strategy.inner_steps=5"], 23),
+    "gasloc": ("configs/gasloc-tiny.yaml", [*LONG, "strategy.inner_steps=5"], 23),
+    "2bw": ("configs/2bw-tiny.yaml", [*LONG, "parallel.num_microbatches=2"], 23),
+}
 
 
 def straight_then_resumed(rank, world_size, config, overrides, run_dir):
@@ -38,7 +60,7 @@ def straight_then_resumed(rank, world_size, config, overrides, run_dir):
     """
     straight = make_trainer(world_size, config, overrides, run_dir)
     straight.run()
-    straight_own = params_of(straight.strategy.model)
+    straight_own = params_of(own_model(straight.strategy))
     straight_eval = params_of(straight.strategy.eval_model())
     straight.strategy.close()
     os.environ["COMMBENCH_RESUME"] = "1"
@@ -49,7 +71,12 @@ def straight_then_resumed(rank, world_size, config, overrides, run_dir):
     finally:
         del os.environ["COMMBENCH_RESUME"]
     return (straight_eval, params_of(resumed.strategy.eval_model()),
-            params_of(resumed.strategy.model), step, straight_own)
+            params_of(own_model(resumed.strategy)), step, straight_own)
+
+
+def own_model(strategy):
+    """This rank's own weights: the replica or worker (a pipeline: its stage)."""
+    return getattr(strategy, "model", None) or strategy.eval_model()
 
 
 @pytest.mark.timeout(150)
@@ -58,8 +85,31 @@ def test_resumed_run_ends_with_the_same_parameters(tmp_path, case):
     config, overrides, checkpoint_step = CASES[case]
     results = run_distributed(straight_then_resumed, 2, config, overrides, str(tmp_path),
                               timeout=130)
+    check_resumed(results, checkpoint_step)
+
+
+def check_resumed(results, checkpoint_step: int) -> None:
     for straight, resumed, resumed_own, step, straight_own in results:
         assert step == checkpoint_step  # the second run really resumed there
         assert_same_params(resumed, straight, atol=0, rtol=0)
         assert_same_params(resumed_own, straight_own, atol=0, rtol=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", FOUR_RANKS)
+def test_resume_on_4_ranks_is_bit_exact(tmp_path, case):
+    config, overrides, checkpoint_step = FOUR_RANKS[case]
+    results = run_distributed(straight_then_resumed, 4, config, overrides, str(tmp_path),
+                              timeout=280)
+    check_resumed(results, checkpoint_step)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", FOUR_RANKS_LONG)
+def test_resume_on_4_ranks_through_44_steps_is_bit_exact(tmp_path, case):
+    config, overrides, checkpoint_step = FOUR_RANKS_LONG[case]
+    results = run_distributed(straight_then_resumed, 4, config, overrides, str(tmp_path),
+                              timeout=880)
+    check_resumed(results, checkpoint_step)
 
