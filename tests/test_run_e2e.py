@@ -15,7 +15,7 @@ import torch
 from bench.records import RunDir
 
 SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=20", "--set", "run.log_every=5",
-         "--set", "run.val_every=10", "--set", "run.val_batches=2"]
+         "--set", "run.val_every=10", "--set", "run.val_sequences=16"]
 
 
 def commbench(*args, env=None, timeout=240):
