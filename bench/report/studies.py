@@ -35,16 +35,18 @@ EF_CAPTION = ("EF = the error-feedback correction as reconstructed in this proje
               "not the paper's exact equations")
 
 
-def blocks(res: Results, out_dir: Path, target_loss: float | None,
-           speedup: pd.DataFrame) -> list[tuple]:
-    """The study sections that apply to these results (none when neither does)."""
+def blocks(res: Results, out_dir: Path, target_loss: float | None, speedup: pd.DataFrame,
+           suffix: str = "", tag: str = "") -> list[tuple]:
+    """The study sections that apply to these results (none when neither does). The runs
+    are those of one validation set (bench/report/load.py `by_validation_set`); `suffix`
+    names its files (delay_study{suffix}.csv) and `tag` ends its headings."""
     out: list[tuple] = []
     cells = delay_study(res.runs)
     if cells is not None:
-        out += _delay_blocks(cells, out_dir)
+        out += _delay_blocks(cells, out_dir, suffix, tag)
     pipes = pipeline_study(res, target_loss, speedup)
     if pipes is not None:
-        out += _pipeline_blocks(pipes)
+        out += _pipeline_blocks(pipes, tag)
     return out
 
 
@@ -59,6 +61,7 @@ def _finals(part: pd.DataFrame) -> dict:
 
 def delay_study(runs: pd.DataFrame) -> pd.DataFrame | None:
     """One row per cell: optimizer, delay, correction, final loss, gap to sync (or None)."""
+    analysis.require_one_validation_set(runs)
     keys = ["optim.name", "optim.delay", "optim.delay_correction"]
     if runs.empty or not (runs["optim.delay"].astype(float) > 0).any():
         return None
@@ -106,7 +109,7 @@ def _setting(delay: int, correction: str) -> str:
     return "delayed + EF" if correction == "ef" else "delayed"
 
 
-def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
+def _delay_blocks(cells: pd.DataFrame, out_dir: Path, suffix: str, tag: str) -> list[tuple]:
     table = pd.DataFrame({
         "group": cells["label"], "optimizer": cells["optimizer"],
         "setting": [_setting(d, c) for d, c in zip(cells["delay"], cells["correction"],
@@ -124,7 +127,7 @@ def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
     })
     if cells["sweep"].nunique() > 1:
         table.insert(0, "sweep", cells["sweep"])
-    out = [("h2", "One-step delay: optimizers, delay and correction"),
+    out = [("h2", "One-step delay: optimizers, delay and correction" + tag),
            ("p", "Final validation loss per cell (ok runs: mean ± 95% half-width, n seeds) "
                  "and the gap to the synchronous run of the same optimizer (delayed minus "
                  "sync: paired by seed when both ran the same seeds, else Welch). "
@@ -133,12 +136,12 @@ def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
            ("table", table)]
     fig = figures.delay_gaps(cells)
     if fig is not None:
-        path = out_dir / "figures" / "delay_gaps.png"
+        path = out_dir / "figures" / f"delay_gaps{suffix}.png"
         fig.savefig(path)
         out.append(("figure", path, "Gap of the final validation loss to the synchronous "
                                     "run, per optimizer (error bars: 95% interval). "
                                     + EF_CAPTION + "."))
-    cells.to_csv(out_dir / "delay_study.csv", index=False)
+    cells.to_csv(out_dir / f"delay_study{suffix}.csv", index=False)
     return out
 
 
@@ -190,7 +193,7 @@ def _speed_cell(table: pd.DataFrame, key) -> str:
     return tables.ratio_cell(row)
 
 
-def _pipeline_blocks(pipes: pd.DataFrame) -> list[tuple]:
+def _pipeline_blocks(pipes: pd.DataFrame, tag: str) -> list[tuple]:
     table = pd.DataFrame({
         "group": pipes["label"], "strategy": pipes["strategy"],
         "schedule": pipes["schedule"].map(lambda s: "—" if s is None or s != s else s),
@@ -199,7 +202,7 @@ def _pipeline_blocks(pipes: pd.DataFrame) -> list[tuple]:
         "bubble theory": [render.percent(v) for v in pipes["bubble_theory"]],
         "tokens/s measured": [render.si(v) for v in pipes["throughput"]],
         "speedup vs sync 1F1B": pipes["vs_sync"], "speedup vs DDP": pipes["vs_ddp"]})
-    return [("h2", "Pipelines"),
+    return [("h2", "Pipelines" + tag),
             ("p", "Bubble fraction: measured (idle share of the step) and the schedule's "
                   "theory ((S−1)/(M+S−1) for S stages and M microbatches); — where a record "
                   "lacks it. Speedup to the target loss (measured clock) against the "
