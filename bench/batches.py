@@ -118,7 +118,7 @@ class ValidationSet:
                              f"{num_shards}")
         mine = torch.from_numpy(self.windows[shard_index::num_shards].astype(np.int64))
         return [(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
-                for rows in mine.split(batch_size)]
+                for rows in mine.split(batch_size) if len(rows)]  # never an empty batch
 
 
 def validation_set(val_tokens: np.ndarray, seq_len: int, sequences: int) -> ValidationSet:

@@ -298,7 +298,7 @@ def test_validation_batches_cover_the_set_once_whatever_the_cut():
     everything = torch.cat([x for x, _ in vs.batches(10)])
     for batch_size, num_shards in [(1, 1), (3, 1), (4, 3), (2, 4), (16, 16)]:
         shares = [vs.batches(batch_size, s, num_shards) for s in range(num_shards)]
-        assert all(x.shape[0] <= batch_size for share in shares for x, _ in share)
+        assert all(0 < x.shape[0] <= batch_size for share in shares for x, _ in share)
         rows = torch.cat([x for share in shares for x, _ in share])
         assert sorted(rows[:, 0].tolist()) == everything[:, 0].tolist()
     x, y = vs.batches(10)[0]

@@ -59,14 +59,20 @@ def _two_rank_shares(rank, world_size):
     single = model(*whole)[1].item()
     # rank 0 gets 4 windows (batches of 3 and 1), rank 1 gets 3 (one batch of 3)
     mine = vs.batches(3, rank, world_size)
-    return single, mean_loss(model, mine, torch.device("cpu")), [len(x) for x, _ in mine]
+    # one window: rank 1 has none and still joins the reduction
+    one = validation_set(TOKENS, 32, 1)
+    alone = mean_loss(model, one.batches(3, rank, world_size), torch.device("cpu"))
+    return (single, mean_loss(model, mine, torch.device("cpu")), [len(x) for x, _ in mine],
+            model(*one.batches(1)[0])[1].item(), alone)
 
 
 @pytest.mark.timeout(120)
 def test_mean_loss_over_two_gloo_ranks_equals_one_batch_of_everything():
-    (single, exact0, cut0), (_, exact1, cut1) = run_distributed(_two_rank_shares, 2, timeout=90)
+    (single, exact0, cut0, one, alone0), (_, exact1, cut1, _, alone1) = run_distributed(
+        _two_rank_shares, 2, timeout=90)
     assert (cut0, cut1) == ([3, 1], [3])
     assert exact0 == exact1 == pytest.approx(single, rel=1e-6)
+    assert alone0 == alone1 == pytest.approx(one, rel=1e-6)
 
 
 def _tiny_config_validation(rank, world_size, root):
