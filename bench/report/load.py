@@ -26,9 +26,10 @@ so every run carries the name of its set and the report splits the runs by it
 - a record with summary.json `val_set` (bench/summary.py): "ID (N x L tokens)", ID the
   hash of the tokens scored;
 - a run of this code that ended before writing one (killed, failed at start-up; its
-  config has run.val_sequences): the set recorded by the runs whose configs ask for the
-  same one (same corpus, tokenizer, val_fraction, seq_len and val_sequences) when they
-  name exactly one, else "not recorded (the run ended before recording it): ...";
+  config has run.val_sequences): its group's recorded set, else the set recorded by the
+  runs whose configs ask for the same one (same corpus, tokenizer, val_fraction, seq_len
+  and val_sequences), when that names exactly one; else "not recorded (the run ended
+  before recording it): ..." (so a failed seed still counts in its group's tallies);
 - a record from before run.val_sequences: "not recorded (before run.val_sequences): the
   first B x b windows of ...", the set its config implies (val_batches x batch_size
   windows from the start of the split), so such records compare with each other only
@@ -152,13 +153,17 @@ def _val_set_columns(summary: dict | None, config: dict, run_id: str) -> dict[st
 
 
 def _resolve_val_sets(runs: pd.DataFrame) -> None:
-    """Name the set of each run of this code that ended before recording it (the one the
-    recorded runs with the same implied set name, if exactly one), then split a group
-    whose runs name several sets into one group per set."""
-    names_of = runs.dropna(subset=["val_set"]).groupby("implied_val_set")["val_set"].unique()
+    """Name the set of each run of this code that ended before recording it: its group's
+    recorded set, else the one recorded by the runs whose configs ask for the same set
+    (when either names exactly one). Then split a group whose runs name several sets
+    into one group per set."""
+    recorded = runs.dropna(subset=["val_set"])
+    by_group = recorded.groupby("group")["val_set"].unique()
+    by_implied = recorded.groupby("implied_val_set")["val_set"].unique()
     for i in runs.index[runs["val_set"].isna()]:
         implied = runs.at[i, "implied_val_set"]
-        names = names_of.get(implied, [])
+        names = by_group.get(runs.at[i, "group"], [])
+        names = names if len(names) else by_implied.get(implied, [])
         runs.at[i, "val_set"] = (names[0] if len(names) == 1 else
                                  f"not recorded (the run ended before recording it): {implied}")
     for group, part in runs.groupby("group", sort=False):
