@@ -149,16 +149,18 @@ def set_lr(optimizer, lr: float) -> None:
 @torch.no_grad()
 def mean_loss(model: nn.Module, batches, device: torch.device,
               autocast: Callable[[], object] | None = None) -> float:
-    """Mean loss of a whole model over this rank's `batches`, averaged over all ranks'
-    batches (the reduction goes straight to torch.distributed, outside the ledger)."""
+    """Mean loss of a whole model over every position of every rank's `batches`: each
+    batch's mean loss weighted by its positions, summed over ranks, over the positions
+    (the exact mean whatever the batching and sharding; the reduction goes straight to
+    torch.distributed, outside the ledger)."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in batches:
         with autocast() if autocast else contextlib.nullcontext():
             _, loss = model(x.to(device), y.to(device))
-        total[0] += loss.item()
-        total[1] += 1
+        total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64,
+                              device=device)
     model.train(was_training)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
@@ -215,10 +217,12 @@ class Strategy:
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
-        """Mean loss of `eval_model()` over `batches` (this rank's share), the same on every
-        rank. Collective over the world (the loop calls it inside comm.phase("eval"); the
+        """Mean loss of `eval_model()` over every position of the validation set, of which
+        `batches` is this rank's share, the same on every rank: weight each batch by its
+        positions, never average batch means (that would depend on the batching).
+        Collective over the world (the loop calls it inside comm.phase("eval"); the
         reduction goes straight to torch.distributed, outside the ledger). Default: the
-        whole model forwarded on every rank, the mean over all ranks' batches.
+        whole model forwarded on every rank (`mean_loss`).
         """
         return mean_loss(self.eval_model(), batches, self.comm.device, self.setup.autocast)
 

@@ -290,9 +290,10 @@ class PipelineStrategy(Strategy):
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
-        """Mean loss of the newest weights over `batches` (every rank gets the mean).
-
-        Collective over the world; forward only, chunk to chunk (ledger phase `eval`).
+        """Mean loss of the newest weights over every position of every replica's
+        `batches` (each batch weighted by its positions, as `mean_loss`; every rank gets
+        the mean). Collective over the world; forward only, chunk to chunk (ledger phase
+        `eval`); only a replica's last stage adds its losses.
         """
         total = torch.zeros(2, dtype=torch.float64, device=self.comm.device)
         chunks = dict(zip(self.chunk_ids, self.eval_chunks(), strict=True))
@@ -310,8 +311,9 @@ class PipelineStrategy(Strategy):
                         h = self.comm.recv(self.activation_buffer(x.shape[0]), base + (c - 1) % S)
                     h = chunks[c](h)
                     if c == self.num_chunks - 1:
-                        total += torch.tensor([self.loss_fn(h, y).item(), 1.0],
-                                              dtype=torch.float64, device=total.device)
+                        total += torch.tensor([self.loss_fn(h, y).item() * y.numel(),
+                                               y.numel()], dtype=torch.float64,
+                                              device=total.device)
                     elif (c + 1) % S != self.grid.stage:
                         self.comm.send(h, base + (c + 1) % S)
             self.comm.all_reduce(total, "sum")

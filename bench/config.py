@@ -53,8 +53,12 @@ class RunConfig:
     """Write a metrics row every this many steps."""
     val_every: int = 50
     """Compute validation loss every this many steps (and always at the end); 0 = end only."""
-    val_batches: int = 8
-    """Validation batches per evaluation (shared held-out split)."""
+    val_sequences: int = 64
+    """Validation windows (model.seq_len + 1 tokens each) spread evenly over the held-out
+    split, the same set for every layout, batch size, world size and pipeline depth on the
+    same data; scored as the exact mean over all their positions (bench/batches.py
+    `validation_set`). 64 x 128 tokens for the tiny configs: a tenth of a second to score
+    on CPU; set more for real runs (e.g. 1024 x 1024 tokens)."""
     target_loss: float | None = None
     """Validation loss whose first crossing is recorded as time and tokens to target."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
@@ -207,9 +211,27 @@ def load_raw(path: str | os.PathLike) -> dict:
 
 
 def from_dict(data: dict) -> Config:
+    _check_retired_keys(data)
     config = from_mapping(Config, data, "")
     validate(config)
     return config
+
+
+def _check_retired_keys(data: dict) -> None:
+    """Keys that were replaced: fail saying by what, and the value that means the same."""
+    run = data.get("run")
+    if isinstance(run, dict) and "val_batches" in run:
+        batches = run["val_batches"]
+        batch_size = (data.get("data") or {}).get("batch_size", DataConfig.batch_size)
+        same = (f"run.val_sequences: {batches * batch_size} (val_batches {batches} x "
+                f"data.batch_size {batch_size})"
+                if isinstance(batches, int) and isinstance(batch_size, int) else
+                "run.val_sequences: val_batches x data.batch_size")
+        raise ValueError(
+            f"run.val_batches ({batches!r}) was replaced by run.val_sequences, a number of "
+            "validation windows that is the same for every batch size and layout, so that "
+            f"validation losses compare; as many windows as before: {same} (spread over "
+            "the whole validation split, where val_batches took its first windows)")
 
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
@@ -258,7 +280,7 @@ def validate(cfg: Config) -> None:
     if not NAME_RE.match(cfg.run.name):
         raise _fail("run.name", cfg.run.name, "letters, digits, '.', '_' or '-', not starting "
                     "with '.' (it names the run directory)")
-    for key in ("run.steps", "run.log_every", "run.val_batches", "model.seq_len",
+    for key in ("run.steps", "run.log_every", "run.val_sequences", "model.seq_len",
                 "data.batch_size", "parallel.world_size", "parallel.group_size",
                 "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",
                 "launch.nnodes", "eval.batch_size", "eval.limit"):  # None passes
@@ -343,12 +365,13 @@ def check_device(cfg: Config) -> None:
 def preflight(cfg: Config) -> None:
     """Checks against the machine that will train the run, before anything is launched:
     the device and backend exist here, and the corpus has enough tokens for a window of
-    training and of validation data (tokenising it into the cache if needed)."""
+    training data and for run.val_sequences windows of validation data (tokenising it
+    into the cache if needed)."""
     from bench.data import check_corpus_size
 
     check_device(cfg)
     check_corpus_size(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
-                      cfg.data.val_fraction, cfg.model.seq_len)
+                      cfg.data.val_fraction, cfg.model.seq_len, cfg.run.val_sequences)
 
 
 def check_output_dir(path: str, key: str = "run.output_dir") -> Path:

@@ -148,10 +148,14 @@ def check_corpus_path(corpus: str) -> None:
 
 
 def check_corpus_size(
-    corpus: str, tokenizer_name: str, cache_dir: str | Path, val_fraction: float, seq_len: int
+    corpus: str, tokenizer_name: str, cache_dir: str | Path, val_fraction: float, seq_len: int,
+    val_sequences: int = 1,
 ) -> None:
-    """Fail unless both splits of the corpus hold one window of seq_len + 1 tokens
-    (tokenises the corpus into the cache, as the first run on it would)."""
+    """Fail unless both splits of the corpus hold one window of seq_len + 1 tokens and the
+    validation split `val_sequences` of them (tokenises the corpus into the cache, as the
+    first run on it would)."""
+    from bench.batches import validation_set
+
     splits = load_corpus(corpus, tokenizer_name, cache_dir, val_fraction)
     for split, key in ((splits.train, "the training split"), (splits.val, "the val split")):
         if len(split) < seq_len + 1:
@@ -160,6 +164,10 @@ def check_corpus_size(
                 f"model.seq_len + 1 = {seq_len + 1}; valid: a larger corpus, a larger "
                 f"data.val_fraction (now {val_fraction:g}) or a smaller model.seq_len"
             )
+    try:
+        validation_set(splits.val, seq_len, val_sequences)
+    except ValueError as err:
+        raise ValueError(f"data.corpus {corpus!r}: {err}") from None
 
 
 # ---------------------------------------------------------------------------- shards

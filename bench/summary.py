@@ -67,6 +67,10 @@ class Summary:
     summed over ranks (bench.network.wire_bytes)."""
     final_val_loss: float | None = None
     best_val_loss: float | None = None
+    val_set: dict | None = None
+    """The validation set every val_loss is the exact mean over: {id, sequences, seq_len,
+    tokens} (bench/batches.py `ValidationSet.record`; tokens = positions scored). Losses
+    compare only between runs with the same `id`; records without it predate it."""
     final_val_loss_extra: dict[str, float] = field(default_factory=dict)
     """Final validation loss of each extra eval model, recorded as final_val_loss_NAME."""
     target_loss: float | None = None
@@ -131,7 +135,7 @@ _LEFT_OUT_WHEN_NONE = ("num_params", "flops_per_token", "device", "backend", "da
                        "comm_wire_bytes_per_rank", "projection_model", "optim",
                        "bubble_fraction_measured", "bubble_fraction_theory",
                        "peak_memory_bytes", "peak_memory_bytes_per_stage",
-                       "activation_bytes_per_boundary")
+                       "activation_bytes_per_boundary", "val_set")
 
 
 def make_summary(**fields: Any) -> dict[str, Any]:

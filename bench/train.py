@@ -34,7 +34,7 @@ import torch.distributed as dist
 from algorithms.base import StepStats, TrainSetup, mean_loss, peak_memory_bytes, strategy_class
 from algorithms.comm import CommLedger, Communicator
 from bench import checkpoint
-from bench.batches import BatchStream, val_batches
+from bench.batches import BatchStream, validation_set
 from bench.config import Config, from_dict, load_raw
 from bench.data import load_corpus
 from bench.env import (
@@ -115,15 +115,16 @@ class Trainer:
         shard, num_shards = self.strategy.data_shard()
         self.stream = BatchStream(splits.train, cfg.model.seq_len, cfg.data.batch_size, shard,
                                   num_shards, cfg.run.seed)
-        all_val = val_batches(splits.val, cfg.model.seq_len, cfg.data.batch_size,
-                              cfg.run.val_batches)
-        self.val = all_val[shard::num_shards]  # ranks sharing a batch share its val batches
+        # the same windows for every layout; ranks sharing a batch share its share of them
+        self.val_set = validation_set(splits.val, cfg.model.seq_len, cfg.run.val_sequences)
+        self.val = self.val_set.batches(cfg.data.batch_size, shard, num_shards)
         self.data_meta = splits.meta
 
     # ------------------------------------------------------------------ evaluation
 
     def validate(self) -> tuple[float, dict[str, float]]:
-        """Validation loss of the strategy's eval model, and of its extra eval models."""
+        """Validation loss of the strategy's eval model, and of its extra eval models: each
+        the exact mean over every position of the validation set (`mean_loss`)."""
         with self.comm.phase("eval"):
             loss = self.strategy.evaluate(self.val)
             extra = self.strategy.extra_eval_models()
@@ -248,6 +249,7 @@ class Trainer:
             wall_s=state.elapsed_s, compute_s_total=state.compute_s, comm_s_total=state.comm_s,
             comm_bytes_total=totals.logical_bytes, comm_wire_bytes_total=totals.wire_bytes,
             final_val_loss=state.last_val,
+            val_set=self.val_set.record(),
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
             final_val_loss_extra=state.extra_val, target_loss=cfg.run.target_loss,
             **(state.target or {}),

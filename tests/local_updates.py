@@ -16,7 +16,7 @@ from bench.config import load_config
 from bench.train import Trainer
 from tests.helpers import params_of
 
-SMALL = ["run.log_every=1", "run.val_every=0", "run.val_batches=1", "model.seq_len=32",
+SMALL = ["run.log_every=1", "run.val_every=0", "run.val_sequences=2", "model.seq_len=32",
          "data.batch_size=2", "optim.warmup_steps=2", "checkpoint.final=false"]
 """Overrides that make a tiny config's run take seconds."""
 

@@ -38,7 +38,7 @@ def train_and_collect(rank, world_size, overrides, run_dir):
     return params, ledger, summary, initial
 
 
-COMMON = ["run.steps=4", "run.log_every=1", "run.val_every=0", "run.val_batches=1",
+COMMON = ["run.steps=4", "run.log_every=1", "run.val_every=0", "run.val_sequences=8",
           "optim.warmup_steps=2", "checkpoint.final=false"]
 
 

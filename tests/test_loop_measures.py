@@ -32,7 +32,7 @@ STEPS = 6
 FRONT_STEPS = 2
 """Steps at the start that all-reduce FRONT_FLOATS floats (training traffic)."""
 FRONT_FLOATS = 1 << 20
-SETTINGS = [f"run.steps={STEPS}", "run.log_every=2", "run.val_every=3", "run.val_batches=1",
+SETTINGS = [f"run.steps={STEPS}", "run.log_every=2", "run.val_every=3", "run.val_sequences=8",
             "run.target_loss=100", "checkpoint.final=false", "parallel.world_size=2",
             "network.profiles=[nvlink, wan-1g]"]
 
