@@ -77,6 +77,11 @@ class DDPConfig(StrategyConfig):
 
     def check(self, cfg) -> None:
         require_data_parallel(self, cfg)
+        if self.backend == "deepspeed" and cfg.model.compile:
+            raise ValueError("model.compile=true with strategy.backend=deepspeed: the DeepSpeed "
+                             "engine runs the forward itself, so torch.compile cannot wrap it "
+                             "here (as compile(DDP(model)) does for backend torch); set "
+                             "model.compile=false or strategy.backend=torch")
         if self.backend == "deepspeed" and (cfg.optim.name == "muon" or cfg.optim.delay):
             # DeepSpeed wraps a torch.optim.Optimizer; Muon's two-optimizer chain and the
             # one-step-delay wrapper are not one.

@@ -155,7 +155,7 @@ class PipeDream2BW(PipelineStrategy):
             h.requires_grad_(True)
         autocast = self.setup.autocast
         with autocast() if autocast else contextlib.nullcontext():
-            out = self.version_of(j)(h)
+            out = self.compiled(self.version_of(j))(h)
             if self.grid.is_last:
                 out = self.loss_fn(out, y_mb) / self.num_microbatches
         if self.grid.is_last:

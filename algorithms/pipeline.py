@@ -67,6 +67,11 @@ class PipelineConfig(PipelineConfigBase):
 
     def check(self, cfg) -> None:
         super().check(cfg)
+        if self.backend == "deepspeed" and cfg.model.compile:
+            raise ValueError("model.compile=true with strategy.backend=deepspeed: DeepSpeed's "
+                             "pipeline engine runs the stages' forward itself, so torch.compile "
+                             "cannot wrap it here; set model.compile=false or use "
+                             "strategy.backend=torch (which compiles each stage module)")
         p = cfg.parallel
         blocks = cfg.model.n_layer
         if blocks is not None and p.num_stages * self.stages_per_rank > blocks:
@@ -98,7 +103,7 @@ class Pipeline(PipelineStrategy):
         M = self.num_microbatches
         chunks = self.eval_chunks()
         stages = [
-            PipelineStage(module, c, self.num_chunks, self.comm.device,
+            PipelineStage(self.compiled(module), c, self.num_chunks, self.comm.device,
                           group=self.grid.pipe.pg)
             for c, module in zip(self.chunk_ids, chunks, strict=True)
         ]

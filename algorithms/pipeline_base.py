@@ -153,6 +153,8 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"parallel.num_microbatches ({self.num_microbatches}) must divide "
                              f"data.batch_size ({setup.rank_batch_size})")
         self.micro_batch = setup.rank_batch_size // self.num_microbatches
+        self._compiled: dict[int, nn.Module] = {}
+        """id(module) -> its compiled form (`setup.compile`), built on first use."""
 
     # ------------------------------------------------------------------ the seam
 
@@ -234,6 +236,16 @@ class PipelineStrategy(Strategy):
 
     def run_schedule(self, batch) -> tuple[float | None, float]:
         raise NotImplementedError
+
+    def compiled(self, module: nn.Module) -> nn.Module:
+        """`module` (a stage chunk or a weight version) as the forward passes call it:
+        compiled by `setup.compile` when it is set (once per module), else itself. The
+        parameters stay `module`'s own, so names, optimizer and state are unchanged."""
+        if self.setup.compile is None:
+            return module
+        if id(module) not in self._compiled:
+            self._compiled[id(module)] = self.setup.compile(module)
+        return self._compiled[id(module)]
 
     # ------------------------------------------------------------------ the update
 

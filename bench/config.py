@@ -78,7 +78,9 @@ class ModelConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 autocast around forward passes (GPU; works but is slow on CPU)."""
     compile: bool = False
-    """Wrap the model in torch.compile (GPU runs)."""
+    """torch.compile what each strategy trains, after its DDP wrapping (compile(DDP(model)),
+    which keeps DDP's overlap); pipelines compile each stage module. GPU runs; refused with
+    strategy.backend=deepspeed (its engine runs the forward)."""
 
 
 @dataclass

@@ -88,8 +88,6 @@ class Trainer:
         model = GPT(self.model_config).to(device)
         self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
-        if cfg.model.compile:
-            model = torch.compile(model)
 
         self.ranks_per_node = cfg.network.ranks_per_node or int(
             os.environ.get("LOCAL_WORLD_SIZE", self.world))
@@ -109,6 +107,8 @@ class Trainer:
             autocast=lambda: autocast_context(device.type, precision),
             num_stages=cfg.parallel.num_stages, partition=cfg.parallel.partition,
             loss_fn=lm_loss,
+            # the strategy compiles what it trains, after wrapping it (compile(DDP(model)))
+            compile=torch.compile if cfg.model.compile else None, precision=precision,
         )
         self.strategy = strategy_class(cfg.strategy.name)(cfg.strategy, setup)
         shard, num_shards = self.strategy.data_shard()
