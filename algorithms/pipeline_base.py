@@ -16,6 +16,7 @@ replica (phase `tied`); gradient clipping needs the global norm over the stages 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -309,7 +310,8 @@ class PipelineStrategy(Strategy):
         S, base = self.grid.num_stages, self.grid.replica * self.grid.num_stages
         for m in chunks.values():
             m.eval()
-        with self.comm.phase("eval"):
+        autocast = self.setup.autocast  # as data-parallel strategies evaluate (mean_loss)
+        with self.comm.phase("eval"), autocast() if autocast else contextlib.nullcontext():
             for x, y in batches:
                 x, y = x.to(self.comm.device), y.to(self.comm.device)
                 h = x

@@ -38,6 +38,7 @@ class DeepSpeedPipe:
         from deepspeed.runtime.pipe.topology import ProcessTopology
 
         from algorithms.base import unwrap
+        from algorithms.zero import autocast_config
 
         # the shared-memory comm op JIT-compiles (~30 s) on first use; gloo is enough here
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -64,6 +65,7 @@ class DeepSpeedPipe:
             "steps_per_print": 2**31 - 1,
             "comms_logger": {"enabled": True, "verbose": False, "prof_all": True,
                              "debug": False},
+            **autocast_config(setup.precision),  # bf16: as torch's pipelines run it
         }
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=strategy.optimizer, config=config,

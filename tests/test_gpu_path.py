@@ -122,3 +122,75 @@ def test_the_loop_does_not_compile_the_bare_model(tmp_path):
 def test_compile_refused_where_deepspeed_runs_the_forward(config, overrides):
     assert_bad_config(config, [*overrides, "model.compile=true"], "model.compile",
                       "strategy.backend=deepspeed")
+
+
+# ------------------------------------------------------------------ mixed precision
+
+
+def bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def record_linear_dtypes(module) -> list:
+    """The output dtypes of every Linear's forward in `module`, as they happen."""
+    seen = []
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    return seen
+
+
+def _deepspeed_precision(rank, world):
+    from algorithms.ddp import DDP, DDPConfig
+    from algorithms.pipeline import Pipeline, PipelineConfig
+
+    out = {}
+    for precision in ("fp32", "bf16"):
+        autocast = bf16_autocast if precision == "bf16" else None
+        setup = tiny_setup(rank, world, precision=precision, autocast=autocast)
+        seen = record_linear_dtypes(setup.model)
+        zero = DDP(DDPConfig(backend="deepspeed", zero_stage=0), setup)
+        records_before = len(zero.comm.ledger)
+        zero.train_step(tiny_batch(rank))
+        train = zero.comm.ledger.records[records_before:]
+        out[f"zero-{precision}"] = (set(seen), sum(r.nbytes for r in train))
+    setup = tiny_setup(rank, world, precision="bf16", autocast=bf16_autocast, num_stages=2,
+                       num_microbatches=2)
+    seen = record_linear_dtypes(setup.model)
+    pipe = Pipeline(PipelineConfig(backend="deepspeed"), setup)
+    pipe.train_step(tiny_batch(0))
+    out["deepspeed-pipe"] = set(seen)
+    pipe.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_deepspeed_engines_run_model_precision():
+    """ZeRO and the DeepSpeed pipeline ran fp32 beside bf16 torch DDP: the engine switches
+    an outside autocast off. With model.precision bf16 their forwards run under bf16
+    autocast, and ZeRO still reduces fp32 gradients (DDP's bytes, not half of them)."""
+    pytest.importorskip("deepspeed")
+    for out in run_distributed(_deepspeed_precision, 2, timeout=280):
+        fp32_dtypes, fp32_bytes = out["zero-fp32"]
+        bf16_dtypes, bf16_bytes = out["zero-bf16"]
+        assert fp32_dtypes == {torch.float32}
+        assert bf16_dtypes == {torch.bfloat16}
+        assert bf16_bytes == fp32_bytes > 0
+        assert out["deepspeed-pipe"] == {torch.bfloat16}
+
+
+def _pipeline_eval_precision(rank, world):
+    from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
+
+    setup = tiny_setup(rank, world, autocast=bf16_autocast, num_stages=2, num_microbatches=2)
+    strategy = PipeDream2BW(PipeDreamConfig(delay=0), setup)
+    seen = record_linear_dtypes(strategy.stage_module)
+    strategy.evaluate([tiny_batch(7)])
+    return set(seen)
+
+
+@pytest.mark.timeout(120)
+def test_pipelines_evaluate_under_the_runs_autocast():
+    """Data-parallel strategies validate under autocast (base.mean_loss); pipelines did
+    not, so a bf16 run's validation loss came from another numeric path."""
+    assert run_distributed(_pipeline_eval_precision, 2, timeout=100) == [{torch.bfloat16}] * 2
