@@ -216,14 +216,16 @@ class Communicator:
     def _timed(self, op: str, nbytes: int, group: Group | None = None,
                peers: Sequence[int] | None = None, **extra) -> Iterator[None]:
         """Time the block (device-synchronised), apply the emulation delay, record it."""
-        self._sync()
+        self.synchronize()
         start = time.perf_counter()
         yield
-        self._sync()
+        self.synchronize()
         seconds = self.hold(op, nbytes, start, group, peers)
         self.record(op, nbytes, seconds, group, peers, **extra)
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for this rank's queued device work (a no-op on CPU): a host clock started
+        after it does not count the rank's own compute."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

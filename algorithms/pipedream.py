@@ -187,6 +187,10 @@ class PipeDream2BW(PipelineStrategy):
             self.comm.send(tensor, peer)
 
     def receive(self, buffer: torch.Tensor, peer: int) -> torch.Tensor:
+        """Receive into `buffer` from `peer`; the wait is idle time (the bubble). The device
+        is synchronised first: on CUDA the rank's own queued compute would otherwise run
+        inside the idle clock (the op's own synchronise), counting compute as bubble."""
+        self.comm.synchronize()
         start = time.perf_counter()
         if self.pending is not None and self.pending[0] == peer:
             self.comm.exchange({peer: self.pending[1]}, {peer: buffer})

@@ -194,3 +194,170 @@ def test_pipelines_evaluate_under_the_runs_autocast():
     """Data-parallel strategies validate under autocast (base.mean_loss); pipelines did
     not, so a bf16 run's validation loss came from another numeric path."""
     assert run_distributed(_pipeline_eval_precision, 2, timeout=100) == [{torch.bfloat16}] * 2
+
+
+# ------------------------------------------------------------------ pipeline idle time
+
+
+class FakeDevice:
+    """A device whose work runs apart from the host: `queued` seconds of this rank's
+    compute are pending; `synchronize` lets the host wait for them. `now` is the host's
+    clock (what time.perf_counter reads)."""
+
+    def __init__(self, queued: float):
+        self.now, self.queued = 100.0, queued
+
+    def synchronize(self):
+        self.now += self.queued
+        self.queued = 0.0
+
+
+class FakeP2PComm:
+    """The Communicator's p2p as it behaves on CUDA: each op synchronises the device
+    before it starts (Communicator._timed), then the transfer takes `transfer_s`."""
+
+    def __init__(self, device: FakeDevice, transfer_s: float):
+        self.device, self.transfer_s = device, transfer_s
+
+    def synchronize(self):
+        self.device.synchronize()
+
+    def recv(self, buffer, peer):
+        self.synchronize()
+        self.device.now += self.transfer_s
+        return buffer
+
+    def exchange(self, sends, recvs):
+        self.recv(None, None)
+
+    def send(self, tensor, peer):
+        pass
+
+
+def test_pipedream_idle_excludes_the_ranks_own_queued_compute(monkeypatch):
+    """PipeDream started its idle clock before the op's device synchronise: on CUDA the
+    rank's own queued compute counted as bubble (bubble ~ 1). Only the wait may count."""
+    from algorithms import pipedream
+    from algorithms.pipedream import PipeDream2BW
+
+    device = FakeDevice(queued=1.0)
+    monkeypatch.setattr(pipedream.time, "perf_counter", lambda: device.now)
+    stage = PipeDream2BW.__new__(PipeDream2BW)  # only its p2p state: no process group
+    stage.comm, stage.pending, stage.idle_s = FakeP2PComm(device, transfer_s=0.25), None, 0.0
+    stage.receive(torch.empty(1), 0)
+    assert stage.idle_s == pytest.approx(0.25)
+    device.queued = 2.0
+    stage.pending = (0, torch.zeros(1))  # a held send: received by an exchange
+    stage.receive(torch.empty(1), 0)
+    assert stage.idle_s == pytest.approx(0.5)
+
+
+class FakeStreamClock:
+    """CudaClock's behaviour without CUDA: a mark is the compute stream's time when it
+    reaches the mark; `FakeNcclWork.wait` returns to the host at once but makes the stream
+    wait for the transfer (what NCCL's wait does)."""
+
+    def __init__(self):
+        self.stream = 0.0
+        self.synchronized = 0
+
+    def mark(self):
+        return self.stream
+
+    def seconds(self, start, end):
+        return end - start
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+class FakeNcclWork:
+    def __init__(self, clock: FakeStreamClock, transfer_s: float):
+        self.clock, self.transfer_s = clock, transfer_s
+
+    def wait(self):
+        self.clock.stream += self.transfer_s
+        return True
+
+
+class FakeOp:
+    def __init__(self, op, nbytes: int, peer: int):
+        self.op, self.tensor, self.peer = op, torch.zeros(nbytes // 4), peer
+
+
+def test_torch_schedule_idle_is_the_streams_wait_not_the_hosts():
+    """NCCL's wait() returns at once: host-timed, the bubble was ~0 and the wait stayed in
+    compute, priced again by the critical path. Timed on the device's clock, the idle is
+    what the compute stream waited, and each batch is recorded issue -> end of its wait."""
+    import torch.distributed as dist
+
+    from algorithms.comm import CommLedger
+    from algorithms.pipeline import P2PRecorder
+
+    clock = FakeStreamClock()
+    comm = Communicator(0, 2, "cpu", CommLedger())
+    recorder = P2PRecorder(comm, clock)
+    works = recorder.track([FakeOp(dist.isend, 64, 1), FakeOp(dist.irecv, 64, 1)],
+                           [FakeNcclWork(clock, 0.2), FakeNcclWork(clock, 0.1)])
+    clock.stream += 1.0  # compute queued between issue and wait: not idle
+    for work in works:
+        work.wait()
+    works[0].wait()  # a second wait on the same work: counted once
+    assert recorder.finish() == pytest.approx(0.3)
+    assert clock.synchronized == 1  # one device synchronise per step, at the end
+    (record,) = comm.ledger.records
+    assert (record.op, record.nbytes, record.peers) == ("exchange", 64, (1,))
+    assert record.seconds == pytest.approx(1.3)
+
+
+class FakeDeviceClock:
+    """A clock that is not the host's (so the code takes its CUDA path), timed on the host."""
+
+    def mark(self):
+        import time
+
+        return time.perf_counter()
+
+    def seconds(self, start, end):
+        return end - start
+
+    def synchronize(self):
+        pass
+
+
+def _deepspeed_pipe_on_a_device_clock(rank, world):
+    from deepspeed.comm.comm import comms_logger
+
+    from algorithms import pipeline_deepspeed
+    from algorithms.pipeline import Pipeline, PipelineConfig
+
+    pipeline_deepspeed.clock_for = lambda device: FakeDeviceClock()  # this process only
+    setup = tiny_setup(rank, world, num_stages=2, num_microbatches=2)
+    pipe = Pipeline(PipelineConfig(backend="deepspeed"), setup)
+    steps = []
+    for s in range(3):
+        pipe.comm.step = s
+        first = len(pipe.comm.ledger)
+        stats = pipe.train_step(tiny_batch(s))
+        steps.append(([(r.op, r.nbytes, r.seconds) for r in pipe.comm.ledger.records[first:]
+                       if r.op not in ("send", "recv")], comms_logger.enabled, stats.comm_s))
+    pipe.close()
+    return steps, comms_logger.enabled
+
+
+@pytest.mark.timeout(200)
+def test_deepspeed_pipeline_logger_is_off_after_the_first_step_on_cuda():
+    """The comms logger synchronises the device after every op: on CUDA it is on for the
+    first step only (as algorithms/zero.py does), then the learnt collectives are replayed
+    and their exposed time comes from the marks around the gradient reductions."""
+    pytest.importorskip("deepspeed")
+    for steps, enabled_after_close in run_distributed(_deepspeed_pipe_on_a_device_clock, 2,
+                                                      timeout=180):
+        (first, on_after_first, _), *later = steps
+        assert first and not on_after_first
+        for ops, enabled, comm_s in later:
+            assert not enabled
+            assert [(op, nbytes) for op, nbytes, _ in ops] == [(op, n) for op, n, _ in first]
+            assert all(seconds == 0.0 for _, _, seconds in ops)
+            assert comm_s > 0  # the p2p idle and the timed reductions
+        assert enabled_after_close
