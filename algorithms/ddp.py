@@ -29,12 +29,18 @@ The clock is what makes this honest on both devices:
 Emulation (`network.emulate`): a bucket's future completes only once a modelled link,
 carrying the buckets one after another, has carried it (a timer thread, so backward's
 compute goes on meanwhile); the wait then shows in the exposed seconds as on a real link.
+On CUDA the future the hook returns is a CUDA future on the bucket's device
+(`device_future`): DDP's wait on it orders its stream after the events `set_result`
+records, and the timer thread completes it on the bucket's device and on the stream that
+queued the division after NCCL's all-reduce (`on_stream`; a new thread's current device
+is device 0 on every rank), so DDP reads the bucket only once the all-reduce has landed.
 
 How communication is measured (deepspeed backend): see algorithms/zero.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -134,6 +140,30 @@ def clock_for(device: torch.device) -> Clock:
     return CudaClock(device) if device.type == "cuda" else HostClock()
 
 
+def device_future(device: torch.device) -> torch.futures.Future:
+    """A future for tensors on `device`: on CUDA one that records events on completion and
+    makes its waiters' streams wait for them (a plain future is a CPU future)."""
+    if device.type == "cuda":
+        return torch.futures.Future(devices=[device])
+    return torch.futures.Future()
+
+
+def current_stream(device: torch.device):
+    """The calling thread's current stream on `device` (None on CPU)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def on_stream(device: torch.device, stream):
+    """Run the block on `device` and `stream` (another thread's device and stream: CUDA
+    state is per thread); a no-op on CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
 # ---------------------------------------------------------------------------- the hook
 
 
@@ -177,9 +207,10 @@ class DDPCommHook:
                 return fut.value()[0].div_(self.size)
 
             return work.get_future().then(finish)
-        return self._emulated(work, entry, launched)
+        return self._emulated(work, entry, launched, buffer.device)
 
-    def _emulated(self, work, entry: _Bucket, launched: float) -> torch.futures.Future:
+    def _emulated(self, work, entry: _Bucket, launched: float,
+                  device: torch.device) -> torch.futures.Future:
         """Emulation: the bucket completes once the modelled link has carried it.
 
         Buckets share one link: the emulation policy queues bucket k behind bucket k-1 on
@@ -191,14 +222,16 @@ class DDPCommHook:
         seconds = self.comm.modelled_seconds("all_reduce", entry.nbytes, self.group,
                                              started=launched)
         entry.link_done = launched + seconds
-        result = torch.futures.Future()
+        result = device_future(device)
 
         def finish(fut):
             reduced = fut.value()[0].div_(self.size)
+            stream = current_stream(device)  # the division's, ordered after NCCL's work
 
             def complete():
-                entry.done = self.clock.mark()
-                result.set_result(reduced)
+                with on_stream(device, stream):
+                    entry.done = self.clock.mark()
+                    result.set_result(reduced)
 
             wait = entry.link_done - time.perf_counter()
             if wait > 0:

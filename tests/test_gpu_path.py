@@ -361,3 +361,81 @@ def test_deepspeed_pipeline_logger_is_off_after_the_first_step_on_cuda():
             assert all(seconds == 0.0 for _, _, seconds in ops)
             assert comm_s > 0  # the p2p idle and the timed reductions
         assert enabled_after_close
+
+
+# ------------------------------------------------------------------ emulated DDP hook
+
+
+class Recorded:
+    """A context manager (or callable) that notes how it was called."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def __call__(self, *args, **kwargs):
+        self.log.append((self.name, args, kwargs))
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_emulated_hook_future_and_completion_live_on_the_buckets_device(monkeypatch):
+    """On CUDA the hook returned a CPU future (DDP could read the bucket before the
+    all-reduce landed) and its timer thread recorded events on device 0 from every rank.
+    The future is a CUDA future on the bucket's device; completion runs on that device and
+    on the stream that queued the division after the all-reduce."""
+    from algorithms import ddp
+
+    log = []
+    monkeypatch.setattr(torch.futures, "Future", Recorded(log, "Future"))
+    monkeypatch.setattr(torch.cuda, "device", Recorded(log, "device"))
+    monkeypatch.setattr(torch.cuda, "stream", Recorded(log, "stream"))
+    gpu3 = torch.device("cuda", 3)
+    ddp.device_future(gpu3)
+    with ddp.on_stream(gpu3, "the division's stream"):
+        pass
+    assert log == [("Future", (), {"devices": [gpu3]}), ("device", (gpu3,), {}),
+                   ("stream", ("the division's stream",), {})]
+    log.clear()
+    ddp.device_future(torch.device("cpu"))
+    with ddp.on_stream(torch.device("cpu"), None):
+        pass
+    assert log == [("Future", (), {})]
+
+
+def _emulated_ddp(rank, world):
+    import threading
+
+    from algorithms import ddp
+
+    made, completed = [], []
+    real_future, real_on_stream = ddp.device_future, ddp.on_stream
+
+    def device_future(device):
+        made.append(str(device))
+        return real_future(device)
+
+    def on_stream(device, stream):
+        completed.append((str(device), threading.current_thread().name))
+        return real_on_stream(device, stream)
+
+    ddp.device_future, ddp.on_stream = device_future, on_stream
+    comm = Communicator(rank, world, "cpu", delay=lambda record: 0.05)
+    strategy = ddp.DDP(ddp.DDPConfig(bucket_cap_mb=0.01), tiny_setup(rank, world, comm=comm))
+    for step in range(2):  # DDP's first step has one 1 MiB bucket; then bucket_cap_mb
+        strategy.train_step(tiny_batch(2 * step + rank))
+    return made, completed, [p.detach().clone() for p in strategy.model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_emulated_hook_completes_each_bucket_through_the_device_helpers():
+    (made, completed, params), (_, _, other) = run_distributed(_emulated_ddp, 2, timeout=100)
+    assert len(made) > 2 and set(made) == {"cpu"}  # one future per bucket, its device's
+    assert len(completed) == len(made)
+    assert any(thread != "MainThread" for _, thread in completed)  # the timer thread
+    for mine, theirs in zip(params, other, strict=True):  # the reduced gradients applied
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
