@@ -138,6 +138,8 @@ class Communicator:
         self.ranks_per_node = ranks_per_node or 1
         self.step = 0
         self._phase = "train"
+        self.groups: list[Group] = []
+        """Every group made by `new_group`, in creation order (the same on every rank)."""
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -286,7 +288,26 @@ class Communicator:
         members = tuple(sorted(set(ranks)))
         if not members or members[0] < 0 or members[-1] >= self.world_size:
             raise ValueError(f"group ranks must be in [0, {self.world_size}), got {list(ranks)}")
-        return Group(ranks=members, pg=dist.new_group(list(members)))
+        group = Group(ranks=members, pg=dist.new_group(list(members)))
+        self.groups.append(group)
+        return group
+
+    def warm_up(self) -> None:
+        """Create the communicators of the world and of every group now, outside the steps.
+
+        NCCL creates a group's communicator lazily, at its first collective: a one-off cost
+        (up to seconds at scale) inside whichever step first uses the group, e.g. DiLoCo's
+        cross-replica group at its first outer step. One one-element all-reduce per group
+        this rank is in, in creation order, each waited for (the same order on every rank,
+        so no two ranks wait on each other's groups), then one on the world; not recorded.
+        Collective over the world. (Point-to-point pairs are created at their first
+        send/receive; a pipeline's are in every step, so its first, warm-up step holds them.)
+        """
+        probe = torch.zeros(1, device=self.device)
+        for group in [*self.groups, None]:
+            if group is None or self.rank in group.ranks:
+                dist.all_reduce(probe, group=None if group is None else group.pg)
+                self.synchronize()
 
     def split(self, partition: Sequence[Sequence[int]]) -> Group:
         """Create one group per block of `partition` (on every rank); return this rank's."""

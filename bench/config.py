@@ -57,6 +57,11 @@ class RunConfig:
     """Validation batches per evaluation (shared held-out split)."""
     target_loss: float | None = None
     """Validation loss whose first crossing is recorded as time and tokens to target."""
+    warmup_steps: int = 1
+    """Steps at the start of each process (a new run, or a resume) measured apart as
+    warm-up: compile, communicator creation, autotuning. Trained and on the clock, but left
+    out of throughput and MFU (summary warmup_s); 0 = none. Accounting only: not part of
+    the run's identity."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """One rank made slower on purpose: {rank: int|null, slowdown: float >= 1}."""
 
@@ -182,7 +187,8 @@ class Config:
 
 
 # Not the run's identity: where things go, and the checkpoint cadence (resume is bit-exact).
-NON_IDENTITY_KEYS = ("run.output_dir", "data.cache_dir", "launch", "checkpoint")
+NON_IDENTITY_KEYS = ("run.output_dir", "run.warmup_steps", "data.cache_dir", "launch",
+                     "checkpoint")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """Names that become directory names: no path separators, no leading dot."""
 
@@ -266,7 +272,7 @@ def validate(cfg: Config) -> None:
                 "launch.nnodes", "eval.batch_size", "eval.limit"):  # None passes
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name))
-    for key in ("run.val_every", "optim.warmup_steps", "optim.grad_clip",
+    for key in ("run.val_every", "run.warmup_steps", "optim.warmup_steps", "optim.grad_clip",
                 "optim.weight_decay", "checkpoint.every", "network.ranks_per_node"):
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name), 0)

@@ -13,7 +13,9 @@ inside its timed step, like a slow GPU's time). The run's clock (`elapsed_s`, `w
 advances at each metrics row, validation and checkpoint by the SLOWEST rank's step
 seconds since the previous one; tokens are those consumed, summed over ranks; projected
 times accumulate step by step. Validation, logging and checkpointing are outside the
-clock, so throughput = tokens / wall_s. The harness's own reductions go straight to
+clock; each process's first `run.warmup_steps` steps and its communicator creation are on
+it but measured apart (`warmup_s`), so throughput = steady tokens / steady wall_s (the
+warm-up left out, bench/meter.py). The harness's own reductions go straight to
 torch.distributed, never into the ledger, which holds only algorithm traffic.
 """
 
@@ -142,6 +144,9 @@ class Trainer:
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
         every = checkpoint.interval(cfg)
+        state.add_one_off(self.warm_up_groups())
+        first_step = state.step
+        warm_end = min(first_step + cfg.run.warmup_steps, cfg.run.steps)  # one-off costs
         for step in range(state.step, cfg.run.steps):
             if fault is not None and step == fault[0]:
                 inject_fault(fault[1], rank, step, self.model)
@@ -154,6 +159,8 @@ class Trainer:
             state.idle_s += stats.idle_s
             window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
             clock.add(step_s, stats, step_records)
+            if state.step == warm_end > first_step:  # the warm-up steps, settled apart
+                state.advance(clock.settle(), warmup_steps=warm_end - first_step)
 
             last = state.step == cfg.run.steps
             if state.step % cfg.run.log_every == 0 or last:
@@ -188,6 +195,16 @@ class Trainer:
                                        cfg.run.steps)
         return self.summarise(state)
 
+    def warm_up_groups(self) -> float:
+        """Create every group's communicator before step 0 (`Communicator.warm_up`); the
+        slowest rank's seconds (one-off cost, bench/meter.py Warm-up)."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        self.comm.warm_up()
+        (seconds,) = all_reduce_floats([time.perf_counter() - start], self.device,
+                                       dist.ReduceOp.MAX)
+        return seconds
+
     def timed_step(self, step: int) -> tuple[StepStats, float, list]:
         """One training step: (its stats, its seconds, its training-traffic ledger records)."""
         self.comm.step = step
@@ -214,15 +231,17 @@ class Trainer:
         target = self.cfg.run.target_loss
         if target is not None and state.target is None and state.last_val <= target:
             state.target = {"time_to_target_s": state.elapsed_s,
+                            "time_to_target_steady_s": state.elapsed_s - state.warmup_s,
                             "tokens_to_target": state.tokens,
                             "projected_time_to_target_s": dict(state.projected_s)}
 
     def _projections(self, total_s: dict[str, float], comm_s: dict[str, float],
-                     state: LoopState) -> dict[str, Projection]:
-        """Per profile: the run's projected total and modelled comm per step."""
+                     warmup_s: dict[str, float], state: LoopState) -> dict[str, Projection]:
+        """Per profile: the run's projected total, modelled comm per step, steady rate."""
         steps = max(1, state.step)
         return {name: Projection.of(total_s.get(name, 0.0), comm_s.get(name, 0.0) / steps,
-                                    state.step, state.tokens) for name in self.profiles}
+                                    state.step, state.tokens, warmup_s.get(name, 0.0),
+                                    state.warmup_tokens) for name in self.profiles}
 
     def summarise(self, state: LoopState) -> dict:
         """The run's summary (every rank returns it) and, on rank 0, comm.jsonl."""
@@ -236,21 +255,26 @@ class Trainer:
                                            self.device)
         (peak_memory,) = all_reduce_floats([peak_memory_bytes(self.device)], self.device,
                                            dist.ReduceOp.MAX)
-        peak = self.device.type == "cuda" and peak_flops(self.device)
-        mfu = (self.flops_per_token * state.tokens / state.elapsed_s / (peak * self.world)
-               if peak and state.elapsed_s > 0 else None)
+        peak = peak_flops(self.device, cfg.model.precision)
+        steady_tokens, steady_s = state.steady()
+        mfu = (self.flops_per_token * steady_tokens / steady_s / (peak * self.world)
+               if peak and steady_s > 0 else None)
         return Summary(
             status=state.status, run_name=cfg.run.name, strategy=cfg.strategy.name,
             world_size=self.world, steps=state.step, total_tokens=state.tokens,
-            wall_s=state.elapsed_s, compute_s_total=state.compute_s, comm_s_total=state.comm_s,
+            wall_s=state.elapsed_s, warmup_s=state.warmup_s, warmup_steps=state.warmup_steps,
+            warmup_tokens=state.warmup_tokens, compute_s_total=state.compute_s,
+            comm_s_total=state.comm_s,
             comm_bytes_total=totals.logical_bytes, comm_wire_bytes_total=totals.wire_bytes,
             final_val_loss=state.last_val,
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
             final_val_loss_extra=state.extra_val, target_loss=cfg.run.target_loss,
             **(state.target or {}),
-            projected=self._projections(state.projected_s, state.projected_comm_s, state),
+            projected=self._projections(state.projected_s, state.projected_comm_s,
+                                        state.warmup_projected_s, state),
             projected_no_overlap=self._projections(state.projected_no_overlap_s,
-                                                   state.projected_comm_no_overlap_s, state),
+                                                   state.projected_comm_no_overlap_s,
+                                                   state.warmup_projected_no_overlap_s, state),
             projection_model=f"{self.net_model} collectives, overlap-aware",
             optim=describe_optimizer(getattr(self.strategy, "optimizer", None)),
             num_params=self.num_params, flops_per_token=self.flops_per_token,

@@ -23,9 +23,9 @@ from tests.helpers import assert_bad_config
 VOCAB, SEQ, WIDTH, LAYERS = 64, 8, 32, 2
 
 
-def tiny_gpt(seed: int = 0) -> GPT:
+def tiny_gpt(seed: int = 0, n_layer: int = LAYERS) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=LAYERS, n_head=2,
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=n_layer, n_head=2,
                          n_embd=WIDTH))
 
 
@@ -244,12 +244,13 @@ def test_pipedream_idle_excludes_the_ranks_own_queued_compute(monkeypatch):
     monkeypatch.setattr(pipedream.time, "perf_counter", lambda: device.now)
     stage = PipeDream2BW.__new__(PipeDream2BW)  # only its p2p state: no process group
     stage.comm, stage.pending, stage.idle_s = FakeP2PComm(device, transfer_s=0.25), None, 0.0
-    stage.receive(torch.empty(1), 0)
+    stage.exchanged = {("G", 0, 1)}
+    stage.receive(torch.empty(1), 1, ("G", 0, 0))
     assert stage.idle_s == pytest.approx(0.25)
     device.queued = 2.0
-    stage.pending = (0, torch.zeros(1))  # a held send: received by an exchange
-    stage.receive(torch.empty(1), 0)
-    assert stage.idle_s == pytest.approx(0.5)
+    stage.pending = (1, torch.zeros(1))  # a held send: received by an exchange
+    stage.receive(torch.empty(1), 1, ("G", 0, 1))
+    assert stage.idle_s == pytest.approx(0.5) and stage.pending is None
 
 
 class FakeStreamClock:
@@ -439,3 +440,131 @@ def test_emulated_hook_completes_each_bucket_through_the_device_helpers():
     assert any(thread != "MainThread" for _, thread in completed)  # the timer thread
     for mine, theirs in zip(params, other, strict=True):  # the reduced gradients applied
         torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------ warm-up
+
+
+FIRST_STEP_S = 0.6
+"""Seconds the warm-up test strategy's first step of each process sleeps (a compile)."""
+
+
+def _warmup_runs(rank, world, run_dir):
+    import os
+    import time
+    from dataclasses import dataclass
+
+    from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
+    from bench.config import load_config
+    from bench.train import Trainer
+    from tests.helpers import IdleStrategy
+
+    @dataclass
+    class SlowStartConfig(StrategyConfig):
+        name: str = "slow-start"
+
+    class SlowStart(IdleStrategy, Strategy):
+        Config = SlowStartConfig
+        steps_here = 0
+
+        def train_step(self, batch):
+            if self.steps_here == 0:
+                time.sleep(FIRST_STEP_S)
+            self.steps_here += 1
+            self.comm.all_reduce(torch.ones(4))
+            return StepStats(loss=1.0, tokens=batch[1].numel())
+
+    globals()["SlowStart"] = SlowStart  # registered by name in this rank's process only
+    STRATEGIES["slow-start"] = f"{__name__}:SlowStart"
+    cfg = load_config("configs/ddp-tiny.yaml", [
+        "run.steps=6", "run.log_every=2", "run.val_every=3", "run.val_batches=1",
+        "run.target_loss=100", "checkpoint.every=4", "checkpoint.final=false",
+        "parallel.world_size=2", "network.profiles=[nvlink]"])
+    cfg.strategy = SlowStartConfig()
+    straight = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
+    os.environ["COMMBENCH_RESUME"] = "1"  # resume from step 4: a new process warms up again
+    try:
+        resumed = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
+    finally:
+        del os.environ["COMMBENCH_RESUME"]
+    return straight, resumed
+
+
+@pytest.mark.timeout(150)
+def test_warmup_is_recorded_apart_and_left_out_of_throughput(tmp_path):
+    """Step 0 holds compile and communicator creation: on the clock (a user waits for it)
+    but recorded apart, and throughput is the steady state's. A resume warms up again."""
+    for straight, resumed in run_distributed(_warmup_runs, 2, str(tmp_path), timeout=130):
+        per_step = straight["total_tokens"] // 6
+        assert straight["warmup_steps"] == 1 and straight["warmup_tokens"] == per_step
+        assert straight["warmup_s"] >= FIRST_STEP_S and straight["wall_s"] > straight["warmup_s"]
+        steady_s = straight["wall_s"] - straight["warmup_s"]
+        assert straight["throughput_tokens_per_s"] == pytest.approx(5 * per_step / steady_s)
+        assert straight["time_to_target_steady_s"] == pytest.approx(
+            straight["time_to_target_s"] - straight["warmup_s"])
+        nvlink = straight["projected"]["nvlink"]
+        assert nvlink["warmup_s"] >= FIRST_STEP_S
+        assert nvlink["throughput_tokens_per_s"] == pytest.approx(
+            5 * per_step / (nvlink["total_s"] - nvlink["warmup_s"]))
+        assert resumed["warmup_steps"] == 2 and resumed["warmup_tokens"] == 2 * per_step
+        assert resumed["warmup_s"] >= 2 * FIRST_STEP_S
+
+
+def _warm_up_groups(rank, world):
+    import torch.distributed as dist
+
+    comm = Communicator(rank, world, "cpu")
+    blocks = [comm.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    seen, real = [], dist.all_reduce
+
+    def all_reduce(tensor, *args, group=None, **kwargs):
+        seen.append(None if group is None else
+                    next(b.ranks for b in blocks if b.pg is group))
+        return real(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = all_reduce
+    comm.warm_up()
+    dist.all_reduce = real
+    return seen, len(comm.ledger)
+
+
+@pytest.mark.timeout(60)
+def test_warm_up_creates_every_groups_communicator_in_creation_order():
+    """NCCL creates a group's communicator at its first collective: DiLoCo's cross-replica
+    group at its first outer step, inside a timed step. warm_up uses each group once,
+    before step 0, in creation order (no deadlock), outside the ledger."""
+    for rank, (seen, records) in enumerate(run_distributed(_warm_up_groups, 4, timeout=50)):
+        mine = [b for b in ((0, 1), (2, 3), (0, 2), (1, 3)) if rank in b]
+        assert seen == [*mine, None] and records == 0
+
+
+# ------------------------------------------------------------------ MFU peak
+
+
+@pytest.mark.parametrize("name,precision,tf32,peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", False, 989.5e12),
+    ("NVIDIA H100 80GB HBM3", "fp32", False, 67e12),
+    ("NVIDIA H100 80GB HBM3", "fp32", True, 494.5e12),
+    ("NVIDIA H100 PCIe", "bf16", False, 756.5e12),
+    ("NVIDIA H100 NVL", "bf16", False, 835.5e12),
+    ("NVIDIA H200", "bf16", False, 989.5e12),
+    ("NVIDIA H200 NVL", "fp32", False, 60e12),
+    ("NVIDIA GH200 480GB", "bf16", False, 989.5e12),
+    ("NVIDIA A100-SXM4-80GB", "bf16", False, 312e12),
+    ("NVIDIA A100 80GB PCIe", "fp32", False, 19.5e12),
+    ("NVIDIA H100", "bf16", False, None),  # which H100? no peak rather than a wrong one
+    ("NVIDIA H800", "bf16", False, None),
+    ("NVIDIA GeForce RTX 4090", "bf16", False, None),
+])
+def test_mfu_peak_by_device_name_and_precision(name, precision, tf32, peak):
+    """MFU divided by the bf16 peak whatever the precision, and "H100" matched PCIe and
+    NVL parts with lower peaks."""
+    from bench.env import peak_flops_of
+
+    assert peak_flops_of(name, precision, tf32) == peak
+
+
+def test_no_peak_on_cpu():
+    from bench.env import peak_flops
+
+    assert peak_flops(torch.device("cpu"), "bf16") is None
