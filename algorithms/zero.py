@@ -29,6 +29,8 @@ for the same reason.
 
 from __future__ import annotations
 
+import torch
+
 from algorithms.base import StepStats, _microbatches
 from algorithms.ddp import HostClock, clock_for
 
@@ -88,15 +90,17 @@ class ZeroEngine:
 
     def train_step(self, batch) -> StepStats:
         """One optimizer step through the engine; DeepSpeed accumulates and clips itself."""
-        total_loss, tokens, backward_end = 0.0, 0, None
+        losses, tokens, backward_end = [], 0, None
         n = self.num_microbatches
         for x, y in _microbatches(batch, n):
             _, loss = self.engine(x, y)
             self.engine.backward(loss)
             backward_end = self.clock.mark()
             self.engine.step()
-            total_loss += loss.item() / n
+            losses.append(loss.detach())
             tokens += y.numel()
+        # one host sync a step, as DataParallelStrategy (not one per microbatch)
+        total_loss = torch.stack(losses).mean().item()
         if isinstance(self.clock, HostClock):
             comm_s = _drain_comms_log(self.comm)
         else:

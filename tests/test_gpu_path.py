@@ -568,3 +568,34 @@ def test_no_peak_on_cpu():
     from bench.env import peak_flops
 
     assert peak_flops(torch.device("cpu"), "bf16") is None
+
+
+# ------------------------------------------------------------------ ZeRO host syncs
+
+
+def _zero_item_calls(rank, world):
+    from algorithms.ddp import DDP, DDPConfig
+
+    calls, real = [], torch.Tensor.item
+
+    def item(self):
+        calls.append(self.numel())
+        return real(self)
+
+    counts = {}
+    for microbatches in (1, 4):
+        zero = DDP(DDPConfig(backend="deepspeed"), tiny_setup(
+            rank, world, num_microbatches=microbatches))
+        zero.train_step(tiny_batch(0))  # the first step learns; count the second
+        torch.Tensor.item, calls[:] = item, []
+        zero.train_step(tiny_batch(1))
+        torch.Tensor.item = real
+        counts[microbatches] = len(calls)
+    return counts
+
+
+@pytest.mark.timeout(200)
+def test_zero_engine_syncs_the_host_once_a_step_not_per_microbatch():
+    pytest.importorskip("deepspeed")
+    for counts in run_distributed(_zero_item_calls, 2, timeout=180):
+        assert counts[4] == counts[1]
