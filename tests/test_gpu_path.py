@@ -599,3 +599,132 @@ def test_zero_engine_syncs_the_host_once_a_step_not_per_microbatch():
     pytest.importorskip("deepspeed")
     for counts in run_distributed(_zero_item_calls, 2, timeout=180):
         assert counts[4] == counts[1]
+
+
+# ------------------------------------------------------------------ PipeDream p2p kinds
+
+
+def stage_ops(stage, num_stages, microbatches, steps, delay):
+    """What algorithms/pipedream.py does with `p2p_plan`, step by step: each op as the
+    list of its parts (an exchange has two), ("send"|"recv", peer stage, message)."""
+    from algorithms.schedule import actions, events, p2p_plan
+
+    ops, held = [], None
+    for k in range(steps):
+        sends, exchanged = p2p_plan(stage, num_stages, microbatches, k, delay)
+        for op, peer, message in events(stage, num_stages,
+                                        actions(stage, num_stages, microbatches, k, delay)):
+            if op == "send" and message in sends:
+                assert held is None
+                held = (peer, message)
+            elif op == "send":
+                ops.append([("send", peer, message)])
+            elif message in exchanged:
+                assert held is not None and held[0] == peer
+                ops.append([("send", *held), ("recv", peer, message)])
+                held = None
+            else:
+                ops.append([("recv", peer, message)])
+    return ops
+
+
+def rendezvous(ops: dict[int, list]) -> dict[int, int]:
+    """Run every stage's ops where each part completes only when the peer's current op
+    holds the matching part (NCCL at worst: a send waits for its receive). Returns the ops
+    left per stage (empty: no deadlock)."""
+    heads = dict.fromkeys(ops, 0)
+    done = {s: set() for s in ops}
+    moved = True
+    while moved:
+        moved = False
+        for s in ops:
+            if heads[s] == len(ops[s]):
+                continue
+            for i, (op, peer, message) in enumerate(ops[s][heads[s]]):
+                if (heads[s], i) in done[s] or heads[peer] == len(ops[peer]):
+                    continue
+                want = "recv" if op == "send" else "send"
+                for k, part in enumerate(ops[peer][heads[peer]]):
+                    if part == (want, s, message) and (heads[peer], k) not in done[peer]:
+                        done[s].add((heads[s], i))
+                        done[peer].add((heads[peer], k))
+                        moved = True
+            for t in ops:
+                while heads[t] < len(ops[t]) and all(
+                        (heads[t], i) in done[t] for i in range(len(ops[t][heads[t]]))):
+                    heads[t] += 1
+                    moved = True
+    return {s: len(ops[s]) - heads[s] for s in ops if heads[s] < len(ops[s])}
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_p2p_plan_sends_and_receives_each_message_with_one_op_kind(delay):
+    """Every (stages, microbatches) the schema accepts, up to 8 stages and 12 microbatches
+    (delay 1 needs M >= S - 1), 4 steps: each message is sent and received with the same
+    op kind (batched or plain: different NCCL communicators otherwise, a hang), and the
+    ops complete even if every send waits for its receive. delay 0 with M < S mixed them."""
+    checked = 0
+    for S in range(2, 9):
+        for M in range(1, 13):
+            if delay and M < S - 1:
+                continue
+            ops = {s: stage_ops(s, S, M, 4, delay) for s in range(S)}
+            kinds = {}  # (direction, message) -> batched?
+            for seq in ops.values():
+                for op in seq:
+                    for part, _, message in op:
+                        kinds.setdefault(message, {})[part] = len(op) > 1
+            for message, sides in kinds.items():
+                if len(sides) == 2:  # the last step's held gradient is never received
+                    assert sides["send"] == sides["recv"], (S, M, message)
+            assert rendezvous(ops) == {}, (S, M)
+            checked += 1
+    assert checked == (84 if delay == 0 else 63)
+
+
+class RecordingComm(Communicator):
+    """Notes the op kind of each point-to-point message (exchange = batched)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.p2p: list[tuple[str, str, int]] = []
+
+    def send(self, tensor, dst):
+        self.p2p.append(("plain", "send", dst))
+        super().send(tensor, dst)
+
+    def recv(self, tensor, src):
+        self.p2p.append(("plain", "recv", src))
+        return super().recv(tensor, src)
+
+    def exchange(self, sends, recvs):
+        for peer in sends:
+            self.p2p.append(("batched", "send", peer))
+        for peer in recvs:
+            self.p2p.append(("batched", "recv", peer))
+        super().exchange(sends, recvs)
+
+
+def _pipedream_op_kinds(rank, world, microbatches, delay):
+    from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
+
+    comm = RecordingComm(rank, world, "cpu")
+    strategy = PipeDream2BW(PipeDreamConfig(delay=delay), tiny_setup(
+        rank, world, model=tiny_gpt(n_layer=world), comm=comm, num_stages=world,
+        num_microbatches=microbatches, rank_batch_size=6))
+    for step in range(3):
+        strategy.train_step(tiny_batch(step, rows=6))
+    return comm.p2p
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("microbatches,delay", [(1, 0), (2, 0), (2, 1)])
+def test_pipedream_executor_uses_one_op_kind_per_message(microbatches, delay):
+    """The real executor on 3 gloo ranks (gloo tolerates a mix; NCCL hangs): the i-th
+    message from rank a to rank b is sent and received with the same kind of op."""
+    per_rank = run_distributed(_pipedream_op_kinds, 3, microbatches, delay, timeout=100)
+    for a in range(3):
+        for b in range(3):
+            sent = [kind for kind, op, peer in per_rank[a] if op == "send" and peer == b]
+            received = [kind for kind, op, peer in per_rank[b] if op == "recv" and peer == a]
+            assert sent[:len(received)] == received, (a, b)
