@@ -159,9 +159,11 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_data_prepare(args) -> int:
+    from bench.config import DataConfig
     from bench.data import prepare
 
-    print(prepare(args.name, args.output, args.tokenizer))
+    cache_dir = args.cache_dir or DataConfig().cache_dir  # where runs look by default
+    print(prepare(args.name, args.output, args.tokenizer, cache_dir=cache_dir))
     return 0
 
 
@@ -251,7 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="tokenise a corpus into uint16 shards")
     prep.add_argument("name", help="embedded, shakespeare, openwebtext, or a text path")
-    prep.add_argument("-o", "--output", help="shard directory (default: the cache)")
+    prep.add_argument("-o", "--output", help="shard directory (default: the cache, where a "
+                      "run with data.corpus NAME and this tokenizer finds it)")
+    prep.add_argument("--cache-dir", help="the cache, without -o (default: data.cache_dir's "
+                      "default, ~/.cache/commbench)")
     prep.add_argument("--tokenizer", default="gpt2", choices=["byte", "gpt2"])
     prep.set_defaults(func=_cmd_data_prepare)
 

@@ -74,6 +74,7 @@ class Trainer:
         self.records = RunDir(run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.run.seed)
+        self.checkpoint_group = checkpoint.barrier_group(cfg.checkpoint.timeout_s)
 
         tokenizer = get_tokenizer(cfg.data.tokenizer)
         if self.rank != 0:
@@ -136,7 +137,8 @@ class Trainer:
     def run(self) -> dict:
         """Train from step 0 (or the checkpoint when resuming); returns summary.json's body."""
         cfg, rank = self.cfg, self.rank
-        saved = checkpoint.load_state(self.records, rank, self.strategy, self.ledger)
+        saved = checkpoint.load_state(self.records, rank, self.strategy, self.ledger,
+                                      self.checkpoint_group)
         state = LoopState(**saved) if saved else LoopState()
         window = MetricsWindow()
         clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model,
@@ -186,13 +188,14 @@ class Trainer:
             if every and state.step % every == 0 and not last:
                 state.advance(clock.settle())
                 every = checkpoint.save_periodic(self.records, rank, state.step, self.strategy,
-                                                 self.ledger, asdict(state), cfg, every)
+                                                 self.ledger, asdict(state), cfg, every,
+                                                 self.checkpoint_group)
         state.advance(clock.settle())
 
         if state.status == "ok" and cfg.checkpoint.final:
             checkpoint.save_eval_model(self.records, rank, self.strategy,
                                        vars(self.model_config), cfg.data.tokenizer,
-                                       cfg.run.steps)
+                                       cfg.run.steps, self.checkpoint_group)
         return self.summarise(state)
 
     def warm_up_groups(self) -> float:

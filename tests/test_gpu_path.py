@@ -728,3 +728,266 @@ def test_pipedream_executor_uses_one_op_kind_per_message(microbatches, delay):
             sent = [kind for kind, op, peer in per_rank[a] if op == "send" and peer == b]
             received = [kind for kind, op, peer in per_rank[b] if op == "recv" and peer == a]
             assert sent[:len(received)] == received, (a, b)
+
+
+# ------------------------------------------------------------------ netprobe on NCCL
+
+
+def test_netprobe_nccl_sets_the_local_gpu_and_puts_tensors_on_it(monkeypatch):
+    """`netprobe --backend nccl` probed with CPU tensors and never called set_device
+    (NCCL moves CUDA tensors only; every rank would share GPU 0)."""
+    from bench import netprobe
+
+    assert netprobe.probe_device("gloo") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--backend nccl needs a CUDA device"):
+        netprobe.probe_device("nccl")
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert netprobe.probe_device("nccl") == torch.device("cuda", 3) == chosen[0]
+
+
+def test_netprobe_nccl_refused_without_a_gpu_per_rank(capsys):
+    from bench.cli import main
+
+    assert main(["netprobe", "--backend", "nccl", "--world-size", "2"]) == 2
+    assert "one per GPU" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+class ExportOnly:
+    """A strategy stand-in for the checkpoint functions: its state, its export, its device."""
+
+    def __init__(self, rank, world, device="cpu"):
+        self.comm = Communicator(rank, world, device)
+        self.rank = rank
+
+    def export_state(self):
+        # rank r holds "w{r}"; every rank also offers "shared" (rank 0's wins)
+        return {f"w{self.rank}": torch.full((2,), float(self.rank)),
+                "shared": torch.full((1,), float(self.rank))}
+
+    def state_dict(self):
+        return {"w": torch.ones(1)}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def _final_export(rank, world, run_dir):
+    import torch.distributed as dist
+
+    from bench import checkpoint
+    from bench.records import RunDir
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("all_gather_object: every rank would hold every part")
+
+    dist.all_gather_object = refuse
+    run = RunDir(run_dir)
+    run.prepare()
+    group = checkpoint.barrier_group(60)
+    checkpoint.save_eval_model(run, rank, ExportOnly(rank, world), {"n_layer": 1}, "byte", 3,
+                               group)
+    return run.final_checkpoint.exists()  # every rank returns after rank 0 has written
+
+
+@pytest.mark.timeout(60)
+def test_final_export_gathers_on_rank_0_only(tmp_path):
+    assert run_distributed(_final_export, 3, str(tmp_path), timeout=50) == [True] * 3
+    saved = torch.load(tmp_path / "checkpoints" / "final.pt", weights_only=False)
+    assert sorted(saved["model"]) == ["shared", "w0", "w1", "w2"]
+    assert saved["model"]["shared"].item() == 0.0 and saved["model"]["w2"].tolist() == [2, 2]
+
+
+def _slow_checkpoint_write(rank, world, run_dir):
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from algorithms.comm import CommLedger
+    from bench import checkpoint
+    from bench.records import RunDir
+
+    # the training group times out after 2 s, as parallel.timeout_s would
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("short", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=2))
+    run = RunDir(run_dir)
+    run.prepare()
+    save = run.save_torch
+    if rank == 1:  # a slow filesystem: this rank's write takes longer than the timeout
+        def slow(payload, path):
+            time.sleep(5)
+            save(payload, path)
+        run.save_torch = slow
+    group = checkpoint.barrier_group(60)  # checkpoint.timeout_s
+    checkpoint.save_state(run, rank, 4, ExportOnly(rank, world), CommLedger(), {}, group)
+    return run.state_checkpoint(rank).exists()
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_waits_have_their_own_timeout(tmp_path):
+    """A multi-GB state written slower than parallel.timeout_s timed the other ranks out
+    in the barrier after the save; they wait on a group with checkpoint.timeout_s."""
+    assert run_distributed(_slow_checkpoint_write, 2, str(tmp_path), timeout=50) == [True] * 2
+
+
+def _cuda_rng_round_trip(rank, world, run_dir):
+    import os
+
+    from algorithms.comm import CommLedger
+    from bench import checkpoint
+    from bench.records import RunDir
+
+    gpu = torch.device("cuda", 0)
+    saved_state, restored = torch.arange(4, dtype=torch.uint8), []
+    torch.cuda.get_rng_state = lambda device: saved_state if device == gpu else None
+    torch.cuda.set_rng_state = lambda state, device: restored.append((state.tolist(), device))
+    run = RunDir(run_dir)
+    run.prepare()
+    strategy = ExportOnly(rank, world, device=gpu)
+    checkpoint.save_state(run, rank, 2, strategy, CommLedger(), {"step": 2})
+    os.environ["COMMBENCH_RESUME"] = "1"
+    checkpoint.load_state(run, rank, strategy, CommLedger())
+    return restored
+
+
+def test_checkpoint_carries_the_cuda_generator(tmp_path):
+    """Dropout on CUDA draws from the device's generator: without it in the checkpoint a
+    resumed run is not bit-exact (mocked torch.cuda: the code path that runs on a GPU)."""
+    assert run_distributed(_cuda_rng_round_trip, 1, str(tmp_path), timeout=50) == [
+        [([0, 1, 2, 3], torch.device("cuda", 0))]]
+
+
+# ------------------------------------------------------------------ launching on GPUs
+
+
+def fake_cuda(monkeypatch, count: int) -> None:
+    """This machine as a GPU node with `count` devices (for the checks that read it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_more_ranks_per_node_than_gpus_is_refused_where_torchrun_starts(monkeypatch):
+    from bench.config import check_device, check_gpus, load_config
+
+    fake_cuda(monkeypatch, 4)
+    eight = load_config("configs/ddp-tiny.yaml", ["parallel.world_size=8"])
+    with pytest.raises(ValueError, match=r"world_size 8 / launch.nnodes 1 = 8 ranks per node, "
+                                         r"one GPU each, but this node has 4 GPUs"):
+        check_device(eight)
+    check_gpus(load_config("configs/ddp-tiny.yaml", [  # 2 nodes x 4 ranks fit
+        "parallel.world_size=8", "launch.nnodes=2", "launch.rdzv_endpoint=h:1"]))
+    with pytest.raises(ValueError, match=r"launch.cuda_visible_devices '0,1' has 2 GPUs"):
+        check_gpus(load_config("configs/ddp-tiny.yaml", [
+            "parallel.world_size=4", "launch.cuda_visible_devices='0,1'"]))
+    cpu = load_config("configs/ddp-tiny.yaml", ["parallel.world_size=8", "parallel.device=cpu"])
+    check_gpus(cpu)  # CPU ranks need no GPU
+
+
+def test_gloo_with_cuda_tensors_is_refused():
+    assert_bad_config("configs/2bw-tiny.yaml", ["parallel.backend=gloo", "parallel.device=cuda"],
+                      "parallel.backend 'gloo'", "parallel.device cuda", "send or receive")
+
+
+def test_gloo_on_a_gpu_machine_with_device_auto_is_refused(monkeypatch):
+    from bench.config import check_device, load_config
+
+    fake_cuda(monkeypatch, 4)
+    with pytest.raises(ValueError, match="gloo cannot send"):
+        check_device(load_config("configs/ddp-tiny.yaml", ["parallel.backend=gloo"]))
+
+
+def test_parallel_local_runs_get_disjoint_gpus(monkeypatch):
+    """Concurrent local runs each started torchrun on GPUs 0..n-1: all on the same GPUs."""
+    import threading
+    import time
+
+    from bench.config import load_config
+    from bench.executors import _run_local, gpu_blocks
+
+    fake_cuda(monkeypatch, 5)
+    configs = [load_config("configs/ddp-tiny.yaml", ["parallel.world_size=2",
+                                                     f"run.seed={seed}"]) for seed in range(4)]
+    assert gpu_blocks(configs, 1) is None  # one at a time: the environment's GPUs
+    assert gpu_blocks(configs, 3) == ["0,1", "2,3"]  # GPU 4 left over
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert gpu_blocks(configs, 3) == ["4,5", "6,7"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_blocks(configs, 3) is None  # CPU runs
+
+    running, seen, lock = set(), [], threading.Lock()
+
+    def runner(cfg, run_dir, progress=False):
+        block = cfg.launch.cuda_visible_devices
+        with lock:
+            assert block not in running, f"two runs on GPUs {block}"
+            running.add(block)
+            seen.append(block)
+        time.sleep(0.05)
+        with lock:
+            running.discard(block)
+        return {"status": "ok"}
+
+    class Quiet:
+        live = False
+
+        def start(self, run, run_dir):
+            pass
+
+        def finish(self, run, summary):
+            pass
+
+    class Run:
+        def __init__(self, cfg):
+            self.config, self.run_id = cfg, str(cfg.run.seed)
+
+    todo = [(Run(c), Path(f"/nonexistent/{i}")) for i, c in enumerate(configs)]
+    summaries = _run_local(todo, runner, 3, Quiet(), ["4,5", "6,7"])
+    assert len(summaries) == 4 and sorted(set(seen)) == ["4,5", "6,7"]
+
+
+def test_data_prepare_without_output_fills_the_runs_cache(tmp_path, monkeypatch, capsys):
+    """`commbench data prepare NAME` without -o crashed (Path(None)): the Slurm example's
+    first command. It tokenises into the cache a run with data.corpus NAME reads."""
+    from bench.cli import main
+    from bench.data import cached_corpus
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["data", "prepare", "embedded", "--tokenizer", "byte"]) == 0
+    printed = Path(capsys.readouterr().out.strip())
+    assert printed.parent == tmp_path / ".cache" / "commbench"
+    assert (printed / "meta.json").exists()
+    assert cached_corpus("embedded", "byte", "~/.cache/commbench") == printed  # no re-tokenise
+
+
+def test_the_launcher_tokenises_before_the_ranks_start(tmp_path, monkeypatch):
+    """Rank 0 tokenised a large corpus while the others waited in a barrier and timed out
+    (parallel.timeout_s): sweeps and Slurm jobs reach the ranks without a preflight."""
+    from bench import launch
+    from bench.config import load_config
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question. " * 400)
+    cache = tmp_path / "cache"
+    cfg = load_config("configs/ddp-tiny.yaml", [
+        f"data.corpus={corpus}", f"data.cache_dir={cache}", "parallel.world_size=1",
+        "model.seq_len=16", f"run.output_dir={tmp_path / 'results'}"])
+    seen = []
+
+    def torchrun(cmd, env, log_path, progress):
+        seen.append(sorted(p.name for p in cache.glob("*/meta.json")))
+        return 1, ["torchrun exited"]
+
+    monkeypatch.setattr(launch, "_run_torchrun", torchrun)
+    launch.run_config(cfg, tmp_path / "run", progress=False)
+    assert seen == [["meta.json"]]  # the cache was filled before torchrun started
