@@ -67,16 +67,47 @@ class CommRecord:
 
 
 class CommLedger:
-    """Every CommRecord of one rank, in order."""
+    """One rank's communication: bounded aggregates of every record, and the records of
+    the current window.
 
-    def __init__(self) -> None:
+    `records` holds the records since the last `trim()` (the loop trims at the start of
+    each step: a step's records are what its timing, projection and strategy read), or
+    every record with `keep_records` (tests, debugging). The aggregates cover every record
+    ever added and stay bounded whatever the run's length: per (phase, op, tier, group
+    size) the count, bytes and seconds (`aggregate()`: comm.jsonl), and per (phase, peer)
+    the bytes sent point to point (`bytes_sent`). Checkpoints carry `state_dict()`: the
+    aggregates, not the records.
+    """
+
+    def __init__(self, keep_records: bool = False) -> None:
         self.records: list[CommRecord] = []
+        self.keep_records = keep_records
+        self._rows: dict[tuple, dict] = {}
+        self._sent: dict[tuple[str, int], int] = {}
 
     def __len__(self) -> int:
         return len(self.records)
 
     def add(self, record: CommRecord) -> None:
         self.records.append(record)
+        key = (record.phase, record.op, record.tier, record.group_size)
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = dict(phase=record.phase, op=record.op, tier=record.tier,
+                                         group_size=record.group_size, count=0, bytes=0,
+                                         seconds=0.0)
+        row["count"] += 1
+        row["bytes"] += record.nbytes
+        row["seconds"] += record.seconds
+        if record.op in ("send", "exchange") and record.peers:
+            sizes = record.peer_nbytes or (record.nbytes,) * len(record.peers)
+            for peer, nbytes in zip(record.peers, sizes, strict=True):
+                self._sent[record.phase, peer] = self._sent.get((record.phase, peer), 0) + nbytes
+
+    def trim(self) -> None:
+        """Drop the records held (their aggregates stay), unless `keep_records`."""
+        if not self.keep_records:
+            self.records = []
 
     def totals(self, phases: Iterable[str] | None = None, start: int = 0) -> tuple[int, float]:
         """(bytes, seconds) summed over records from `start`, optionally only these phases."""
@@ -89,18 +120,27 @@ class CommLedger:
         return nbytes, seconds
 
     def aggregate(self) -> list[dict]:
-        """Rows grouped by (phase, op, tier, group_size), in order of first appearance."""
-        rows: dict[tuple, dict] = {}
-        for r in self.records:
-            key = (r.phase, r.op, r.tier, r.group_size)
-            row = rows.get(key)
-            if row is None:
-                row = rows[key] = dict(phase=r.phase, op=r.op, tier=r.tier,
-                                       group_size=r.group_size, count=0, bytes=0, seconds=0.0)
-            row["count"] += 1
-            row["bytes"] += r.nbytes
-            row["seconds"] += r.seconds
-        return list(rows.values())
+        """Rows grouped by (phase, op, tier, group_size), in order of first appearance,
+        over every record ever added."""
+        return [dict(row) for row in self._rows.values()]
+
+    def bytes_sent(self, phase: str) -> dict[int, int]:
+        """Peer -> bytes this rank sent it by `send` and `exchange` in `phase`, all run."""
+        return {peer: n for (p, peer), n in self._sent.items() if p == phase}
+
+    def state_dict(self) -> dict:
+        return {"rows": self.aggregate(), "sent": dict(self._sent)}
+
+    def load_state_dict(self, state: dict | list) -> None:
+        """Restore the aggregates (a list: an older checkpoint's records, re-added)."""
+        if isinstance(state, list):
+            for record in state:
+                self.add(record)
+            self.trim()
+            return
+        self._rows = {(r["phase"], r["op"], r["tier"], r["group_size"]): dict(r)
+                      for r in state["rows"]}
+        self._sent = dict(state["sent"])
 
 
 @dataclass(frozen=True)

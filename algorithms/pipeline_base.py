@@ -207,22 +207,18 @@ class PipelineStrategy(Strategy):
     def summary_fields(self) -> dict:
         """bubble_fraction_theory, per-stage peak memory (max over replicas) and the p2p
         bytes sent per step and replica across each stage boundary, forward and backward
-        (from the ledger; a batch naming several peers split by `peer_nbytes`).
+        (the ledger's `bytes_sent`; a batch naming several peers split by `peer_nbytes`).
         Collective over the world (all_gather, ledger phase of the caller)."""
         S, stage = self.grid.num_stages, self.grid.stage
         mine = torch.zeros(1 + 2 * max(0, S - 1), dtype=torch.float64, device=self.comm.device)
         mine[0] = peak_memory_bytes(self.comm.device)
         steps = max(1, self.step_index)
-        for r in self.comm.ledger.records:
-            if r.phase != "train" or not r.peers or r.op not in ("send", "exchange"):
-                continue
-            sizes = r.peer_nbytes or (r.nbytes,) * len(r.peers)
-            for peer, nbytes in zip(r.peers, sizes, strict=True):
-                peer_stage = peer % S
-                if peer_stage == stage + 1:  # forward across boundary `stage`
-                    mine[1 + 2 * stage] += nbytes / steps
-                elif peer_stage == stage - 1:  # backward across boundary `stage - 1`
-                    mine[2 + 2 * (stage - 1)] += nbytes / steps
+        for peer, nbytes in self.comm.ledger.bytes_sent("train").items():
+            peer_stage = peer % S
+            if peer_stage == stage + 1:  # forward across boundary `stage`
+                mine[1 + 2 * stage] += nbytes / steps
+            elif peer_stage == stage - 1:  # backward across boundary `stage - 1`
+                mine[2 + 2 * (stage - 1)] += nbytes / steps
         rows = torch.stack(self.comm.all_gather(mine))
         peaks = [int(rows[s::S, 0].max().item()) for s in range(S)]
         per_boundary = rows[:, 1:].sum(0) / self.grid.num_replicas

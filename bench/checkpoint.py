@@ -4,7 +4,7 @@
     commbench run --resume RUN_DIR                                  # continue from it
 
 Every rank saves its own state (the strategy's `state_dict`, the loop state, the torch
-RNG and the CommLedger) at the same step, atomically, first beside the previous one
+RNG and the CommLedger's aggregates) at the same step, atomically, first beside the previous one
 (state-rankN.pt.next), and replaces the previous one only when all ranks have saved; by
 default 4 times per run (`checkpoint.every: null` = every run.steps // 4 steps). Before a
 resume touches any record, the launcher checks with `verify_states` that every rank's
@@ -141,8 +141,8 @@ def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: Co
     except NotImplementedError:
         raise NotImplementedError(f"strategy {type(strategy).__name__} cannot save its state "
                                   "(state_dict); set checkpoint.every=0") from None
-    payload = {"step": step, "strategy": state, "loop": loop_state, "ledger": ledger.records,
-               **rng_states(strategy.comm.device)}
+    payload = {"step": step, "strategy": state, "loop": loop_state,
+               "ledger": ledger.state_dict(), **rng_states(strategy.comm.device)}
     run.save_torch(payload, run.pending_state_checkpoint(rank))
     dist.barrier(group=group)  # every rank's new state is on disk: it may replace the old
     os.replace(run.pending_state_checkpoint(rank), run.state_checkpoint(rank))
@@ -196,7 +196,7 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
         raise RuntimeError(f"resume: the ranks' checkpoints are at different steps {steps}")
     strategy.load_state_dict(payload["strategy"])
     set_rng_states(payload, strategy.comm.device)
-    ledger.records.extend(payload["ledger"])
+    ledger.load_state_dict(payload["ledger"])
     step = payload["step"]
     if rank == 0:  # drop rows logged after the checkpoint; they will be redone
         rows = [r for r in run.read_metrics() if r["step"] <= step]

@@ -386,11 +386,20 @@ class RunTotals:
 
 
 def run_totals(ledger: CommLedger, device: torch.device, model: str | None = None) -> RunTotals:
-    """At the end of a run (a collective over all ranks)."""
-    train = [r for r in ledger.records if r.phase in TRAIN_PHASES]
-    nbytes, wire = all_reduce_floats([sum(r.nbytes for r in train),
-                                      sum(wire_bytes(r, backend=model) for r in train)], device)
+    """At the end of a run (a collective over all ranks), from the ledger's aggregates (a
+    row's wire bytes are its bytes times its op's factor: `wire_bytes` is linear in them)."""
+    rows = ledger.aggregate()
+    train = [row for row in rows if row["phase"] in TRAIN_PHASES]
+    nbytes, wire = all_reduce_floats([
+        sum(row["bytes"] for row in train),
+        sum(wire_bytes(_as_record(row), backend=model) for row in train)], device)
     aggregates = [None] * dist.get_world_size()
-    dist.all_gather_object(aggregates, ledger.aggregate())
+    dist.all_gather_object(aggregates, rows)
     rows = [{"rank": r, **row} for r, agg in enumerate(aggregates) for row in agg]
     return RunTotals(int(nbytes), int(wire), rows)
+
+
+def _as_record(row: dict) -> CommRecord:
+    """An aggregate row as one record carrying all its bytes (for `wire_bytes`)."""
+    return CommRecord(step=0, phase=row["phase"], op=row["op"], group_size=row["group_size"],
+                      peers=None, nbytes=row["bytes"], seconds=row["seconds"], tier=row["tier"])

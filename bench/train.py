@@ -69,7 +69,10 @@ __all__ = ["TRAIN_PHASES", "Trainer", "lr_at", "make_optimizer_factory", "main"]
 class Trainer:
     """Builds everything for one rank and runs the steps."""
 
-    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, backend: str):
+    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, backend: str,
+                 keep_records: bool = False):
+        """`keep_records`: the ledger keeps every record (tests, debugging; memory grows
+        with the run), else only the current step's besides its bounded aggregates."""
         self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
         self.records = RunDir(run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -98,7 +101,7 @@ class Trainer:
         self.net_model = backend if cfg.network.model == "auto" else cfg.network.model
         delay = (delay_policy(get_profile(cfg.network.emulate), self.rank, self.ranks_per_node,
                               backend=self.net_model) if cfg.network.emulate else None)
-        self.ledger = CommLedger()
+        self.ledger = CommLedger(keep_records)
         self.comm = Communicator(self.rank, self.world, device, self.ledger, delay,
                                  self.ranks_per_node)
         precision = cfg.model.precision
@@ -213,6 +216,7 @@ class Trainer:
         self.comm.step = step
         self.strategy.set_lr(lr_at(step, self.cfg))
         x, y = (t.to(self.device, non_blocking=True) for t in self.stream.batch(step))
+        self.ledger.trim()  # the aggregates keep the run; the records, this step
         first_record = len(self.ledger.records)
         synchronize(self.device)
         start = time.perf_counter()

@@ -991,3 +991,169 @@ def test_the_launcher_tokenises_before_the_ranks_start(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "_run_torchrun", torchrun)
     launch.run_config(cfg, tmp_path / "run", progress=False)
     assert seen == [["meta.json"]]  # the cache was filled before torchrun started
+
+
+# ------------------------------------------------------------------ diagnostics
+
+
+NCCL_TIMEOUT_LOG = """\
+/usr/bin/python -m torch.distributed.run --nproc-per-node=4 --standalone -m bench.train run
+[rank0]:[E1124 10:02:00.1 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=57, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=120000) ran for 120038 milliseconds before timing out.
+[rank0]:[E1124 10:02:00.2 ProcessGroupNCCL.cpp:2268] [PG ID 0 PG GUID 0(default_pg) Rank 0]  failure detected by watchdog at work sequence id: 57 PG status: last enqueued work: 57, last completed work: 56
+[rank1]:[E1124 10:02:00.3 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=57, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=120000) ran for 120041 milliseconds before timing out.
+[rank3]:[E1124 10:02:00.4 ProcessGroupNCCL.cpp:632] [Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=57, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=120000) ran for 120044 milliseconds before timing out.
+[rank0]:[F1124 10:02:01.0 ProcessGroupNCCL.cpp:1614] [PG ID 0 PG GUID 0(default_pg) Rank 0] Terminating the process after attempting to dump debug info, due to collective timeout or exception.
+W1124 10:02:02.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 1235 closing signal SIGTERM
+W1124 10:02:02.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 1236 closing signal SIGTERM
+W1124 10:02:02.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 1237 closing signal SIGTERM
+E1124 10:02:03.0 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -6) local_rank: 0 (pid: 1234) of binary: /usr/bin/python
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+bench.train FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-24_10:02:03
+  host      : gpu-node-1
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 1234)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 1234
+============================================================"""
+
+
+def test_nccl_watchdog_abort_names_the_hung_rank_not_the_first_victim(tmp_path):
+    """Rank 2 never reached the all-reduce; the others' watchdogs aborted them (SIGABRT),
+    and torchrun's root cause was rank 0, which the headline used to blame."""
+    from bench.failure import error_text
+    from bench.records import RunDir
+
+    run = RunDir(tmp_path)
+    run.prepare()
+    run.torchrun_log.write_text("earlier attempt\n[Rank 2] Watchdog caught collective "
+                                "operation timeout\n" + NCCL_TIMEOUT_LOG)
+    tail = NCCL_TIMEOUT_LOG.splitlines()[-14:]  # the ranks' lines scrolled out of the tail
+    headline = error_text(run, 1, tail, 4, 120).splitlines()[0]
+    assert headline.startswith("rank 2 stopped responding"), headline
+    assert "ranks 0, 1, 3 timed out after 120 s (parallel.timeout_s)" in headline
+    assert "NCCL watchdog" in headline
+
+
+def test_a_sigabrt_without_a_watchdog_timeout_is_still_the_culprit(tmp_path):
+    from bench.failure import error_text
+    from bench.records import RunDir
+
+    run = RunDir(tmp_path)
+    run.prepare()
+    tail = [line for line in NCCL_TIMEOUT_LOG.splitlines() if "Watchdog" not in line]
+    run.torchrun_log.write_text("\n".join(tail))
+    assert error_text(run, 1, tail, 4, 120).startswith("rank 0: killed by SIGABRT")
+
+
+def test_self_evaluation_runs_on_the_runs_device(monkeypatch):
+    """Self-evaluation after `commbench run` always ran lm-eval on the CPU."""
+    from bench.config import load_config
+    from eval.runner import eval_device
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = load_config("configs/ddp-tiny.yaml")
+    assert eval_device(cfg) == "cpu"
+    fake_cuda(monkeypatch, 8)
+    assert eval_device(cfg) == "cuda"
+    mine = load_config("configs/ddp-tiny.yaml", ["launch.cuda_visible_devices='6,7'"])
+    assert eval_device(mine) == "cuda:6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # as this process numbers them
+    assert eval_device(mine) == "cuda:2"
+    assert eval_device(load_config("configs/ddp-tiny.yaml", ["parallel.device=cpu"])) == "cpu"
+
+
+# ------------------------------------------------------------------ bounded ledger
+
+
+def test_ledger_keeps_bounded_aggregates_and_one_window_of_records():
+    """The ledger's list grew with every op of the run and was pickled into every
+    checkpoint. Trimmed each step it holds one window; the aggregates (comm.jsonl, bytes
+    sent per peer) equal those of a ledger that kept every record."""
+    import pickle
+
+    from algorithms.comm import CommLedger, CommRecord
+
+    def record(step, i):
+        if i % 3 == 0:
+            return CommRecord(step, "train", "exchange", 3, (1, 2), 30 + i, 0.1, "inter",
+                              peer_nbytes=(10, 20 + i))
+        if i % 3 == 1:
+            return CommRecord(step, "train", "send", 2, (1,), 7, 0.2, "intra")
+        return CommRecord(step, "outer", "all_reduce", 4, None, 400, 0.3 + i, "inter")
+
+    full, bounded = CommLedger(keep_records=True), CommLedger()
+    sizes = {}
+    for step in range(200):
+        bounded.trim()
+        full.trim()  # a no-op with keep_records
+        for i in range(5):
+            full.add(record(step, i))
+            bounded.add(record(step, i))
+        assert len(bounded) == 5
+        if step in (9, 199):
+            sizes[step] = len(pickle.dumps(bounded.state_dict()))
+    assert len(full) == 1000
+    assert bounded.aggregate() == full.aggregate()
+    per_step = {1: 10 + 7 + 10 + 7, 2: 20 + 23}  # records 0-4: exchange, send, -, exchange, send
+    assert bounded.bytes_sent("train") == full.bytes_sent("train") == {
+        peer: 200 * n for peer, n in per_step.items()}
+    # the checkpointed state does not grow with the run (but for its counters' digits)
+    assert sizes[199] < sizes[9] + 64 < len(pickle.dumps(full.records)) / 100
+    restored = CommLedger()
+    restored.load_state_dict(bounded.state_dict())
+    assert restored.aggregate() == full.aggregate() and len(restored) == 0
+    older = CommLedger()  # a checkpoint written before: the list of records
+    older.load_state_dict(full.records)
+    assert older.aggregate() == full.aggregate() and len(older) == 0
+
+
+def _ledger_runs(rank, world, run_dir):
+    import json
+
+    from bench.config import load_config
+    from bench.records import RunDir
+    from bench.train import Trainer
+
+    out = {}
+    for name, config, extra in [("ddp", "configs/ddp-tiny.yaml", []),
+                                ("2bw", "configs/2bw-tiny.yaml", ["parallel.num_stages=2"])]:
+        for keep in (True, False):
+            cfg = load_config(config, [
+                "run.steps=5", "run.log_every=2", "run.val_every=0", "run.val_batches=1",
+                "checkpoint.every=2", "checkpoint.final=false", "parallel.world_size=2",
+                "model.n_layer=2", "model.seq_len=32", *extra])
+            path = Path(run_dir) / f"{name}-{keep}"
+            trainer = Trainer(cfg, path, torch.device("cpu"), "gloo", keep_records=keep)
+            summary = trainer.run()
+            trainer.strategy.close()
+            keys = ("comm_bytes_total", "comm_wire_bytes_total", "projected",
+                    "activation_bytes_per_boundary")
+            saved = torch.load(RunDir(path).state_checkpoint(rank), weights_only=False)
+            comm_rows = [json.loads(line) for line in RunDir(path).comm.read_text().splitlines()]
+            out[name, keep] = ({k: summary.get(k) for k in keys},
+                               [{k: v for k, v in row.items() if k != "seconds"}
+                                for row in comm_rows] if rank == 0 else None,
+                               len(trainer.ledger.records), type(saved["ledger"]).__name__)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_the_loop_reads_the_same_figures_from_the_bounded_ledger(tmp_path):
+    for out in run_distributed(_ledger_runs, 2, str(tmp_path), timeout=220):
+        for name in ("ddp", "2bw"):
+            (kept, kept_rows, kept_len, _), (bounded, rows, held, saved) = (
+                out[name, True], out[name, False])
+            for key in ("comm_bytes_total", "comm_wire_bytes_total",
+                        "activation_bytes_per_boundary"):
+                assert bounded[key] == kept[key], (name, key)
+            assert bounded["projected"].keys() == kept["projected"].keys()
+            assert rows == kept_rows  # comm.jsonl, but the measured seconds
+            assert held < kept_len and saved == "dict"  # one step's window; aggregates saved
