@@ -7,6 +7,7 @@
     commbench claims [NAME ...] [--scale tiny|small|paper] [--dry-run]
     commbench config show configs/ddp-tiny.yaml
     commbench data prepare embedded
+    commbench doctor                    # first thing on a new GPU node: a pass/fail report
 
 Heavy imports (torch, lm-eval, pandas) happen inside the command that needs them, so
 `--help` and input errors are fast. Any ValueError from validation exits with status 2
@@ -259,6 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "default, ~/.cache/commbench)")
     prep.add_argument("--tokenizer", default="gpt2", choices=["byte", "gpt2"])
     prep.set_defaults(func=_cmd_data_prepare)
+
+    # doctor: the first command on a new GPU node (bench/doctor.py)
+    from bench import doctor
+
+    check = sub.add_parser("doctor", help="check this node: GPUs, NCCL, timing, bf16, short "
+                           "runs of each strategy; a pass/fail report to attach to a bug",
+                           description=doctor.__doc__.split("\n\n")[0])
+    doctor.add_arguments(check)
+    check.set_defaults(func=doctor.run_cli)
 
     # netprobe: measure this machine's / cluster's links, fit a profile (bench/netprobe.py)
     from bench import netprobe
