@@ -61,6 +61,11 @@ class RunConfig:
     on CPU; set more for real runs (e.g. 1024 x 1024 tokens)."""
     target_loss: float | None = None
     """Validation loss whose first crossing is recorded as time and tokens to target."""
+    warmup_steps: int = 1
+    """Steps at the start of each process (a new run, or a resume) measured apart as
+    warm-up: compile, communicator creation, autotuning. Trained and on the clock, but left
+    out of throughput and MFU (summary warmup_s); 0 = none. Accounting only: not part of
+    the run's identity."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """One rank made slower on purpose: {rank: int|null, slowdown: float >= 1}."""
 
@@ -82,7 +87,9 @@ class ModelConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 autocast around forward passes (GPU; works but is slow on CPU)."""
     compile: bool = False
-    """Wrap the model in torch.compile (GPU runs)."""
+    """torch.compile what each strategy trains, after its DDP wrapping (compile(DDP(model)),
+    which keeps DDP's overlap); pipelines compile each stage module. GPU runs; refused with
+    strategy.backend=deepspeed (its engine runs the forward)."""
 
 
 @dataclass
@@ -156,6 +163,10 @@ class CheckpointConfig:
     """Checkpoint every this many steps (for --resume); 0 = never, null = run.steps // 4."""
     final: bool = True
     """Save the evaluation model at the end (needed by `commbench eval`)."""
+    timeout_s: float = 1800.0
+    """Seconds the ranks wait for each other around checkpoint writes and loads (their own
+    group: a multi-GB state can take longer than parallel.timeout_s, which is meant to
+    catch a hung training collective quickly)."""
 
 
 @dataclass
@@ -166,6 +177,9 @@ class LaunchConfig:
     """host:port of the c10d rendezvous for multi-node runs."""
     torchrun_args: list[str] = field(default_factory=list)
     """Extra arguments passed through to torchrun."""
+    cuda_visible_devices: str | None = None
+    """GPUs this run's ranks use on each node (CUDA_VISIBLE_DEVICES, e.g. "2,3"); null =
+    the environment's. A local sweep running several runs at once gives each its own."""
 
 
 @dataclass
@@ -184,7 +198,8 @@ class Config:
 
 
 # Not the run's identity: where things go, and the checkpoint cadence (resume is bit-exact).
-NON_IDENTITY_KEYS = ("run.output_dir", "data.cache_dir", "launch", "checkpoint")
+NON_IDENTITY_KEYS = ("run.output_dir", "run.warmup_steps", "data.cache_dir", "launch",
+                     "checkpoint")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """Names that become directory names: no path separators, no leading dot."""
 
@@ -283,10 +298,11 @@ def validate(cfg: Config) -> None:
     for key in ("run.steps", "run.log_every", "run.val_sequences", "model.seq_len",
                 "data.batch_size", "parallel.world_size", "parallel.group_size",
                 "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",
+                "checkpoint.timeout_s",
                 "launch.nnodes", "eval.batch_size", "eval.limit"):  # None passes
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name))
-    for key in ("run.val_every", "optim.warmup_steps", "optim.grad_clip",
+    for key in ("run.val_every", "run.warmup_steps", "optim.warmup_steps", "optim.grad_clip",
                 "optim.weight_decay", "checkpoint.every", "network.ranks_per_node"):
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name), 0)
@@ -334,6 +350,8 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.backend == "nccl" and cfg.parallel.device == "cpu":
         raise ValueError("parallel.backend 'nccl' needs parallel.device cuda (or auto on a "
                          "GPU machine); with parallel.device cpu use backend gloo or auto")
+    if cfg.parallel.backend == "gloo" and cfg.parallel.device == "cuda":
+        raise ValueError(_GLOO_ON_CUDA.format(device="cuda"))
     if cfg.eval.suite is not None and cfg.eval.suite not in ("smoke", "paper"):
         raise _fail("eval.suite", cfg.eval.suite, "null, 'smoke' or 'paper'")
     if cfg.eval.tasks and cfg.eval.suite is None:
@@ -348,18 +366,59 @@ def validate(cfg: Config) -> None:
                          "or use pipedream-2bw with strategy.delay=1")
 
 
+_GLOO_ON_CUDA = (
+    "parallel.backend 'gloo' with parallel.device {device} (CUDA tensors): gloo cannot send "
+    "or receive CUDA tensors (pipelines, gossip) and stages CUDA collectives through host "
+    "memory, so its times describe neither a GPU cluster's NCCL nor gloo on CPUs; use "
+    "parallel.backend nccl (or auto) on GPUs, or parallel.device cpu with gloo "
+    "(network.emulate models slower links)")
+
+
+def runs_on_cuda(cfg: Config) -> bool:
+    """Whether the config's ranks use CUDA on this machine (device cuda, or auto with one)."""
+    import torch
+
+    return cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto"
+                                             and torch.cuda.is_available())
+
+
 def check_device(cfg: Config) -> None:
-    """Fail unless this machine has the device and backend the config asks for."""
+    """Fail unless this machine has the device and backend the config asks for, and a GPU
+    for each of the ranks a node starts."""
     import torch
 
     has_cuda = torch.cuda.is_available()
     if cfg.parallel.device == "cuda" and not has_cuda:
         raise _fail("parallel.device", "cuda", "auto or cpu on this machine (it has no CUDA "
                     "device)")
-    on_cuda = cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto" and has_cuda)
+    on_cuda = runs_on_cuda(cfg)
     if cfg.parallel.backend == "nccl" and not on_cuda:
         raise _fail("parallel.backend", "nccl", "auto or gloo on this machine (nccl needs a "
                     "CUDA device)")
+    if cfg.parallel.backend == "gloo" and on_cuda:
+        raise ValueError(_GLOO_ON_CUDA.format(device=f"{cfg.parallel.device} (CUDA here)"))
+    check_gpus(cfg)
+
+
+def check_gpus(cfg: Config) -> None:
+    """On CUDA, each rank of a node takes its own GPU (LOCAL_RANK): fail unless this node
+    has as many GPUs (visible ones: launch.cuda_visible_devices, else the environment's)
+    as parallel.world_size / launch.nnodes. Called where torchrun starts (each node)."""
+    import torch
+
+    if not runs_on_cuda(cfg):
+        return
+    per_node = cfg.parallel.world_size // cfg.launch.nnodes
+    visible = cfg.launch.cuda_visible_devices
+    count = len(visible.split(",")) if visible else torch.cuda.device_count()
+    where = f"launch.cuda_visible_devices {visible!r}" if visible else "this node"
+    if per_node > count:
+        raise ValueError(
+            f"parallel.world_size {cfg.parallel.world_size} / launch.nnodes "
+            f"{cfg.launch.nnodes} = {per_node} ranks per node, one GPU each, but {where} has "
+            f"{count} GPU{'s' if count != 1 else ''}: lower parallel.world_size, raise "
+            "launch.nnodes, or give the ranks more GPUs (several ranks on one GPU would "
+            "share it, and their times would not be a cluster's)")
 
 
 def preflight(cfg: Config) -> None:

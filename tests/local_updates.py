@@ -25,7 +25,7 @@ def make_trainer(world_size, config, overrides, run_dir) -> Trainer:
     cfg = load_config(config, [*SMALL, f"parallel.world_size={world_size}", *overrides])
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+    return Trainer(cfg, run_dir, torch.device("cpu"), "gloo", keep_records=True)
 
 
 def train(world_size, config, overrides, run_dir) -> dict:

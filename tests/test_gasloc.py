@@ -41,7 +41,7 @@ def train_and_collect(rank, world_size, overrides, run_dir, config=TINY):
     cfg = load_config(config, [f"parallel.world_size={world_size}", *overrides])
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo", keep_records=True)
     summary = trainer.run()
     trainer.strategy.close()
     params = {k: v.detach().clone() for k, v in trainer.strategy.model.state_dict().items()}

@@ -60,7 +60,7 @@ def train_straggler(rank, world_size, run_dir):
     STRATEGIES["straggler"] = f"{__name__}:Straggler"  # in this rank's process only
     cfg = load_config("configs/ddp-tiny.yaml", SETTINGS)
     cfg.strategy = StragglerConfig()
-    trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo", keep_records=True)
     summary = trainer.run()
     train = [r for r in trainer.ledger.records if r.phase in TRAIN_PHASES]
     # the loop prices with the run's backend (network.model: auto -> gloo here); wan-1g is

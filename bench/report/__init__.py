@@ -61,7 +61,11 @@ _METHOD = (
     "no speedup, and the cell says why. Speedup = DDP time / run time: geometric mean over "
     "seeds [95% interval on the log-ratios, t-distribution], paired by seed when both "
     "groups ran the same seeds, else Welch's two-sample interval on the logs; \"n<3\" "
-    "marks an interval from fewer than 3 seeds."
+    "marks an interval from fewer than 3 seeds. Times to target here INCLUDE one-off "
+    "costs (each process's warm-up steps and communicator creation: compile, NCCL set-up; "
+    "summary.json `warmup_s`), as a user waits for them; summary.json's "
+    "`time_to_target_steady_s` leaves them out. Throughput is steady state (warm-up left "
+    "out)."
 )
 
 
@@ -246,7 +250,8 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
         blocks.append(("p", "No run finished ok."))
     else:
         for name, caption in (
-            ("throughput", "Throughput in tokens/s over the whole run (log scale)."),
+            ("throughput", "Throughput in tokens/s, steady state: the run without its "
+                           "warm-up steps and communicator creation (log scale)."),
             ("communication", "Bytes per rank over the run: logical payload (tensor bytes "
                               "handed to collectives and sends) beside modelled wire bytes "
                               "(what the algorithm puts on the link, e.g. 2(n−1)/n × payload "
