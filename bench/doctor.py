@@ -203,7 +203,7 @@ def check_bf16(ctx: Context) -> str:
     return f"logits bf16 on {ctx.device}, loss {loss.item():.3f}"
 
 
-RUN_SETTINGS = ["run.steps=3", "run.log_every=1", "run.val_every=0", "run.val_batches=1",
+RUN_SETTINGS = ["run.steps=3", "run.log_every=1", "run.val_every=0", "run.val_sequences=8",
                 "model.n_layer=2", "model.seq_len=32", "data.batch_size=4",
                 "parallel.world_size=2", "network.profiles=[nvlink]", "checkpoint.final=false",
                 "parallel.timeout_s=120"]

@@ -477,7 +477,7 @@ def _warmup_runs(rank, world, run_dir):
     globals()["SlowStart"] = SlowStart  # registered by name in this rank's process only
     STRATEGIES["slow-start"] = f"{__name__}:SlowStart"
     cfg = load_config("configs/ddp-tiny.yaml", [
-        "run.steps=6", "run.log_every=2", "run.val_every=3", "run.val_batches=1",
+        "run.steps=6", "run.log_every=2", "run.val_every=3", "run.val_sequences=8",
         "run.target_loss=100", "checkpoint.every=4", "checkpoint.final=false",
         "parallel.world_size=2", "network.profiles=[nvlink]"])
     cfg.strategy = SlowStartConfig()
@@ -1127,7 +1127,7 @@ def _ledger_runs(rank, world, run_dir):
                                 ("2bw", "configs/2bw-tiny.yaml", ["parallel.num_stages=2"])]:
         for keep in (True, False):
             cfg = load_config(config, [
-                "run.steps=5", "run.log_every=2", "run.val_every=0", "run.val_batches=1",
+                "run.steps=5", "run.log_every=2", "run.val_every=0", "run.val_sequences=8",
                 "checkpoint.every=2", "checkpoint.final=false", "parallel.world_size=2",
                 "model.n_layer=2", "model.seq_len=32", *extra])
             path = Path(run_dir) / f"{name}-{keep}"
