@@ -345,7 +345,9 @@ def overlay(sides: list[Side]):
             color = palette[side.name if by_side else run.label]
             name = f"{side.name}: {run.label} seed {run.seed}"
             for ax, (y, x, _) in zip(axes, PANELS, strict=True):
-                part = rows[rows[y].notna()] if y in rows else rows.iloc[0:0]
+                if y not in rows:
+                    continue
+                part = rows[rows[y].notna()]
                 ax.plot(part[x], part[y], STYLES[i % len(STYLES)], color=color, lw=1.4,
                         label=name, marker="o" if y == "val_loss" else None, ms=3)
     for ax, (_, x, title) in zip(axes, PANELS, strict=True):
