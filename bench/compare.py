@@ -117,14 +117,17 @@ def loss_difference(a: pd.DataFrame, b: pd.DataFrame, column: str) -> tuple[int,
     def series(steps: pd.DataFrame) -> pd.Series:
         if column not in steps:
             return pd.Series(dtype=float)
-        rows = steps[steps[column].notna()]
+        train = steps["lr"].notna() if "lr" in steps else steps[column].notna()
+        rows = steps[train if column == "loss" else ~train]  # NaN losses kept: diverged
         return rows.groupby("step")[column].last()
 
     sa, sb = series(a), series(b)
     common = sa.index.intersection(sb.index).sort_values()
     if common.empty:
         return 0, math.nan, math.nan
-    delta = sb[common] - sa[common]
+    va, vb = sa[common], sb[common]
+    delta = (vb - va).where(~((va == vb) | (va.isna() & vb.isna())), 0.0)
+    delta = delta.fillna(math.inf)  # one run's loss NaN where the other's is not: no match
     return len(common), float(delta.abs().max()), float(delta.iloc[-1])
 
 

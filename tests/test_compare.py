@@ -101,3 +101,15 @@ def test_bad_arguments_fail_with_status_2(tmp_path, capsys):
     assert rc == 2 and "not found" in err
     rc, _, err = compare(capsys, run.path, run.path, "--tolerance", "-1")
     assert rc == 2 and "--tolerance must be >= 0" in err
+
+
+def test_a_loss_that_turned_nan_in_one_run_only_exceeds_any_tolerance(tmp_path, capsys):
+    a = fake_run(tmp_path / "a")
+    rows = a.read_metrics()
+    rows[-2]["loss"] = float("nan")  # B diverged at its last training row
+    b = RunDir.write_fake_run(tmp_path / "b", a.config.read_text(), rows,
+                              json.loads(a.summary.read_text()))
+    rc, out, _ = compare(capsys, a.path, b.path, "--tolerance", "100", "-o", tmp_path / "cmp")
+    assert rc == 1 and "max |Δtrain| inf > tolerance 100" in out
+    rc, out, _ = compare(capsys, b.path, b.path, "--tolerance", "0", "-o", tmp_path / "cmp")
+    assert rc == 0  # NaN at the same step in both: the same result

@@ -2,9 +2,9 @@
 
 Each writes what bench/tracking/sync.py hands it and nothing else: `open(run, handle)`
 starts the sink's run for a record (handle None) or continues it (the handle `open`
-returned before, kept in the run's tracking.json), `write(step, walltime, scalars)` one
-metrics row's series, `finish(step, walltime, scalars, status)` the summary or eval
-numbers, `close()`. The libraries are imported in `open`, so a missing package fails
+returned before, kept in the run's tracking.json), `write_rows([(step, walltime,
+scalars)])` metrics rows' series, `finish(step, walltime, scalars, status)` the summary
+or eval numbers, `close()`. The libraries are imported in `open`, so a missing package fails
 there, and the caller drops the sink with a warning.
 """
 
@@ -67,6 +67,10 @@ class TensorBoardSink:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step, walltime=walltime)
 
+    def write_rows(self, rows: list[tuple[int, float | None, dict[str, float]]]) -> None:
+        for row in rows:
+            self.write(*row)
+
     def finish(self, step: int, walltime: float | None, scalars: dict[str, float],
                status: str | None) -> None:
         self.write(step, walltime, scalars)
@@ -120,8 +124,9 @@ class WandbSink:
                                     x_save_requirements=False))
         return handle
 
-    def write(self, step: int, walltime: float | None, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
+    def write_rows(self, rows: list[tuple[int, float | None, dict[str, float]]]) -> None:
+        for step, _, scalars in rows:
+            self.run.log(scalars, step=step)
 
     def finish(self, step: int, walltime: float | None, scalars: dict[str, float],
                status: str | None) -> None:
@@ -206,19 +211,19 @@ class MlflowSink:
             found = self.client.search_runs([experiment], query, order_by=["start_time ASC"])
             return found[0].info.run_id if found else parent.info.run_id
 
-    def write(self, step: int, walltime: float | None, scalars: dict[str, float]) -> None:
+    def write_rows(self, rows: list[tuple[int, float | None, dict[str, float]]]) -> None:
         import time
 
         from mlflow.entities import Metric
 
-        ms = int((walltime if walltime is not None else time.time()) * 1000)
-        metrics = [Metric(mlflow_key(k), v, ms, step) for k, v in scalars.items()]
-        for i in range(0, len(metrics), 1000):
+        metrics = [Metric(mlflow_key(k), v, int((t if t is not None else time.time()) * 1000),
+                          step) for step, t, scalars in rows for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def finish(self, step: int, walltime: float | None, scalars: dict[str, float],
                status: str | None) -> None:
-        self.write(step, walltime, scalars)
+        self.write_rows([(step, walltime, scalars)])
         if status is not None:
             self.client.set_tag(self.run_id, "commbench.status", status)
             self.client.set_terminated(self.run_id, "FAILED" if status == "failed"

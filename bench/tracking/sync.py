@@ -229,8 +229,9 @@ class RunSync:
             self.opened.add(key)
             ledger[key] = entry
             self._save(ledger)
-        for kind, row, scalars in rows:
-            sink.write(row["step"], run.walltime(row.get("elapsed_s")), scalars)
+        sink.write_rows([(row["step"], run.walltime(row.get("elapsed_s")), scalars)
+                         for _, row, scalars in rows])
+        for kind, row, _ in rows:
             entry[kind] = row["step"]
         step, walltime = run.last_step, run.walltime(run.summary.get("wall_s"))
         if todo_summary:
