@@ -97,15 +97,20 @@ def load_side(name: str, arg: str) -> Side:
 def pair_runs(a: Side, b: Side) -> tuple[list[Pair], list[str]]:
     """The pairs of runs to compare, and what found no partner."""
     ra, rb = a.runs.to_dict("records"), b.runs.to_dict("records")
+
+    def group(x: dict, y: dict) -> str:
+        return x["label"] if x["label"] == y["label"] else f"{x['label']} -> {y['label']}"
+
     if len(ra) == 1 and len(rb) == 1:
-        return [Pair(ra[0]["label"], "", ra[0], rb[0])], []
+        return [Pair(group(ra[0], rb[0]), "", ra[0], rb[0])], []
     one_group = a.runs["label"].nunique() == 1 and b.runs["label"].nunique() == 1
 
     def key(run: dict) -> str:
         return f"seed {run['seed']}" if one_group else f"{run['label']} seed {run['seed']}"
 
     by_key = {key(r): r for r in rb}
-    pairs = [Pair(r["label"], key(r), r, by_key[key(r)]) for r in ra if key(r) in by_key]
+    pairs = [Pair(group(r, by_key[key(r)]), key(r), r, by_key[key(r)])
+             for r in ra if key(r) in by_key]
     matched = {p.key for p in pairs}
     alone = [f"{a.name} {key(r)}" for r in ra if key(r) not in matched] + \
         [f"{b.name} {k}" for k in by_key if k not in matched]
