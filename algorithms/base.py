@@ -128,6 +128,16 @@ class TrainSetup:
     `optim.delay` emulation gets it through `make_optimizer` (algorithms/delay.py)."""
     ef_lambda: float = 1.0
     """`optim.ef_lambda`, the error-feedback correction's weight."""
+    compile: Callable[[nn.Module], nn.Module] | None = None
+    """`model.compile`: torch.compile, or None (eager). The strategy applies it to what it
+    trains AFTER wrapping it: compile(DDP(model)), torch's documented order, which keeps
+    DDP's bucket-wise overlap of gradient all-reduces with backward (compiling the bare
+    model first gives DDP one backward graph: no overlap, a slower baseline). Pipelines
+    compile their stage modules; engines that run the forward themselves refuse it in
+    their config check."""
+    precision: str = "fp32"
+    """`model.precision` (fp32 | bf16), for engines that set mixed precision up
+    themselves (DeepSpeed); torch strategies use `autocast`."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -149,16 +159,18 @@ def set_lr(optimizer, lr: float) -> None:
 @torch.no_grad()
 def mean_loss(model: nn.Module, batches, device: torch.device,
               autocast: Callable[[], object] | None = None) -> float:
-    """Mean loss of a whole model over this rank's `batches`, averaged over all ranks'
-    batches (the reduction goes straight to torch.distributed, outside the ledger)."""
+    """Mean loss of a whole model over every position of every rank's `batches`: each
+    batch's mean loss weighted by its positions, summed over ranks, over the positions
+    (the exact mean whatever the batching and sharding; the reduction goes straight to
+    torch.distributed, outside the ledger)."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in batches:
         with autocast() if autocast else contextlib.nullcontext():
             _, loss = model(x.to(device), y.to(device))
-        total[0] += loss.item()
-        total[1] += 1
+        total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64,
+                              device=device)
     model.train(was_training)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
@@ -215,10 +227,12 @@ class Strategy:
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
-        """Mean loss of `eval_model()` over `batches` (this rank's share), the same on every
-        rank. Collective over the world (the loop calls it inside comm.phase("eval"); the
+        """Mean loss of `eval_model()` over every position of the validation set, of which
+        `batches` is this rank's share, the same on every rank: weight each batch by its
+        positions, never average batch means (that would depend on the batching).
+        Collective over the world (the loop calls it inside comm.phase("eval"); the
         reduction goes straight to torch.distributed, outside the ledger). Default: the
-        whole model forwarded on every rank, the mean over all ranks' batches.
+        whole model forwarded on every rank (`mean_loss`).
         """
         return mean_loss(self.eval_model(), batches, self.comm.device, self.setup.autocast)
 
@@ -318,6 +332,8 @@ class DataParallelStrategy(Strategy):
         """Every torch DDP wrapper of the model, with its hook (`register_ddp`)."""
         self.backward_end = None
         """The comm hook's clock mark when the step's last backward returned."""
+        self._compiled: tuple[nn.Module, nn.Module] | None = None
+        """(train_model, its compiled form) once `setup.compile` has been applied."""
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -354,6 +370,17 @@ class DataParallelStrategy(Strategy):
         """Whether `train_model` is a torch DDP wrapper (gradients sync in backward)."""
         return self.comm_hook is not None
 
+    def trained_module(self) -> nn.Module:
+        """What the forward passes call: `train_model` (a DDP wrapper where there is one),
+        compiled by `setup.compile` when it is set, once per module. Compiled lazily, at
+        the first step, so every subclass has wrapped its model by then (compile(DDP(m)))."""
+        compile = self.setup.compile
+        if compile is None:
+            return self.train_model
+        if self._compiled is None or self._compiled[0] is not self.train_model:
+            self._compiled = (self.train_model, compile(self.train_model))
+        return self._compiled[1]
+
     def no_sync(self):
         """Context that skips gradient communication for non-final microbatches."""
         if not self.is_ddp_wrapped():
@@ -369,7 +396,7 @@ class DataParallelStrategy(Strategy):
             sync_context = self.no_sync() if i < n - 1 else contextlib.nullcontext()
             with sync_context:
                 with autocast() if autocast else contextlib.nullcontext():
-                    _, loss = self.train_model(x, y)
+                    _, loss = self.trained_module()(x, y)
                 (loss / n).backward()
             losses.append(loss.detach())
             tokens += y.numel()

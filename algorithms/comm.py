@@ -67,16 +67,47 @@ class CommRecord:
 
 
 class CommLedger:
-    """Every CommRecord of one rank, in order."""
+    """One rank's communication: bounded aggregates of every record, and the records of
+    the current window.
 
-    def __init__(self) -> None:
+    `records` holds the records since the last `trim()` (the loop trims at the start of
+    each step: a step's records are what its timing, projection and strategy read), or
+    every record with `keep_records` (tests, debugging). The aggregates cover every record
+    ever added and stay bounded whatever the run's length: per (phase, op, tier, group
+    size) the count, bytes and seconds (`aggregate()`: comm.jsonl), and per (phase, peer)
+    the bytes sent point to point (`bytes_sent`). Checkpoints carry `state_dict()`: the
+    aggregates, not the records.
+    """
+
+    def __init__(self, keep_records: bool = False) -> None:
         self.records: list[CommRecord] = []
+        self.keep_records = keep_records
+        self._rows: dict[tuple, dict] = {}
+        self._sent: dict[tuple[str, int], int] = {}
 
     def __len__(self) -> int:
         return len(self.records)
 
     def add(self, record: CommRecord) -> None:
         self.records.append(record)
+        key = (record.phase, record.op, record.tier, record.group_size)
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = dict(phase=record.phase, op=record.op, tier=record.tier,
+                                         group_size=record.group_size, count=0, bytes=0,
+                                         seconds=0.0)
+        row["count"] += 1
+        row["bytes"] += record.nbytes
+        row["seconds"] += record.seconds
+        if record.op in ("send", "exchange") and record.peers:
+            sizes = record.peer_nbytes or (record.nbytes,) * len(record.peers)
+            for peer, nbytes in zip(record.peers, sizes, strict=True):
+                self._sent[record.phase, peer] = self._sent.get((record.phase, peer), 0) + nbytes
+
+    def trim(self) -> None:
+        """Drop the records held (their aggregates stay), unless `keep_records`."""
+        if not self.keep_records:
+            self.records = []
 
     def totals(self, phases: Iterable[str] | None = None, start: int = 0) -> tuple[int, float]:
         """(bytes, seconds) summed over records from `start`, optionally only these phases."""
@@ -89,18 +120,27 @@ class CommLedger:
         return nbytes, seconds
 
     def aggregate(self) -> list[dict]:
-        """Rows grouped by (phase, op, tier, group_size), in order of first appearance."""
-        rows: dict[tuple, dict] = {}
-        for r in self.records:
-            key = (r.phase, r.op, r.tier, r.group_size)
-            row = rows.get(key)
-            if row is None:
-                row = rows[key] = dict(phase=r.phase, op=r.op, tier=r.tier,
-                                       group_size=r.group_size, count=0, bytes=0, seconds=0.0)
-            row["count"] += 1
-            row["bytes"] += r.nbytes
-            row["seconds"] += r.seconds
-        return list(rows.values())
+        """Rows grouped by (phase, op, tier, group_size), in order of first appearance,
+        over every record ever added."""
+        return [dict(row) for row in self._rows.values()]
+
+    def bytes_sent(self, phase: str) -> dict[int, int]:
+        """Peer -> bytes this rank sent it by `send` and `exchange` in `phase`, all run."""
+        return {peer: n for (p, peer), n in self._sent.items() if p == phase}
+
+    def state_dict(self) -> dict:
+        return {"rows": self.aggregate(), "sent": dict(self._sent)}
+
+    def load_state_dict(self, state: dict | list) -> None:
+        """Restore the aggregates (a list: an older checkpoint's records, re-added)."""
+        if isinstance(state, list):
+            for record in state:
+                self.add(record)
+            self.trim()
+            return
+        self._rows = {(r["phase"], r["op"], r["tier"], r["group_size"]): dict(r)
+                      for r in state["rows"]}
+        self._sent = dict(state["sent"])
 
 
 @dataclass(frozen=True)
@@ -138,6 +178,8 @@ class Communicator:
         self.ranks_per_node = ranks_per_node or 1
         self.step = 0
         self._phase = "train"
+        self.groups: list[Group] = []
+        """Every group made by `new_group`, in creation order (the same on every rank)."""
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -216,14 +258,16 @@ class Communicator:
     def _timed(self, op: str, nbytes: int, group: Group | None = None,
                peers: Sequence[int] | None = None, **extra) -> Iterator[None]:
         """Time the block (device-synchronised), apply the emulation delay, record it."""
-        self._sync()
+        self.synchronize()
         start = time.perf_counter()
         yield
-        self._sync()
+        self.synchronize()
         seconds = self.hold(op, nbytes, start, group, peers)
         self.record(op, nbytes, seconds, group, peers, **extra)
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for this rank's queued device work (a no-op on CPU): a host clock started
+        after it does not count the rank's own compute."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -284,7 +328,26 @@ class Communicator:
         members = tuple(sorted(set(ranks)))
         if not members or members[0] < 0 or members[-1] >= self.world_size:
             raise ValueError(f"group ranks must be in [0, {self.world_size}), got {list(ranks)}")
-        return Group(ranks=members, pg=dist.new_group(list(members)))
+        group = Group(ranks=members, pg=dist.new_group(list(members)))
+        self.groups.append(group)
+        return group
+
+    def warm_up(self) -> None:
+        """Create the communicators of the world and of every group now, outside the steps.
+
+        NCCL creates a group's communicator lazily, at its first collective: a one-off cost
+        (up to seconds at scale) inside whichever step first uses the group, e.g. DiLoCo's
+        cross-replica group at its first outer step. One one-element all-reduce per group
+        this rank is in, in creation order, each waited for (the same order on every rank,
+        so no two ranks wait on each other's groups), then one on the world; not recorded.
+        Collective over the world. (Point-to-point pairs are created at their first
+        send/receive; a pipeline's are in every step, so its first, warm-up step holds them.)
+        """
+        probe = torch.zeros(1, device=self.device)
+        for group in [*self.groups, None]:
+            if group is None or self.rank in group.ranks:
+                dist.all_reduce(probe, group=None if group is None else group.pg)
+                self.synchronize()
 
     def split(self, partition: Sequence[Sequence[int]]) -> Group:
         """Create one group per block of `partition` (on every rank); return this rank's."""

@@ -29,12 +29,18 @@ The clock is what makes this honest on both devices:
 Emulation (`network.emulate`): a bucket's future completes only once a modelled link,
 carrying the buckets one after another, has carried it (a timer thread, so backward's
 compute goes on meanwhile); the wait then shows in the exposed seconds as on a real link.
+On CUDA the future the hook returns is a CUDA future on the bucket's device
+(`device_future`): DDP's wait on it orders its stream after the events `set_result`
+records, and the timer thread completes it on the bucket's device and on the stream that
+queued the division after NCCL's all-reduce (`on_stream`; a new thread's current device
+is device 0 on every rank), so DDP reads the bucket only once the all-reduce has landed.
 
 How communication is measured (deepspeed backend): see algorithms/zero.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -78,7 +84,7 @@ class DDPConfig(StrategyConfig):
     def check(self, cfg) -> None:
         require_data_parallel(self, cfg)
         if self.backend == "deepspeed":
-            require_deepspeed_optimizer(cfg, self.zero_stage)
+            require_deepspeed(cfg, self.zero_stage)
 
 
 DEEPSPEED_REFUSES = {
@@ -89,9 +95,15 @@ DEEPSPEED_REFUSES = {
 """Optimizers a DeepSpeed engine cannot run as the schema means them, and why."""
 
 
-def require_deepspeed_optimizer(cfg, zero_stage: int = 0) -> None:
-    """A DeepSpeed engine (ZeRO, or its pipeline) wraps ONE plain torch optimizer: not
-    Muon's pair, not the one-step-delay wrapper, not SOAP on ZeRO-1/2's flat partitions."""
+def require_deepspeed(cfg, zero_stage: int = 0, engine: str = "the DeepSpeed engine") -> None:
+    """What a DeepSpeed engine (ZeRO, or its pipeline) cannot take: torch.compile (the
+    engine runs the forward itself, so compile cannot wrap it as compile(DDP(model)) does),
+    and anything but ONE plain torch optimizer (not Muon's pair, not the one-step-delay
+    wrapper, not SOAP on ZeRO-1/2's flat partitions)."""
+    if cfg.model.compile:
+        raise ValueError(f"model.compile=true with strategy.backend=deepspeed: {engine} runs "
+                         "the forward itself, so torch.compile cannot wrap it; set "
+                         "model.compile=false or strategy.backend=torch")
     name = cfg.optim.name
     if name == "soap" and zero_stage == 0:
         name = None
@@ -147,6 +159,30 @@ def clock_for(device: torch.device) -> Clock:
     return CudaClock(device) if device.type == "cuda" else HostClock()
 
 
+def device_future(device: torch.device) -> torch.futures.Future:
+    """A future for tensors on `device`: on CUDA one that records events on completion and
+    makes its waiters' streams wait for them (a plain future is a CPU future)."""
+    if device.type == "cuda":
+        return torch.futures.Future(devices=[device])
+    return torch.futures.Future()
+
+
+def current_stream(device: torch.device):
+    """The calling thread's current stream on `device` (None on CPU)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def on_stream(device: torch.device, stream):
+    """Run the block on `device` and `stream` (another thread's device and stream: CUDA
+    state is per thread); a no-op on CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
 # ---------------------------------------------------------------------------- the hook
 
 
@@ -190,9 +226,10 @@ class DDPCommHook:
                 return fut.value()[0].div_(self.size)
 
             return work.get_future().then(finish)
-        return self._emulated(work, entry, launched)
+        return self._emulated(work, entry, launched, buffer.device)
 
-    def _emulated(self, work, entry: _Bucket, launched: float) -> torch.futures.Future:
+    def _emulated(self, work, entry: _Bucket, launched: float,
+                  device: torch.device) -> torch.futures.Future:
         """Emulation: the bucket completes once the modelled link has carried it.
 
         Buckets share one link: the emulation policy queues bucket k behind bucket k-1 on
@@ -204,14 +241,16 @@ class DDPCommHook:
         seconds = self.comm.modelled_seconds("all_reduce", entry.nbytes, self.group,
                                              started=launched)
         entry.link_done = launched + seconds
-        result = torch.futures.Future()
+        result = device_future(device)
 
         def finish(fut):
             reduced = fut.value()[0].div_(self.size)
+            stream = current_stream(device)  # the division's, ordered after NCCL's work
 
             def complete():
-                entry.done = self.clock.mark()
-                result.set_result(reduced)
+                with on_stream(device, stream):
+                    entry.done = self.clock.mark()
+                    result.set_result(reduced)
 
             wait = entry.link_done - time.perf_counter()
             if wait > 0:

@@ -33,6 +33,12 @@ same data (tests/test_pipeline.py).
 
 `delay: 0` runs the same executor with a flush every step (synchronous 1F1B, one version):
 its parameters equal torch's Schedule1F1B and one process with gradient accumulation.
+
+Point-to-point (algorithms/schedule.py `p2p_plan`): a message is batched with the
+receive that follows its send only when both neighbours cross there (each sends to the
+other, then receives from it); every other message is sent and received plain, so each
+message is sent and received with the same kind of op on NCCL, for every stage and
+microbatch count (with fewer microbatches than stages a one-sided batch used to hang).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from algorithms import schedule
 from algorithms.base import CriticalPath, TrainSetup
 from algorithms.delay import DelayCorrection, rebind_parameters
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
@@ -141,84 +148,80 @@ class PipeDream2BW(PipelineStrategy):
     # ------------------------------------------------------------------ schedule
 
     def actions(self, k: int) -> list[tuple[str, int]]:
-        """Step k's ("F"|"B", microbatch) sequence on this stage."""
-        M, s, S = self.num_microbatches, self.grid.stage, self.grid.num_stages
-        warm = S - 1 - s
-        if self.delay:
-            out = []
-            for j in range(k * M, (k + 1) * M):
-                out.append(("F", j))
-                if j - warm >= 0:
-                    out.append(("B", j - warm))
-            return out
-        warm = min(warm, M)
-        out = [("F", k * M + i) for i in range(warm)]
-        for i in range(M - warm):
-            out += [("F", k * M + warm + i), ("B", k * M + i)]
-        return out + [("B", k * M + i) for i in range(M - warm, M)]
+        """Step k's ("F"|"B", microbatch) sequence on this stage (algorithms/schedule.py)."""
+        return schedule.actions(self.grid.stage, self.grid.num_stages, self.num_microbatches,
+                                k, self.delay)
 
     def run_schedule(self, batch) -> tuple[float | None, float]:
         x, y = batch
         k = self.step_index
-        M = self.num_microbatches
+        M, s = self.num_microbatches, self.grid.stage
         xs, ys = x.chunk(M), y.chunk(M)
         self.losses, self.idle_s = [], 0.0
+        # which messages go in a batched exchange (the same op kind on both ends)
+        self.held, self.exchanged = schedule.p2p_plan(s, self.grid.num_stages, M, k,
+                                                      self.delay)
         for kind, j in self.actions(k):
             if kind == "F":
                 self.forward(j, xs[j - k * M], ys[j - k * M])
             else:
                 self.backward(j)
-        if not (self.delay and self.pending is not None and self.pending[0] == self.grid.prev):
-            self.flush_send()  # a held gradient goes out with the next step's first receive
+        # a send still held here goes out with the next step's first receive (delay 1)
         loss = torch.stack(self.losses).sum().item() if self.grid.is_last else None
         return loss, self.idle_s
 
     def forward(self, j: int, x_mb: torch.Tensor, y_mb: torch.Tensor) -> None:
+        s = self.grid.stage
         if self.grid.is_first:
             h = x_mb
         else:
-            h = self.receive(self.activation_buffer(x_mb.shape[0]), self.grid.prev)
+            h = self.receive(self.activation_buffer(x_mb.shape[0]), self.grid.prev,
+                             ("A", s - 1, j))
             h.requires_grad_(True)
         autocast = self.setup.autocast
         with autocast() if autocast else contextlib.nullcontext():
-            out = self.version_of(j)(h)
+            out = self.compiled(self.version_of(j))(h)
             if self.grid.is_last:
                 out = self.loss_fn(out, y_mb) / self.num_microbatches
         if self.grid.is_last:
             self.losses.append(out.detach())
         else:
-            self.send(out.detach(), self.grid.next)
+            self.send(out.detach(), self.grid.next, ("A", s, j))
         self.inflight[j] = (h, out)
 
     def backward(self, j: int) -> None:
+        s = self.grid.stage
         h, out = self.inflight.pop(j)
         if self.grid.is_last:
             out.backward()
         else:
-            grad = self.receive(torch.empty_like(out), self.grid.next)
+            grad = self.receive(torch.empty_like(out), self.grid.next, ("G", s, j))
             torch.autograd.backward(out, grad)
         if not self.grid.is_first:
-            self.send(h.grad, self.grid.prev)
+            self.send(h.grad, self.grid.prev, ("G", s - 1, j))
 
     # ------------------------------------------------------------------ p2p
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
-        self.flush_send()
-        self.pending = (peer, tensor)
-
-    def flush_send(self) -> None:
-        if self.pending is not None:
-            peer, tensor = self.pending
-            self.pending = None
+    def send(self, tensor: torch.Tensor, peer: int, message: schedule.Message) -> None:
+        """Send now, or hold the tensor for the exchange the plan batches it in."""
+        if message in self.held:
+            assert self.pending is None, f"two held sends: {self.pending[0]} and {peer}"
+            self.pending = (peer, tensor)
+        else:
             self.comm.send(tensor, peer)
 
-    def receive(self, buffer: torch.Tensor, peer: int) -> torch.Tensor:
+    def receive(self, buffer: torch.Tensor, peer: int, message: schedule.Message) -> torch.Tensor:
+        """Receive into `buffer` from `peer` (in an exchange with the held send when the
+        plan says so); the wait is idle time (the bubble). The device is synchronised
+        first: on CUDA the rank's own queued compute would otherwise run inside the idle
+        clock (the op's own synchronise), counting compute as bubble."""
+        self.comm.synchronize()
         start = time.perf_counter()
-        if self.pending is not None and self.pending[0] == peer:
+        if message in self.exchanged:
+            assert self.pending is not None and self.pending[0] == peer, (message, peer)
             self.comm.exchange({peer: self.pending[1]}, {peer: buffer})
             self.pending = None
         else:
-            self.flush_send()
             self.comm.recv(buffer, peer)
         self.idle_s += time.perf_counter() - start
         return buffer

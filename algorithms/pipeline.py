@@ -17,7 +17,9 @@ Ledger (docs/algorithms.md, Pipelines). torch's schedules call `batch_isend_irec
 recorded once it has been waited on, as `send` (bytes sent), `recv` (bytes received) or
 `exchange` (both directions, bytes sent), with the time from issue to the end of its
 wait; under `network.emulate` the batch is held until its modelled time from issue has
-passed (`Communicator.hold`). The time spent blocked in the waits is the step's `idle_s`.
+passed (`Communicator.hold`). The time spent blocked in the waits is the step's `idle_s`,
+timed on the device's clock (`P2PRecorder`: CUDA events, since NCCL's wait does not block
+the host).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.base import TrainSetup, unwrap
+from algorithms.ddp import clock_for
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -68,9 +71,9 @@ class PipelineConfig(PipelineConfigBase):
     def check(self, cfg) -> None:
         super().check(cfg)
         if self.backend == "deepspeed":
-            from algorithms.ddp import require_deepspeed_optimizer
+            from algorithms.ddp import require_deepspeed
 
-            require_deepspeed_optimizer(cfg)
+            require_deepspeed(cfg, engine="DeepSpeed's pipeline engine")
         p = cfg.parallel
         blocks = cfg.model.n_layer
         if blocks is not None and p.num_stages * self.stages_per_rank > blocks:
@@ -102,7 +105,7 @@ class Pipeline(PipelineStrategy):
         M = self.num_microbatches
         chunks = self.eval_chunks()
         stages = [
-            PipelineStage(module, c, self.num_chunks, self.comm.device,
+            PipelineStage(self.compiled(module), c, self.num_chunks, self.comm.device,
                           group=self.grid.pipe.pg)
             for c, module in zip(self.chunk_ids, chunks, strict=True)
         ]
@@ -135,15 +138,16 @@ class Pipeline(PipelineStrategy):
         x, y = batch
         args = (x,) if self.holds_first else ()
         losses: list[torch.Tensor] = []
-        recorder = _P2PRecorder(self.comm)
+        recorder = P2PRecorder(self.comm)
         autocast = self.setup.autocast
         with recorder.active(), autocast() if autocast else contextlib.nullcontext():
             if self.holds_last:
                 self.schedule.step(*args, target=y, losses=losses, return_outputs=False)
             else:
                 self.schedule.step(*args, return_outputs=False)
+        idle_s = recorder.finish()
         loss = torch.stack(losses).sum().item() if self.holds_last else None
-        return loss, recorder.idle_s
+        return loss, idle_s
 
     def apply_update(self) -> float:
         if self.engine is not None:
@@ -161,12 +165,25 @@ class Pipeline(PipelineStrategy):
             self.engine.close()
 
 
-class _P2PRecorder:
-    """Wraps torch.distributed.pipelining's `_batch_p2p` so its traffic reaches the ledger."""
+class P2PRecorder:
+    """Wraps torch.distributed.pipelining's `_batch_p2p` so its traffic reaches the ledger
+    and its waits the step's idle seconds.
 
-    def __init__(self, comm):
+    Marks are taken on the clock of the rank's device (algorithms/ddp.py): CUDA events on
+    the current stream, host times on CPU. On NCCL `wait()` returns at once (it only makes
+    the compute stream wait for the transfer), so host times around it would give a bubble
+    of ~0 and leave the wait inside compute, where the critical-path projection would
+    price the bubble a second time; the events bracket what the compute stream really
+    waited. The marks are read once, by `finish()`, after the schedule's step.
+    """
+
+    def __init__(self, comm, clock=None):
         self.comm = comm
-        self.idle_s = 0.0
+        self.clock = clock if clock is not None else clock_for(comm.device)
+        self.waits: list[tuple[object, object]] = []
+        """(mark before, mark after) of each work's first wait."""
+        self.batches: list[_Batch] = []
+        """Batches fully waited on, in completion order (recorded by `finish`)."""
 
     @contextlib.contextmanager
     def active(self):
@@ -175,10 +192,7 @@ class _P2PRecorder:
         original = schedules._batch_p2p
 
         def recorded(p2p_ops, desc=None):
-            batch = _Batch(self, p2p_ops)
-            works = original(p2p_ops, desc)
-            batch.remaining = len(works)
-            return [_RecordedWork(w, batch) for w in works]
+            return self.track(p2p_ops, original(p2p_ops, desc))
 
         schedules._batch_p2p = recorded
         try:
@@ -186,48 +200,71 @@ class _P2PRecorder:
         finally:
             schedules._batch_p2p = original
 
-    def record(self, ops: list, start: float) -> None:
-        sent = [op for op in ops if op.op is dist.isend]
-        received = [op for op in ops if op.op is not dist.isend]
-        kind = "exchange" if sent and received else ("send" if sent else "recv")
-        nbytes = sum(op.tensor.numel() * op.tensor.element_size()
-                     for op in (sent if sent else received))
-        peers = sorted({op.peer for op in ops})
-        extra = {}
-        if kind == "exchange":
-            extra["peer_nbytes"] = tuple(sum(op.tensor.numel() * op.tensor.element_size()
-                                             for op in sent if op.peer == peer)
-                                         for peer in peers)
-        # emulation (network.emulate): held until the batch's modelled time from its issue
-        seconds = self.comm.hold(kind, nbytes, start, peers=peers)
-        self.comm.record(kind, nbytes, seconds, peers=peers, **extra)
+    def track(self, ops: list, works: list) -> list:
+        """The works of one batch of p2p `ops`, wrapped to be timed and recorded."""
+        batch = _Batch(self, ops, len(works))
+        return [_RecordedWork(w, batch) for w in works]
+
+    def completed(self, batch: _Batch) -> None:
+        """Every work of `batch` has been waited on: emulation holds it here (on the host,
+        until its modelled time from issue), its end is marked."""
+        if self.comm.delay is not None:
+            batch.held_s = self.comm.hold(batch.kind, batch.nbytes, batch.host_start,
+                                          peers=batch.peers)
+        batch.end = self.clock.mark()
+        self.batches.append(batch)
+
+    def finish(self) -> float:
+        """After the step: read the marks, record each batch, return the idle seconds."""
+        self.clock.synchronize()
+        for b in self.batches:
+            seconds = b.held_s if b.held_s is not None else self.clock.seconds(b.start, b.end)
+            self.comm.record(b.kind, b.nbytes, seconds, peers=b.peers, **b.extra)
+        idle_s = sum(self.clock.seconds(before, after) for before, after in self.waits)
+        self.waits, self.batches = [], []
+        return idle_s
 
 
 class _Batch:
-    """One `_batch_p2p` call: recorded when the last of its works has been waited on."""
+    """One `_batch_p2p` call: its record once the last of its works has been waited on."""
 
-    def __init__(self, recorder: _P2PRecorder, ops: list):
-        self.recorder, self.ops = recorder, ops
-        self.start = time.perf_counter()
-        self.remaining = 0
+    def __init__(self, recorder: P2PRecorder, ops: list, num_works: int):
+        self.recorder, self.remaining = recorder, num_works
+        self.host_start = time.perf_counter()
+        self.start = recorder.clock.mark()
+        self.end = None
+        self.held_s: float | None = None
+        sent = [op for op in ops if op.op is dist.isend]
+        received = [op for op in ops if op.op is not dist.isend]
+        self.kind = "exchange" if sent and received else ("send" if sent else "recv")
+        self.nbytes = sum(_nbytes(op.tensor) for op in (sent if sent else received))
+        self.peers = tuple(sorted({op.peer for op in ops}))
+        self.extra = {}
+        if self.kind == "exchange":
+            self.extra["peer_nbytes"] = tuple(
+                sum(_nbytes(op.tensor) for op in sent if op.peer == peer) for peer in self.peers)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class _RecordedWork:
-    """A dist.Work that adds its blocked time to idle_s and completes its batch's record."""
+    """A dist.Work whose first wait is marked (idle) and completes its batch's record."""
 
     def __init__(self, work, batch: _Batch):
         self.work, self.batch, self.waited = work, batch, False
 
     def wait(self, *args, **kwargs):
-        before = time.perf_counter()
+        recorder = self.batch.recorder
+        before = recorder.clock.mark()
         result = self.work.wait(*args, **kwargs)
         if not self.waited:
             self.waited = True
-            batch = self.batch
-            batch.remaining -= 1
-            if batch.remaining == 0:  # recording holds for the emulated link: idle too
-                batch.recorder.record(batch.ops, batch.start)
-            batch.recorder.idle_s += time.perf_counter() - before
+            self.batch.remaining -= 1
+            if self.batch.remaining == 0:  # an emulated link holds here: idle too
+                recorder.completed(self.batch)
+            recorder.waits.append((before, recorder.clock.mark()))
         return result
 
     def __getattr__(self, name):

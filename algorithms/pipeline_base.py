@@ -16,6 +16,7 @@ replica (phase `tied`); gradient clipping needs the global norm over the stages 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -154,6 +155,8 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"parallel.num_microbatches ({self.num_microbatches}) must divide "
                              f"data.batch_size ({setup.rank_batch_size})")
         self.micro_batch = setup.rank_batch_size // self.num_microbatches
+        self._compiled: dict[int, nn.Module] = {}
+        """id(module) -> its compiled form (`setup.compile`), built on first use."""
 
     # ------------------------------------------------------------------ the seam
 
@@ -206,22 +209,18 @@ class PipelineStrategy(Strategy):
     def summary_fields(self) -> dict:
         """bubble_fraction_theory, per-stage peak memory (max over replicas) and the p2p
         bytes sent per step and replica across each stage boundary, forward and backward
-        (from the ledger; a batch naming several peers split by `peer_nbytes`).
+        (the ledger's `bytes_sent`; a batch naming several peers split by `peer_nbytes`).
         Collective over the world (all_gather, ledger phase of the caller)."""
         S, stage = self.grid.num_stages, self.grid.stage
         mine = torch.zeros(1 + 2 * max(0, S - 1), dtype=torch.float64, device=self.comm.device)
         mine[0] = peak_memory_bytes(self.comm.device)
         steps = max(1, self.step_index)
-        for r in self.comm.ledger.records:
-            if r.phase != "train" or not r.peers or r.op not in ("send", "exchange"):
-                continue
-            sizes = r.peer_nbytes or (r.nbytes,) * len(r.peers)
-            for peer, nbytes in zip(r.peers, sizes, strict=True):
-                peer_stage = peer % S
-                if peer_stage == stage + 1:  # forward across boundary `stage`
-                    mine[1 + 2 * stage] += nbytes / steps
-                elif peer_stage == stage - 1:  # backward across boundary `stage - 1`
-                    mine[2 + 2 * (stage - 1)] += nbytes / steps
+        for peer, nbytes in self.comm.ledger.bytes_sent("train").items():
+            peer_stage = peer % S
+            if peer_stage == stage + 1:  # forward across boundary `stage`
+                mine[1 + 2 * stage] += nbytes / steps
+            elif peer_stage == stage - 1:  # backward across boundary `stage - 1`
+                mine[2 + 2 * (stage - 1)] += nbytes / steps
         rows = torch.stack(self.comm.all_gather(mine))
         peaks = [int(rows[s::S, 0].max().item()) for s in range(S)]
         per_boundary = rows[:, 1:].sum(0) / self.grid.num_replicas
@@ -236,6 +235,16 @@ class PipelineStrategy(Strategy):
 
     def run_schedule(self, batch) -> tuple[float | None, float]:
         raise NotImplementedError
+
+    def compiled(self, module: nn.Module) -> nn.Module:
+        """`module` (a stage chunk or a weight version) as the forward passes call it:
+        compiled by `setup.compile` when it is set (once per module), else itself. The
+        parameters stay `module`'s own, so names, optimizer and state are unchanged."""
+        if self.setup.compile is None:
+            return module
+        if id(module) not in self._compiled:
+            self._compiled[id(module)] = self.setup.compile(module)
+        return self._compiled[id(module)]
 
     # ------------------------------------------------------------------ the update
 
@@ -290,16 +299,18 @@ class PipelineStrategy(Strategy):
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
-        """Mean loss of the newest weights over `batches` (every rank gets the mean).
-
-        Collective over the world; forward only, chunk to chunk (ledger phase `eval`).
+        """Mean loss of the newest weights over every position of every replica's
+        `batches` (each batch weighted by its positions, as `mean_loss`; every rank gets
+        the mean). Collective over the world; forward only, chunk to chunk (ledger phase
+        `eval`); only a replica's last stage adds its losses.
         """
         total = torch.zeros(2, dtype=torch.float64, device=self.comm.device)
         chunks = dict(zip(self.chunk_ids, self.eval_chunks(), strict=True))
         S, base = self.grid.num_stages, self.grid.replica * self.grid.num_stages
         for m in chunks.values():
             m.eval()
-        with self.comm.phase("eval"):
+        autocast = self.setup.autocast  # as data-parallel strategies evaluate (mean_loss)
+        with self.comm.phase("eval"), autocast() if autocast else contextlib.nullcontext():
             for x, y in batches:
                 x, y = x.to(self.comm.device), y.to(self.comm.device)
                 h = x
@@ -310,8 +321,9 @@ class PipelineStrategy(Strategy):
                         h = self.comm.recv(self.activation_buffer(x.shape[0]), base + (c - 1) % S)
                     h = chunks[c](h)
                     if c == self.num_chunks - 1:
-                        total += torch.tensor([self.loss_fn(h, y).item(), 1.0],
-                                              dtype=torch.float64, device=total.device)
+                        total += torch.tensor([self.loss_fn(h, y).item() * y.numel(),
+                                               y.numel()], dtype=torch.float64,
+                                              device=total.device)
                     elif (c + 1) % S != self.grid.stage:
                         self.comm.send(h, base + (c + 1) % S)
             self.comm.all_reduce(total, "sum")

@@ -11,9 +11,18 @@ weight over our `tied` group, so the engine all-reduces its gradient itself.
 
 DeepSpeed's traffic bypasses our Communicator. Its p2p sends and receives (activations,
 gradients, shape metadata) are wrapped during the step (`deepspeed.runtime.pipe.p2p`) and
-recorded with their peer and measured time; its collectives (data-parallel and tied
-all-reduces, the loss broadcast) come from its comms logger, copied into the ledger after
-every step, each with its own time (without their group: priced as world-wide).
+recorded with their peer and their time on the device's clock (algorithms/ddp.py: CUDA
+events, since an NCCL send or receive returns to the host before it has happened); that
+time is the step's idle. Its collectives (data-parallel and tied all-reduces, the loss
+broadcast) come from its comms logger (without their group: priced as world-wide), as in
+algorithms/zero.py:
+- CPU (gloo): the logger stays on; each op is copied into the ledger after every step with
+  its own time, and their sum is the step's exposed collective time.
+- CUDA: the logger synchronises the device after every op, so it is on for the first step
+  only, to learn the step's ops and sizes; later steps replay them with `seconds = 0`. The
+  exposed collective time is then the engine's gradient reductions (ReduceGrads,
+  ReduceTiedGrads: after the last backward, not overlapped), bracketed by clock marks.
+  Not measured on CUDA: the final loss broadcast (one scalar).
 The engine owns the optimizer step (and clipping).
 """
 
@@ -25,6 +34,7 @@ import torch
 import torch.distributed
 from torch import nn
 
+from algorithms.ddp import HostClock, clock_for
 from algorithms.partition import split_layers
 
 
@@ -38,6 +48,7 @@ class DeepSpeedPipe:
         from deepspeed.runtime.pipe.topology import ProcessTopology
 
         from algorithms.base import unwrap
+        from algorithms.zero import autocast_config
 
         # the shared-memory comm op JIT-compiles (~30 s) on first use; gloo is enough here
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -64,6 +75,7 @@ class DeepSpeedPipe:
             "steps_per_print": 2**31 - 1,
             "comms_logger": {"enabled": True, "verbose": False, "prof_all": True,
                              "debug": False},
+            **autocast_config(setup.precision),  # bf16: as torch's pipelines run it
         }
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=strategy.optimizer, config=config,
@@ -71,6 +83,35 @@ class DeepSpeedPipe:
         from algorithms.zero import reset_comms_log
 
         reset_comms_log()  # start-up broadcasts are not training traffic
+        self.clock = clock_for(strategy.comm.device)
+        self.step_ops: list[tuple[str, int]] | None = None
+        """CUDA: the collectives (op, bytes) of one step, learnt on the first step."""
+        self.marks: list[tuple[object, object]] = []
+        """This step's p2p and (CUDA) gradient-reduction (start, end) clock marks."""
+        self.p2p: list[tuple[str, int, int, object, object]] = []
+        """This step's p2p ops: (op, bytes, peer, start mark, end mark)."""
+        if not isinstance(self.clock, HostClock):
+            self._time_reductions()
+
+    def _time_reductions(self) -> None:
+        """CUDA: bracket the engine's gradient reductions with clock marks (their exposed
+        time, the comms logger being off after the first step)."""
+        from deepspeed.runtime.pipe import schedule
+
+        engine, reductions = self.engine, []
+        instructions = dict(type(engine)._INSTRUCTION_MAP)  # the engine looks it up on self
+        for kind in (schedule.ReduceGrads, schedule.ReduceTiedGrads):
+            original = instructions[kind]
+
+            def timed(engine_self, *args, _original=original, **kwargs):
+                start = self.clock.mark()
+                result = _original(engine_self, *args, **kwargs)
+                reductions.append((start, self.clock.mark()))
+                return result
+
+            instructions[kind] = timed
+        engine._INSTRUCTION_MAP = instructions
+        self.reductions = reductions
 
     def run(self, batch) -> tuple[float | None, float]:
         from deepspeed.runtime.pipe import p2p
@@ -78,53 +119,75 @@ class DeepSpeedPipe:
         x, y = batch
         M = self.strategy.num_microbatches
         data = iter(list(zip(x.chunk(M), y.chunk(M), strict=True)))
-        self.idle_s = 0.0
         originals = p2p.send, p2p.recv
         p2p.send, p2p.recv = self.recorded(p2p, "send"), self.recorded(p2p, "recv")
         try:
             loss = self.engine.train_batch(data_iter=data)
         finally:
             p2p.send, p2p.recv = originals
+        self.clock.synchronize()  # the marks can be read from here on
+        comm, idle_s = self.strategy.comm, 0.0
+        for op, nbytes, peer, start, end in self.p2p:
+            seconds = self.clock.seconds(start, end)
+            idle_s += seconds
+            comm.record(op, nbytes, seconds, peers=(peer,))
+        self.p2p = []
         last = self.strategy.grid.is_last
-        return (float(loss) if last else None), self.idle_s
+        return (float(loss) if last else None), idle_s
 
     def recorded(self, p2p, op: str):
-        """p2p.send / p2p.recv recorded in the ledger with their peer (the comms logger
-        knows sizes, not peers, which the network model needs)."""
+        """p2p.send / p2p.recv timed on the device's clock and recorded (by `run`) with
+        their peer (the comms logger knows sizes, not peers, which the network model
+        needs). Emulation holds each op on the host until its modelled time."""
         original = getattr(p2p, op)
         comm = self.strategy.comm
 
         def call(tensor, stage, async_op=False):
-            start = time.perf_counter()
+            host_start, start = time.perf_counter(), self.clock.mark()
             result = original(tensor, stage, async_op=async_op)
             peer = p2p._grid.stage_to_global(stage_id=stage)
             nbytes = tensor.numel() * tensor.element_size()
-            elapsed = comm.hold(op, nbytes, start, peers=(peer,))  # emulation, if any
-            self.idle_s += elapsed
-            comm.record(op, nbytes, elapsed, peers=(peer,))
+            comm.hold(op, nbytes, host_start, peers=(peer,))  # emulation, if any
+            self.p2p.append((op, nbytes, peer, start, self.clock.mark()))
             return result
 
         return call
 
     def update(self) -> float:
-        """The engine already stepped; copy its logged collectives into the ledger, each
-        with its own seconds (algorithms/zero.py `per_op_seconds`: the logger keeps
-        cumulative timer values), and reset the log and its timers."""
+        """The engine already stepped; copy its collectives into the ledger and return
+        their exposed seconds (module docstring: logged on CPU, each with its own seconds,
+        algorithms/zero.py `per_op_seconds`; on CUDA learnt once, then replayed)."""
         from deepspeed.comm.comm import comms_logger
 
         from algorithms.zero import per_op_seconds, reset_comms_log
 
         comm = self.strategy.comm
+        if isinstance(self.clock, HostClock):
+            ops = per_op_seconds(comms_logger.comms_dict)
+        else:
+            if self.step_ops is None:
+                self.step_ops = [(name, nbytes) for name, nbytes, _ in
+                                 per_op_seconds(comms_logger.comms_dict)
+                                 if name not in ("send", "recv")]
+                comms_logger.enabled = False  # no per-op device synchronise from here on
+            ops = [(name, nbytes, 0.0) for name, nbytes in self.step_ops]
         total_s = 0.0
-        for name, nbytes, seconds in per_op_seconds(comms_logger.comms_dict):
+        for name, nbytes, seconds in ops:
             if name in ("send", "recv"):  # recorded with their peers in `run`
                 continue
             comm.record(name, nbytes, seconds)
             total_s += seconds
         reset_comms_log()
+        if not isinstance(self.clock, HostClock):
+            total_s = sum(self.clock.seconds(a, b) for a, b in self.reductions)
+            self.reductions.clear()
         return total_s
 
     def close(self) -> None:
+        if self.step_ops is not None:  # the logger is DeepSpeed's, global: switch it back
+            from deepspeed.comm.comm import comms_logger
+
+            comms_logger.enabled = True
         from algorithms.zero import release_deepspeed_state
 
         self.engine = None

@@ -1,10 +1,14 @@
-"""Deterministic per-replica training batches and the shared validation batches.
+"""Deterministic per-replica training batches and the shared validation set.
 
 Exercised by every training run: bench/train.py draws `BatchStream(...).batch(step)` on each
-rank and evaluates on `val_batches(...)`.
+rank and evaluates on its shard of `validation_set(...)`, the same windows for every
+layout, batch size, world size and pipeline depth of the same data (run.val_sequences).
 """
 
 from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -79,25 +83,61 @@ def _gather(tokens: np.ndarray, windows, seq_len: int) -> tuple[torch.Tensor, to
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def val_batches(
-    val_tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `num_batches` batches of consecutive windows of the validation split, the
-    same on every rank. Clipped to the full batches that exist; a split shorter than one
-    batch gives a single smaller batch."""
-    if batch_size < 1 or num_batches < 1:
-        raise ValueError(
-            f"val_batches: batch_size and num_batches must be >= 1, "
-            f"got {batch_size} and {num_batches}"
-        )
+@dataclass(frozen=True)
+class ValidationSet:
+    """The windows every run on the same data is scored on, whatever its layout.
+
+    `windows` is (sequences, seq_len + 1) tokens; `id` is 12 hex digits of the sha256 of
+    its shape and tokens, so two runs share an id exactly when they score the same tokens
+    (the corpus, tokenizer, data.val_fraction, model.seq_len and run.val_sequences all
+    reach it through the tokens). Batch size, world size, layout and pipeline depth do
+    not: they only change how `batches` cuts the set.
+    """
+
+    windows: np.ndarray
+    seq_len: int
+    id: str
+
+    @property
+    def sequences(self) -> int:
+        return len(self.windows)
+
+    def record(self) -> dict:
+        """summary.json `val_set` (bench/summary.py): tokens = positions scored."""
+        return {"id": self.id, "sequences": self.sequences, "seq_len": self.seq_len,
+                "tokens": self.sequences * self.seq_len}
+
+    def batches(self, batch_size: int, shard_index: int = 0,
+                num_shards: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One data-parallel shard's share: windows shard_index, shard_index + num_shards,
+        ..., in batches of at most `batch_size` (a shard may get none). The shards'
+        shares are disjoint and cover the set, so a sum over shards is a sum over it."""
+        if batch_size < 1 or not 0 <= shard_index < num_shards:
+            raise ValueError(f"ValidationSet.batches: need batch_size >= 1 and 0 <= "
+                             f"shard_index < num_shards, got {batch_size}, {shard_index}, "
+                             f"{num_shards}")
+        mine = torch.from_numpy(self.windows[shard_index::num_shards].astype(np.int64))
+        return [(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+                for rows in mine.split(batch_size) if len(rows)]  # never an empty batch
+
+
+def validation_set(val_tokens: np.ndarray, seq_len: int, sequences: int) -> ValidationSet:
+    """`sequences` windows of seq_len + 1 tokens spread evenly over the validation split:
+    window k of the set is window floor(k * W / sequences) of the split's W windows
+    (starting at multiples of seq_len, as in training), so the set samples the whole
+    held-out text rather than its first documents, and it is all of it when sequences = W.
+    Fails (naming run.val_sequences) when the split has fewer windows than asked for."""
+    if sequences < 1:
+        raise ValueError(f"run.val_sequences must be >= 1, got {sequences}")
     num_windows = (len(val_tokens) - 1) // seq_len
-    if num_windows < 1:
+    if sequences > num_windows:
         raise ValueError(
-            f"data.corpus: the validation split has {len(val_tokens)} tokens, fewer than "
-            f"seq_len + 1 = {seq_len + 1}; use a larger corpus or data.val_fraction"
-        )
-    num_batches = max(1, min(num_batches, num_windows // batch_size))
-    return [
-        _gather(val_tokens, range(k * batch_size, min((k + 1) * batch_size, num_windows)), seq_len)
-        for k in range(num_batches)
-    ]
+            f"run.val_sequences must be <= {num_windows}, the windows of model.seq_len + 1 = "
+            f"{seq_len + 1} tokens in the validation split ({len(val_tokens)} tokens), got "
+            f"{sequences}; valid: 1 to {num_windows}, or more validation data "
+            f"(data.val_fraction, a larger corpus)")
+    picks = np.arange(sequences, dtype=np.int64) * num_windows // sequences
+    windows = np.ascontiguousarray(val_tokens[picks[:, None] * seq_len + np.arange(seq_len + 1)])
+    digest = hashlib.sha256(f"{sequences}x{seq_len + 1}:".encode())
+    digest.update(windows.astype("<u4").tobytes())
+    return ValidationSet(windows, seq_len, digest.hexdigest()[:12])

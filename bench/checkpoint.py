@@ -4,7 +4,7 @@
     commbench run --resume RUN_DIR                                  # continue from it
 
 Every rank saves its own state (the strategy's `state_dict`, the loop state, the torch
-RNG and the CommLedger) at the same step, atomically, first beside the previous one
+RNG and the CommLedger's aggregates) at the same step, atomically, first beside the previous one
 (state-rankN.pt.next), and replaces the previous one only when all ranks have saved; by
 default 4 times per run (`checkpoint.every: null` = every run.steps // 4 steps). Before a
 resume touches any record, the launcher checks with `verify_states` that every rank's
@@ -13,13 +13,22 @@ drops the metrics rows logged after the checkpoint (the steps are trained again)
 that starts from step 0 (new, or resumed without a checkpoint) starts with no metrics
 rows and no stale state files, so no step is ever recorded twice.
 checkpoints/final.pt holds the eval model's weights, its GPT config and tokenizer name:
-what `commbench eval` and `export` load.
+what `commbench eval` and `export` load. Rank 0 receives the ranks' parts one at a time
+(never every part on every rank: an all-gather of the whole model runs out of memory on
+large presets) and writes the file.
+
+The ranks wait for each other around checkpoint writes (a multi-GB state or final.pt can
+take minutes) on their own gloo group, `barrier_group`, whose timeout is
+`checkpoint.timeout_s`, not on the training group, whose `parallel.timeout_s` is meant to
+catch a hung collective quickly. The torch RNG state is saved with the strategy's, and on
+CUDA the device's generator too, so a resumed run draws the same dropout masks.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,35 +106,57 @@ def _saved_step(path) -> int:
     return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["step"])
 
 
+def barrier_group(timeout_s: float):
+    """A gloo group of every rank with its own timeout (`checkpoint.timeout_s`), for the
+    waits around checkpoint writes and the final model's transfer to rank 0 (CPU objects:
+    no device memory). Collective: every rank creates it, at the same point."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """The random generators a step draws from: the CPU's and, on CUDA, the device's."""
+    states = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(payload: dict, device: torch.device) -> None:
+    torch.set_rng_state(payload["rng"])
+    if device.type == "cuda" and "cuda_rng" in payload:
+        torch.cuda.set_rng_state(payload["cuda_rng"], device)
+
+
 def resume_requested() -> bool:
     """`commbench run --resume` sets COMMBENCH_RESUME=1 for the ranks."""
     return bool(os.environ.get("COMMBENCH_RESUME"))
 
 
 def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
-               loop_state: dict[str, Any]) -> None:
-    """Save this rank's state after `step` steps; returns when every rank has saved."""
+               loop_state: dict[str, Any], group=None) -> None:
+    """Save this rank's state after `step` steps; returns when every rank has saved
+    (waiting on `group`, the `barrier_group`; None: the default group)."""
     try:
         state = strategy.state_dict()
     except NotImplementedError:
         raise NotImplementedError(f"strategy {type(strategy).__name__} cannot save its state "
                                   "(state_dict); set checkpoint.every=0") from None
     payload = {"step": step, "strategy": state, "loop": loop_state,
-               "rng": torch.get_rng_state(), "ledger": ledger.records}
+               "ledger": ledger.state_dict(), **rng_states(strategy.comm.device)}
     run.save_torch(payload, run.pending_state_checkpoint(rank))
-    dist.barrier()  # every rank's new state is on disk: it may replace the old ones
+    dist.barrier(group=group)  # every rank's new state is on disk: it may replace the old
     os.replace(run.pending_state_checkpoint(rank), run.state_checkpoint(rank))
 
 
 def save_periodic(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
-                  loop_state: dict, cfg: Config, every: int) -> int:
+                  loop_state: dict, cfg: Config, every: int, group=None) -> int:
     """`save_state` at a periodic checkpoint; returns the interval to keep using.
 
     A strategy that cannot save its state (NotImplementedError, the same on every rank)
     fails the run when `checkpoint.every` was asked for explicitly; under the default
     (null) the run goes on without checkpoints (returns 0) and says so."""
     try:
-        save_state(run, rank, step, strategy, ledger, loop_state)
+        save_state(run, rank, step, strategy, ledger, loop_state, group)
     except NotImplementedError as err:
         if cfg.checkpoint.every is not None:
             raise ValueError(f"checkpoint.every={every}: {err}") from None
@@ -136,15 +167,16 @@ def save_periodic(run: RunDir, rank: int, step: int, strategy: Strategy, ledger:
 
 
 def load_state(run: RunDir, rank: int, strategy: Strategy,
-               ledger: CommLedger) -> dict[str, Any] | None:
+               ledger: CommLedger, group=None) -> dict[str, Any] | None:
     """Restore this rank's saved state when resuming; the saved loop state, or None.
 
-    A collective. Without a checkpoint to resume from (a new run, or `--resume` of a run
-    that saved none), rank 0 removes earlier metrics rows and state files first: the run
-    starts at step 0 with a clean record."""
+    A collective (on `group`, the `barrier_group`: loading a large state takes time).
+    Without a checkpoint to resume from (a new run, or `--resume` of a run that saved
+    none), rank 0 removes earlier metrics rows and state files first: the run starts at
+    step 0 with a clean record."""
     path = run.state_checkpoint(rank)
     found = resume_requested() and path.exists()
-    if not all_agree(found):
+    if not all_agree(found, group):
         raise RuntimeError(f"resume: some ranks have a state checkpoint and some do not "
                            f"(rank {rank}: {path} {'exists' if found else 'missing'})")
     if not found:
@@ -152,19 +184,19 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
             run.write_metrics([])
             for stale in run.state_files():
                 stale.unlink()
-        dist.barrier()
+        dist.barrier(group=group)
         return None
     try:
         payload = torch.load(path, weights_only=False)
     except Exception as err:
         raise RuntimeError(f"resume: cannot load {path}: {type(err).__name__}: {err}") from err
     steps = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, payload["step"])
+    dist.all_gather_object(steps, payload["step"], group=group)
     if len(set(steps)) > 1:
         raise RuntimeError(f"resume: the ranks' checkpoints are at different steps {steps}")
     strategy.load_state_dict(payload["strategy"])
-    torch.set_rng_state(payload["rng"])
-    ledger.records.extend(payload["ledger"])
+    set_rng_states(payload, strategy.comm.device)
+    ledger.load_state_dict(payload["ledger"])
     step = payload["step"]
     if rank == 0:  # drop rows logged after the checkpoint; they will be redone
         rows = [r for r in run.read_metrics() if r["step"] <= step]
@@ -172,26 +204,33 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
     return payload["loop"]
 
 
-def all_agree(flag: bool) -> bool:
+def all_agree(flag: bool, group=None) -> bool:
     """Whether every rank passes the same flag (a collective)."""
     flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(flag))
+    dist.all_gather_object(flags, bool(flag), group=group)
     return len(set(flags)) == 1
 
 
 def save_eval_model(run: RunDir, rank: int, strategy: Strategy, gpt_config: dict,
-                    tokenizer: str, step: int) -> None:
+                    tokenizer: str, step: int, group=None) -> None:
     """Rank 0 writes checkpoints/final.pt from every rank's `export_state()` (merged, the
-    first rank's value of a key wins); every rank calls it (a collective)."""
+    first rank's value of a key wins); every rank calls it (a collective on `group`, the
+    `barrier_group`, and it returns once the file is written).
+
+    Rank 0 receives the other ranks' parts one after another, so it holds the merged
+    model and one part at a time; no other rank holds more than its own part."""
     with strategy.comm.phase("eval"):
         mine = {k: v.detach().cpu() for k, v in strategy.export_state().items()}
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
     if rank == 0:
-        state: dict[str, torch.Tensor] = {}
-        for part in parts:
-            for key, value in part.items():
+        state: dict[str, torch.Tensor] = dict(mine)
+        for src in range(1, dist.get_world_size()):
+            part: list = [None]
+            dist.recv_object_list(part, src=src, group=group)
+            for key, value in part[0].items():
                 state.setdefault(key, value)
         payload = {"model": state, "gpt_config": dict(gpt_config), "tokenizer": tokenizer,
                    "step": step}
         run.save_torch(payload, run.final_checkpoint)
+    else:
+        dist.send_object_list([mine], dst=0, group=group)
+    dist.barrier(group=group)  # the others wait for the write here, not in a training op

@@ -9,6 +9,7 @@
     commbench claims [NAME ...] [--scale tiny|small|paper] [--dry-run]
     commbench config show configs/ddp-tiny.yaml
     commbench data prepare embedded
+    commbench doctor                    # first thing on a new GPU node: a pass/fail report
 
 Heavy imports (torch, lm-eval, pandas) happen inside the command that needs them, so
 `--help` and input errors are fast. Any ValueError from validation exits with status 2
@@ -178,9 +179,11 @@ def _cmd_track(args) -> int:
 
 
 def _cmd_data_prepare(args) -> int:
+    from bench.config import DataConfig
     from bench.data import prepare
 
-    print(prepare(args.name, args.output, args.tokenizer))
+    cache_dir = args.cache_dir or DataConfig().cache_dir  # where runs look by default
+    print(prepare(args.name, args.output, args.tokenizer, cache_dir=cache_dir))
     return 0
 
 
@@ -298,9 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="tokenise a corpus into uint16 shards")
     prep.add_argument("name", help="embedded, shakespeare, openwebtext, or a text path")
-    prep.add_argument("-o", "--output", help="shard directory (default: the cache)")
+    prep.add_argument("-o", "--output", help="shard directory (default: the cache, where a "
+                      "run with data.corpus NAME and this tokenizer finds it)")
+    prep.add_argument("--cache-dir", help="the cache, without -o (default: data.cache_dir's "
+                      "default, ~/.cache/commbench)")
     prep.add_argument("--tokenizer", default="gpt2", choices=["byte", "gpt2"])
     prep.set_defaults(func=_cmd_data_prepare)
+
+    # doctor: the first command on a new GPU node (bench/doctor.py)
+    from bench import doctor
+
+    check = sub.add_parser("doctor", help="check this node: GPUs, NCCL, timing, bf16, short "
+                           "runs of each strategy; a pass/fail report to attach to a bug",
+                           description=doctor.__doc__.split("\n\n")[0])
+    doctor.add_arguments(check)
+    check.set_defaults(func=doctor.run_cli)
 
     # netprobe: measure this machine's / cluster's links, fit a profile (bench/netprobe.py)
     from bench import netprobe

@@ -11,8 +11,9 @@ its grid point). The first is the reference A; each other one (B, C, ...) is com
 it. Runs pair up one to one when both sides hold one run; by seed when both hold one
 group; else by (label, seed). Before any number, what differs between paired runs is
 listed: config keys (output paths, launch, checkpoint and tracking excepted: they are
-not the run's identity) and the validation set (summary.json `val_set`; "not recorded"
-in older records), since a loss difference then has more than one cause.
+not the run's identity) and the validation set (as bench/report/load.py names it: the id
+in summary.json `val_set`, or "not recorded ..." with what an older record's config
+implies), since a loss difference then has more than one cause.
 
 The table, per group (over its seed pairs): the logged steps both runs hold; max |Δloss|,
 the largest |loss_B - loss_A| over them, training and validation loss apart; final Δ,
@@ -71,7 +72,7 @@ class Pair:
     losses: dict = field(default_factory=dict)
     """kind -> (steps matched, max |Δ|, final Δ)."""
     differences: list[str] = field(default_factory=list)
-    val_sets_recorded: bool = True
+    notes: list[str] = field(default_factory=list)
 
 
 def _is_run(path: Path) -> bool:
@@ -137,7 +138,8 @@ def loss_difference(a: pd.DataFrame, b: pd.DataFrame, column: str) -> tuple[int,
 
 
 def differences(a_path: Path, b_path: Path) -> list[str]:
-    """Config keys that differ (identity keys only) and the validation sets, A -> B."""
+    """Config keys that differ, A -> B (the run's identity only: not output paths, launch,
+    checkpoint or tracking)."""
     def config(path: Path) -> dict:
         try:
             data = load_raw(path / "config.yaml")
@@ -146,30 +148,8 @@ def differences(a_path: Path, b_path: Path) -> list[str]:
         return flatten(without_keys(data, NON_IDENTITY_KEYS))
 
     ca, cb = config(a_path), config(b_path)
-    out = [f"{k}: {ca.get(k, '(unset)')} -> {cb.get(k, '(unset)')}"
-           for k in sorted(ca.keys() | cb.keys()) if ca.get(k) != cb.get(k)]
-    va, vb = (_val_set(p) for p in (a_path, b_path))
-    if va is None and vb is None:
-        return out  # neither recorded (older records): a note, not a difference
-    if va is None or vb is None or va.get("id") != vb.get("id"):
-        out.append(f"validation set: {_val_text(va)} -> {_val_text(vb)}")
-    return out
-
-
-def _val_set(path: Path) -> dict | None:
-    try:
-        summary = records.read_summary(path) or {}
-    except ValueError:
-        return None
-    value = summary.get("val_set")
-    return value if isinstance(value, dict) else None
-
-
-def _val_text(v: dict | None) -> str:
-    if v is None:
-        return "not recorded"
-    return (f"{v.get('id')} ({v.get('sequences')} sequences of {v.get('seq_len')} tokens, "
-            f"{v.get('tokens')} tokens)")
+    return [f"{k}: {ca.get(k, '(unset)')} -> {cb.get(k, '(unset)')}"
+            for k in sorted(ca.keys() | cb.keys()) if ca.get(k) != cb.get(k)]
 
 
 def compare_pair(pair: Pair, a: Side, b: Side) -> None:
@@ -177,9 +157,12 @@ def compare_pair(pair: Pair, a: Side, b: Side) -> None:
     steps_b = b.steps[b.steps["run_id"] == pair.b["run_id"]] if len(b.steps) else b.steps
     for column, kind in LOSSES:
         pair.losses[kind] = loss_difference(steps_a, steps_b, column)
-    paths = a.run_path(pair.a["run_id"]), b.run_path(pair.b["run_id"])
-    pair.differences = differences(*paths)
-    pair.val_sets_recorded = any(_val_set(p) is not None for p in paths)
+    pair.differences = differences(a.run_path(pair.a["run_id"]), b.run_path(pair.b["run_id"]))
+    va, vb = pair.a.get("val_set"), pair.b.get("val_set")  # named by report/load.py
+    if va != vb:
+        pair.differences.append(f"validation set: {va} -> {vb}")
+    elif str(va).startswith("not recorded"):
+        pair.notes.append(f"validation set {va}")
 
 
 def _ratio(pairs: list[Pair], column: str):
@@ -300,11 +283,9 @@ def _print_differences(pairs: list[Pair]) -> None:
         for line in diff:
             print(f"    {line}")
     if not any(seen):
-        print("  same config" + (" and validation set" if all(p.val_sets_recorded for p in pairs)
-                                 else ""))
-    if not all(p.val_sets_recorded for p in pairs):
-        print("  note: validation sets not recorded (older records: no summary.json val_set); "
-              "val losses compare only where the data and run.val_batches settings match")
+        print("  same config and validation set")
+    for note in dict.fromkeys(n for p in pairs for n in p.notes):
+        print(f"  note: {note}")
 
 
 # ------------------------------------------------------------------------------ figure

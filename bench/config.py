@@ -54,10 +54,19 @@ class RunConfig:
     """Write a metrics row every this many steps."""
     val_every: int = 50
     """Compute validation loss every this many steps (and always at the end); 0 = end only."""
-    val_batches: int = 8
-    """Validation batches per evaluation (shared held-out split)."""
+    val_sequences: int = 64
+    """Validation windows (model.seq_len + 1 tokens each) spread evenly over the held-out
+    split, the same set for every layout, batch size, world size and pipeline depth on the
+    same data; scored as the exact mean over all their positions (bench/batches.py
+    `validation_set`). 64 x 128 tokens for the tiny configs: a tenth of a second to score
+    on CPU; set more for real runs (e.g. 1024 x 1024 tokens)."""
     target_loss: float | None = None
     """Validation loss whose first crossing is recorded as time and tokens to target."""
+    warmup_steps: int = 1
+    """Steps at the start of each process (a new run, or a resume) measured apart as
+    warm-up: compile, communicator creation, autotuning. Trained and on the clock, but left
+    out of throughput and MFU (summary warmup_s); 0 = none. Accounting only: not part of
+    the run's identity."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """One rank made slower on purpose: {rank: int|null, slowdown: float >= 1}."""
 
@@ -79,7 +88,9 @@ class ModelConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 autocast around forward passes (GPU; works but is slow on CPU)."""
     compile: bool = False
-    """Wrap the model in torch.compile (GPU runs)."""
+    """torch.compile what each strategy trains, after its DDP wrapping (compile(DDP(model)),
+    which keeps DDP's overlap); pipelines compile each stage module. GPU runs; refused with
+    strategy.backend=deepspeed (its engine runs the forward)."""
 
 
 @dataclass
@@ -153,6 +164,10 @@ class CheckpointConfig:
     """Checkpoint every this many steps (for --resume); 0 = never, null = run.steps // 4."""
     final: bool = True
     """Save the evaluation model at the end (needed by `commbench eval`)."""
+    timeout_s: float = 1800.0
+    """Seconds the ranks wait for each other around checkpoint writes and loads (their own
+    group: a multi-GB state can take longer than parallel.timeout_s, which is meant to
+    catch a hung training collective quickly)."""
 
 
 @dataclass
@@ -163,6 +178,9 @@ class LaunchConfig:
     """host:port of the c10d rendezvous for multi-node runs."""
     torchrun_args: list[str] = field(default_factory=list)
     """Extra arguments passed through to torchrun."""
+    cuda_visible_devices: str | None = None
+    """GPUs this run's ranks use on each node (CUDA_VISIBLE_DEVICES, e.g. "2,3"); null =
+    the environment's. A local sweep running several runs at once gives each its own."""
 
 
 @dataclass
@@ -183,7 +201,8 @@ class Config:
 
 # Not the run's identity: where things go, the checkpoint cadence (resume is bit-exact),
 # and the tracking sinks (views of the records, written by the launcher: bench/tracking/).
-NON_IDENTITY_KEYS = ("run.output_dir", "data.cache_dir", "launch", "checkpoint", "tracking")
+NON_IDENTITY_KEYS = ("run.output_dir", "run.warmup_steps", "data.cache_dir", "launch",
+                     "checkpoint", "tracking")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """Names that become directory names: no path separators, no leading dot."""
 
@@ -210,9 +229,27 @@ def load_raw(path: str | os.PathLike) -> dict:
 
 
 def from_dict(data: dict) -> Config:
+    _check_retired_keys(data)
     config = from_mapping(Config, data, "")
     validate(config)
     return config
+
+
+def _check_retired_keys(data: dict) -> None:
+    """Keys that were replaced: fail saying by what, and the value that means the same."""
+    run = data.get("run")
+    if isinstance(run, dict) and "val_batches" in run:
+        batches = run["val_batches"]
+        batch_size = (data.get("data") or {}).get("batch_size", DataConfig.batch_size)
+        same = (f"run.val_sequences: {batches * batch_size} (val_batches {batches} x "
+                f"data.batch_size {batch_size})"
+                if isinstance(batches, int) and isinstance(batch_size, int) else
+                "run.val_sequences: val_batches x data.batch_size")
+        raise ValueError(
+            f"run.val_batches ({batches!r}) was replaced by run.val_sequences, a number of "
+            "validation windows that is the same for every batch size and layout, so that "
+            f"validation losses compare; as many windows as before: {same} (spread over "
+            "the whole validation split, where val_batches took its first windows)")
 
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
@@ -261,13 +298,14 @@ def validate(cfg: Config) -> None:
     if not NAME_RE.match(cfg.run.name):
         raise _fail("run.name", cfg.run.name, "letters, digits, '.', '_' or '-', not starting "
                     "with '.' (it names the run directory)")
-    for key in ("run.steps", "run.log_every", "run.val_batches", "model.seq_len",
+    for key in ("run.steps", "run.log_every", "run.val_sequences", "model.seq_len",
                 "data.batch_size", "parallel.world_size", "parallel.group_size",
                 "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",
+                "checkpoint.timeout_s",
                 "launch.nnodes", "eval.batch_size", "eval.limit"):  # None passes
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name))
-    for key in ("run.val_every", "optim.warmup_steps", "optim.grad_clip",
+    for key in ("run.val_every", "run.warmup_steps", "optim.warmup_steps", "optim.grad_clip",
                 "optim.weight_decay", "checkpoint.every", "network.ranks_per_node"):
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name), 0)
@@ -315,6 +353,8 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.backend == "nccl" and cfg.parallel.device == "cpu":
         raise ValueError("parallel.backend 'nccl' needs parallel.device cuda (or auto on a "
                          "GPU machine); with parallel.device cpu use backend gloo or auto")
+    if cfg.parallel.backend == "gloo" and cfg.parallel.device == "cuda":
+        raise ValueError(_GLOO_ON_CUDA.format(device="cuda"))
     if cfg.eval.suite is not None and cfg.eval.suite not in ("smoke", "paper"):
         raise _fail("eval.suite", cfg.eval.suite, "null, 'smoke' or 'paper'")
     if cfg.eval.tasks and cfg.eval.suite is None:
@@ -330,29 +370,71 @@ def validate(cfg: Config) -> None:
                          "or use pipedream-2bw with strategy.delay=1")
 
 
+_GLOO_ON_CUDA = (
+    "parallel.backend 'gloo' with parallel.device {device} (CUDA tensors): gloo cannot send "
+    "or receive CUDA tensors (pipelines, gossip) and stages CUDA collectives through host "
+    "memory, so its times describe neither a GPU cluster's NCCL nor gloo on CPUs; use "
+    "parallel.backend nccl (or auto) on GPUs, or parallel.device cpu with gloo "
+    "(network.emulate models slower links)")
+
+
+def runs_on_cuda(cfg: Config) -> bool:
+    """Whether the config's ranks use CUDA on this machine (device cuda, or auto with one)."""
+    import torch
+
+    return cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto"
+                                             and torch.cuda.is_available())
+
+
 def check_device(cfg: Config) -> None:
-    """Fail unless this machine has the device and backend the config asks for."""
+    """Fail unless this machine has the device and backend the config asks for, and a GPU
+    for each of the ranks a node starts."""
     import torch
 
     has_cuda = torch.cuda.is_available()
     if cfg.parallel.device == "cuda" and not has_cuda:
         raise _fail("parallel.device", "cuda", "auto or cpu on this machine (it has no CUDA "
                     "device)")
-    on_cuda = cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto" and has_cuda)
+    on_cuda = runs_on_cuda(cfg)
     if cfg.parallel.backend == "nccl" and not on_cuda:
         raise _fail("parallel.backend", "nccl", "auto or gloo on this machine (nccl needs a "
                     "CUDA device)")
+    if cfg.parallel.backend == "gloo" and on_cuda:
+        raise ValueError(_GLOO_ON_CUDA.format(device=f"{cfg.parallel.device} (CUDA here)"))
+    check_gpus(cfg)
+
+
+def check_gpus(cfg: Config) -> None:
+    """On CUDA, each rank of a node takes its own GPU (LOCAL_RANK): fail unless this node
+    has as many GPUs (visible ones: launch.cuda_visible_devices, else the environment's)
+    as parallel.world_size / launch.nnodes. Called where torchrun starts (each node)."""
+    import torch
+
+    if not runs_on_cuda(cfg):
+        return
+    per_node = cfg.parallel.world_size // cfg.launch.nnodes
+    visible = cfg.launch.cuda_visible_devices
+    count = len(visible.split(",")) if visible else torch.cuda.device_count()
+    where = f"launch.cuda_visible_devices {visible!r}" if visible else "this node"
+    if per_node > count:
+        raise ValueError(
+            f"parallel.world_size {cfg.parallel.world_size} / launch.nnodes "
+            f"{cfg.launch.nnodes} = {per_node} ranks per node, one GPU each, but {where} has "
+            f"{count} GPU{'s' if count != 1 else ''}: lower parallel.world_size, raise "
+            "launch.nnodes, or give the ranks more GPUs (several ranks on one GPU would "
+            "share it, and their times would not be a cluster's)")
 
 
 def preflight(cfg: Config) -> None:
     """Checks against the machine that will train the run, before anything is launched:
     the device and backend exist here, and the corpus has enough tokens for a window of
-    training and of validation data (tokenising it into the cache if needed)."""
+    training data and for run.val_sequences windows of validation data (tokenising it
+    into the cache if needed)."""
     from bench.data import check_corpus_size
 
     check_device(cfg)
     check_corpus_size(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
-                      cfg.data.val_fraction, cfg.model.seq_len)
+                      cfg.data.val_fraction, cfg.model.seq_len, cfg.run.val_sequences)
 
 
 def check_output_dir(path: str, key: str = "run.output_dir") -> Path:

@@ -148,10 +148,14 @@ def check_corpus_path(corpus: str) -> None:
 
 
 def check_corpus_size(
-    corpus: str, tokenizer_name: str, cache_dir: str | Path, val_fraction: float, seq_len: int
+    corpus: str, tokenizer_name: str, cache_dir: str | Path, val_fraction: float, seq_len: int,
+    val_sequences: int = 1,
 ) -> None:
-    """Fail unless both splits of the corpus hold one window of seq_len + 1 tokens
-    (tokenises the corpus into the cache, as the first run on it would)."""
+    """Fail unless both splits of the corpus hold one window of seq_len + 1 tokens and the
+    validation split `val_sequences` of them (tokenises the corpus into the cache, as the
+    first run on it would)."""
+    from bench.batches import validation_set
+
     splits = load_corpus(corpus, tokenizer_name, cache_dir, val_fraction)
     for split, key in ((splits.train, "the training split"), (splits.val, "the val split")):
         if len(split) < seq_len + 1:
@@ -160,6 +164,10 @@ def check_corpus_size(
                 f"model.seq_len + 1 = {seq_len + 1}; valid: a larger corpus, a larger "
                 f"data.val_fraction (now {val_fraction:g}) or a smaller model.seq_len"
             )
+    try:
+        validation_set(splits.val, seq_len, val_sequences)
+    except ValueError as err:
+        raise ValueError(f"data.corpus {corpus!r}: {err}") from None
 
 
 # ---------------------------------------------------------------------------- shards
@@ -273,12 +281,17 @@ def _describe(corpus: str) -> str:
 
 def prepare(
     name: str,
-    out_dir: str | Path,
+    out_dir: str | Path | None,
     tokenizer_name: str,
     val_fraction: float = 0.05,
     progress: bool = True,
+    cache_dir: str | Path = "~/.cache/commbench",
 ) -> Path:
-    """Tokenise corpus `name` into out_dir (`train.bin`, `val.bin`: uint16; `meta.json`)."""
+    """Tokenise corpus `name` into out_dir (`train.bin`, `val.bin`: uint16; `meta.json`).
+    Without `out_dir`, into the cache (`cache_dir`), where a run with `data.corpus: NAME`,
+    this tokenizer and `data.val_fraction` finds it without tokenising again."""
+    if out_dir is None:
+        return cached_corpus(name, tokenizer_name, cache_dir, val_fraction, progress)
     tokenizer = get_tokenizer(tokenizer_name)
     _, pieces = _source(name)
     out_dir = Path(out_dir)
@@ -291,11 +304,19 @@ def load_corpus(
 ) -> TokenSplits:
     """Token splits of `corpus`, tokenised once into `cache_dir` and memory-mapped from there.
     A prepared shard directory is read in place (its own split; `val_fraction` is ignored)."""
+    return _read_shards(cached_corpus(corpus, tokenizer_name, cache_dir, val_fraction),
+                        tokenizer_name)
+
+
+def cached_corpus(corpus: str, tokenizer_name: str, cache_dir: str | Path,
+                  val_fraction: float = 0.05, progress: bool = False) -> Path:
+    """The shard directory `load_corpus` reads for `corpus`: a prepared shard directory
+    itself, else its entry in `cache_dir`, tokenised into it first when absent."""
     tokenizer = get_tokenizer(tokenizer_name)
     cache_dir = Path(cache_dir).expanduser()
     path = Path(corpus).expanduser()
     if corpus not in NAMED_CORPORA and (path / "meta.json").exists():
-        return _read_shards(path, tokenizer_name)
+        return path
     name, pieces = _source(corpus)
     # openwebtext is keyed by name: hashing it would mean downloading it twice, and a
     # cached copy must load offline.
@@ -307,7 +328,8 @@ def load_corpus(
         # Each rank writes its own temporary directory; the first rename wins.
         work = cache_dir / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            _write_shards(pieces(), work, tokenizer, _describe(corpus), val_fraction, False)
+            _write_shards(pieces(), work, tokenizer, _describe(corpus), val_fraction,
+                          progress)
             try:
                 os.rename(work, final)
             except OSError:
@@ -315,4 +337,4 @@ def load_corpus(
                     raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    return _read_shards(final, tokenizer_name)
+    return final

@@ -4,7 +4,7 @@ Used by every rank of `commbench run` (bench/train.py):
 - `capture_env` is env.json: the git commit and a hash of the uncommitted diff (the
   code's identity), package versions, host, CPU/GPU, world size and backend;
 - `resolve_device` turns parallel.device/backend `auto` into this rank's device and
-  backend; `peak_flops` is a known GPU's dense bf16 peak (for MFU);
+  backend; `peak_flops` is a known GPU's dense peak for the run's precision (for MFU);
 - `fault_injection` reads COMMBENCH_FAULT, which makes one rank fail on purpose;
 - `StragglerConfig` (the config's `run.straggler`) makes one rank slow on purpose.
 """
@@ -175,13 +175,55 @@ def straggle(straggler: StragglerConfig, rank: int, step_s: float) -> float:
     return extra
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of known GPUs (for MFU); None when unknown."""
-    name = torch.cuda.get_device_name(device)
-    for key, flops in {"H200": 989e12, "H100": 989e12, "A100": 312e12, "GH200": 989e12}.items():
-        if key in name:
-            return flops
-    return None
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12},
+    "H100 PCIe": {"fp32": 51e12, "tf32": 378e12, "bf16": 756.5e12},
+    "H100 NVL": {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12},
+    "H200 SXM": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12},
+    "H200 NVL": {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12},
+    "GH200": {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12},
+    "A100": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12},
+}
+"""Dense peak FLOP/s per GPU model and math mode (NVIDIA's datasheets; their tensor-core
+figures "with sparsity" halved). fp32 is the CUDA-core rate: torch runs fp32 matmuls
+without TF32 unless `torch.backends.cuda.matmul.allow_tf32` is set."""
+
+
+def gpu_model(device_name: str) -> str | None:
+    """The `PEAK_FLOPS` key of a CUDA device name (`torch.cuda.get_device_name`), or None
+    when the name does not tell the part apart: an H100 without SXM/HBM3, PCIe or NVL in
+    its name gets no peak rather than a wrong one."""
+    name = device_name.upper()
+    if "GH200" in name:
+        return "GH200"
+    for family in ("H200", "H100"):
+        if family in name:
+            if "NVL" in name:
+                return f"{family} NVL"
+            if "PCIE" in name:
+                return f"{family} PCIe"
+            if "SXM" in name or "HBM3" in name or family == "H200":  # H200: SXM unless NVL
+                return f"{family} SXM"
+            return None
+    return "A100" if "A100" in name else None
+
+
+def peak_flops_of(device_name: str, precision: str, tf32: bool = False) -> float | None:
+    """Dense peak FLOP/s of a GPU named `device_name` for `model.precision` (bf16, or fp32:
+    the TF32 tensor-core rate when `tf32` matmuls are allowed); None when unknown."""
+    model = gpu_model(device_name)
+    if model is None:
+        return None
+    mode = "bf16" if precision == "bf16" else ("tf32" if tf32 else "fp32")
+    return PEAK_FLOPS[model][mode]
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """This rank's GPU's dense peak for `precision` (for MFU); None on CPU or when unknown."""
+    if device.type != "cuda":
+        return None
+    return peak_flops_of(torch.cuda.get_device_name(device), precision,
+                         tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
 def synchronize(device: torch.device) -> None:

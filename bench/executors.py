@@ -9,7 +9,8 @@ progress)` trains and returns each run's summary. Executors know nothing of swee
 A run that raises is recorded as failed, with its error, and never stops the sweep; Ctrl-C
 does (the run in flight records itself as interrupted).
 
-`local` runs one run at a time, or `max_parallel` at once. `slurm` submits one
+`local` runs one run at a time, or `max_parallel` at once (CUDA runs: each on its own
+GPUs, `gpu_blocks`, never two runs on GPUs 0..n-1). `slurm` submits one
 job per run, or one job array (`array: true`, throttled by `max_parallel`), through
 submitit, and waits for them, polling every `poll_s` seconds; each job trains its run
 with torchrun inside the allocation. A cluster example (also configs/sweeps/slurm-example.yaml):
@@ -35,6 +36,8 @@ executor) runs the same path on this machine; the tests use it.
 
 from __future__ import annotations
 
+import dataclasses
+import queue
 import sys
 import time
 import traceback
@@ -176,17 +179,51 @@ class LocalExecutor(Executor):
         return set()
 
     def run(self, todo, runner, progress):
-        return _run_local(todo, runner, self.spec.max_parallel or 1, progress)
+        max_parallel = self.spec.max_parallel or 1
+        blocks = gpu_blocks([run.config for run, _ in todo], max_parallel)
+        return _run_local(todo, runner, max_parallel, progress, blocks)
+
+
+def gpu_blocks(configs: list[Config], max_parallel: int) -> list[str] | None:
+    """Disjoint CUDA_VISIBLE_DEVICES values for CUDA runs trained at once on this machine;
+    None when they run one at a time or on the CPU. Each run's torchrun would otherwise
+    put its ranks on GPUs 0..n-1, every run on the same ones."""
+    import os
+
+    import torch
+
+    from bench.config import runs_on_cuda
+
+    on_cuda = [c for c in configs if runs_on_cuda(c)]
+    if max_parallel <= 1 or not on_cuda:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = ([d.strip() for d in visible.split(",") if d.strip()] if visible is not None
+           else [str(i) for i in range(torch.cuda.device_count())])
+    per_run = max(c.parallel.world_size // c.launch.nnodes for c in on_cuda)
+    blocks = [",".join(ids[i:i + per_run]) for i in range(0, len(ids) - per_run + 1, per_run)]
+    if not blocks:
+        raise ValueError(f"a run needs {per_run} GPUs and this machine has {len(ids)} "
+                         "visible: lower parallel.world_size")
+    return blocks
 
 
 def _run_local(todo: list[tuple[SweepRun, Path]], runner: Runner | None, max_parallel: int,
-               progress: Progress) -> dict[str, dict]:
-    """Train the runs here, one after another or `max_parallel` at once.
+               progress: Progress, gpu_blocks: list[str] | None = None) -> dict[str, dict]:
+    """Train the runs here, one after another or `max_parallel` at once (with
+    `gpu_blocks`: at most one run per block of GPUs at a time, each run on its block,
+    `launch.cuda_visible_devices`).
 
     Ctrl-C stops the sweep: each run in flight records itself as interrupted (partial:
     trained again on re-run) and the KeyboardInterrupt propagates; runs not started yet
     are not started."""
     summaries: dict[str, dict] = {}
+    free = None
+    if gpu_blocks is not None:
+        free = queue.SimpleQueue()
+        for block in gpu_blocks:
+            free.put(block)
+        max_parallel = min(max_parallel, len(gpu_blocks))
     if max_parallel <= 1:
         for run, run_dir in todo:
             progress.start(run, run_dir)
@@ -198,9 +235,18 @@ def _run_local(todo: list[tuple[SweepRun, Path]], runner: Runner | None, max_par
     in_flight: dict[str, Path] = {}  # run id -> run dir, while a thread trains it
 
     def work(run: SweepRun, run_dir: Path) -> dict:
+        block = free.get() if free is not None else None
+        cfg = run.config
+        if block is not None and cfg.launch.cuda_visible_devices is None:
+            cfg = dataclasses.replace(cfg, launch=dataclasses.replace(
+                cfg.launch, cuda_visible_devices=block))
         in_flight[run.run_id] = run_dir
         progress.start(run, run_dir)
-        summary = execute_run(run.config, run_dir, runner, progress=False)
+        try:
+            summary = execute_run(cfg, run_dir, runner, progress=False)
+        finally:
+            if block is not None:
+                free.put(block)
         del in_flight[run.run_id]
         return summary
 

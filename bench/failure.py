@@ -13,6 +13,10 @@ longer traceback; the headline must name the first. The evidence, in order of tr
 3. only timeouts: the ranks that timed out waited in a collective for `parallel.timeout_s`
    for a rank that never arrived; the ranks with no error file are the frozen ones (with
    many ranks, a healthy rank that torchrun stopped before it timed out is listed too).
+On NCCL a timeout leaves no error file: each waiting rank's watchdog logs "Watchdog
+caught collective operation timeout" and aborts the process (SIGABRT), so torchrun's
+first failure is a victim. Those ranks count as timed out (3), not as killed (1): the
+headline names the rank that never arrived, not the first rank that gave up on it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ TIMEOUT = ("Timed out", "timed out", "Timeout", "timeout")
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
 _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
 _STOPPED = re.compile(r"Sending process (\d+) closing signal")
+_WATCHDOG = re.compile(r"Rank (\d+)\]\s*Watchdog caught collective operation timeout")
+"""ProcessGroupNCCL's line when a collective ran past the timeout on that rank."""
+
+
+def nccl_timeouts(lines: list[str]) -> set[int]:
+    """The ranks whose NCCL watchdog caught a collective timeout (then aborted them)."""
+    return {int(m.group(1)) for line in lines if (m := _WATCHDOG.search(line))}
 
 
 def torchrun_failures(lines: list[str]) -> tuple[dict[int, int], int | None]:
@@ -98,7 +109,10 @@ def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
     texts = {int(p.stem.removeprefix("error-rank")): p.read_text() for p in errors}
     order = list(texts)
     failures, root = torchrun_failures(tail)
-    rank = _killed(failures, root)
+    watchdog = nccl_timeouts(_log_lines(run, tail))
+    aborted = {r for r, code in failures.items() if r in watchdog and code == -signal.SIGABRT}
+    rank = _killed({r: c for r, c in failures.items() if r not in aborted},
+                   None if root in aborted else root)
     if rank is not None:
         code = failures[rank]
         others = [r for r in order if r != rank]
@@ -110,14 +124,18 @@ def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
     kinds = {r: _kind(t) for r, t in texts.items()}
     causes = [r for r in order if kinds[r] == "cause"]
     timed_out = [r for r in order if kinds[r] == "timeout"]
+    timed_out += sorted(watchdog - set(timed_out) - set(causes))
     if not causes and timed_out:
-        silent = [r for r in range(world_size) if r not in texts]
+        silent = [r for r in range(world_size) if r not in texts and r not in watchdog]
         text = (f"{_ranks(sorted(timed_out))} timed out after {timeout_s:g} s "
-                "(parallel.timeout_s) waiting in a collective")
+                "(parallel.timeout_s) waiting in a collective"
+                + (" (NCCL watchdog: aborted)" if watchdog else ""))
         if silent:
             text = (f"{_ranks(silent)} stopped responding (no error from it: frozen, or "
                     "stuck outside the collective); " + text)
-        return text + "\n" + "\n".join(_last(texts[timed_out[0]], 15))
+        evidence = (_last(texts[timed_out[0]], 15) if timed_out[0] in texts
+                    else [line for line in tail if _WATCHDOG.search(line)][-15:])
+        return text + "\n" + "\n".join(evidence)
     if texts:
         first = (causes or order)[0]
         lines = _last(texts[first], 15)
@@ -127,6 +145,18 @@ def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
             text += f" (then {_ranks(others)} failed too)"
         return text + "\n" + "\n".join(lines)
     return f"torchrun exited with code {rc}\n" + "\n".join(tail[-15:])
+
+
+def _log_lines(run: RunDir, tail: list[str]) -> list[str]:
+    """Every line torchrun printed in the last attempt (the ranks' NCCL messages come
+    before its summary and may have scrolled out of `tail`; the log holds earlier attempts
+    too, each after its command line), or `tail` when the log is missing."""
+    try:
+        lines = run.torchrun_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return tail
+    starts = [i for i, line in enumerate(lines) if "torch.distributed.run" in line]
+    return lines[starts[-1]:] if starts else lines
 
 
 def _last(text: str, n: int) -> list[str]:

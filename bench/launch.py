@@ -9,7 +9,9 @@ the error's headline names the culprit rank (bench/failure.py). Ctrl-C or SIGTER
 Slurm sends) stops torchrun, records the run failed with `interrupted: true` (partial: a
 sweep trains it again) and re-raises the KeyboardInterrupt (`Terminated` for SIGTERM).
 Self-evaluation (`eval.suite`) is the command line's job (bench/cli.py), after
-`run_config` returns: the harness does not import `eval`.
+`run_config` returns: the harness does not import `eval`. Before torchrun starts, this
+process checks the node has a GPU per rank (CUDA runs) and tokenises the corpus into the
+cache, so no rank waits in a barrier, past `parallel.timeout_s`, for another to tokenise.
 
 What a run directory accepts (checked before anything in it changes):
 - `--run-dir DIR`: a new or empty directory, or one holding the same config (same hash)
@@ -44,7 +46,16 @@ from collections import deque
 from pathlib import Path
 
 from bench import checkpoint
-from bench.config import Config, check_output_dir, config_hash, identity_dict, load_config, to_yaml
+from bench.config import (
+    Config,
+    check_gpus,
+    check_output_dir,
+    config_hash,
+    identity_dict,
+    load_config,
+    to_yaml,
+)
+from bench.data import cached_corpus
 from bench.failure import error_text
 from bench.records import DONE_STATUSES, RunDir, status_of, write_text
 from bench.summary import running_header
@@ -88,6 +99,11 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
     cannot take this run (module docstring)."""
     run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
     header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
+    check_gpus(cfg)  # on this node, where torchrun starts its ranks (a Slurm job's too)
+    # tokenise here, in one process, before the ranks start: tokenising in rank 0 while the
+    # others wait in a barrier times them out (parallel.timeout_s) on a large corpus
+    cached_corpus(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
+                  cfg.data.val_fraction)
     run.prepare()
     if header.get("resumed_from_step"):
         checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
@@ -97,6 +113,8 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **header))
     env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    if cfg.launch.cuda_visible_devices:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.launch.cuda_visible_devices
     if header.get("resumed_from_step"):
         env["COMMBENCH_RESUME"] = "1"
     started = time.perf_counter()

@@ -32,6 +32,16 @@ no-overlap (every modelled op added to compute). A strategy with a `critical_pat
 pipelines) is priced overlap-aware on its schedule instead (bench/network/pipeline.py:
 slots of max(compute, transfers) plus the exposed hops). Per-step values are buffered and reduced
 at settle points, so measuring adds no synchronisation to the steps.
+
+Warm-up (one-off costs). A process's first steps hold costs a longer run does not pay
+again: torch.compile, NCCL communicator creation, kernel autotuning, optimizer-state
+allocation. The communicators of every group are created before step 0
+(`Communicator.warm_up`, timed, max over ranks) and the first `run.warmup_steps` steps
+of each process (a resume warms up again) are settled on their own; both stay on the
+clock (what a user waits for) and are also summed into `LoopState.warmup_*`. Throughput,
+MFU and projected throughput are steady state: tokens and seconds without the warm-up
+ones. Time to target is kept both ways: `time_to_target_s` with the one-off costs,
+`time_to_target_steady_s` without (the report says which it shows).
 """
 
 from __future__ import annotations
@@ -110,17 +120,46 @@ class LoopState:
     status: str = "ok"
     diverged: str | None = None
     """Which rank saw a non-finite loss first, and at which step (when diverged)."""
+    warmup_s: float = 0.0
+    """One-off seconds on the clock (module docstring, Warm-up): each process's warm-up
+    steps and communicator creation; part of `elapsed_s`."""
+    warmup_steps: int = 0
+    """Steps measured as warm-up (run.warmup_steps per process: a resume warms up again)."""
+    warmup_tokens: int = 0
+    """Tokens consumed in the warm-up steps."""
+    warmup_projected_s: dict[str, float] = field(default_factory=dict)
+    """Per profile: the warm-up steps' share of `projected_s`."""
+    warmup_projected_no_overlap_s: dict[str, float] = field(default_factory=dict)
 
-    def advance(self, settled: Settled) -> None:
-        """Move the clock, tokens and projected clocks on by what the ranks did together."""
+    def advance(self, settled: Settled, warmup_steps: int = 0) -> None:
+        """Move the clock, tokens and projected clocks on by what the ranks did together;
+        with `warmup_steps` (or `settled` holding no step: communicator creation) the
+        window is one-off cost and is also added to the warm-up figures."""
         self.elapsed_s += settled.elapsed_s
         self.tokens += settled.tokens
-        for mine, theirs in ((self.projected_s, settled.projected_s),
-                             (self.projected_no_overlap_s, settled.projected_no_overlap_s),
-                             (self.projected_comm_s, settled.comm_s),
-                             (self.projected_comm_no_overlap_s, settled.comm_no_overlap_s)):
+        pairs = [(self.projected_s, settled.projected_s),
+                 (self.projected_no_overlap_s, settled.projected_no_overlap_s),
+                 (self.projected_comm_s, settled.comm_s),
+                 (self.projected_comm_no_overlap_s, settled.comm_no_overlap_s)]
+        if warmup_steps:
+            self.warmup_s += settled.elapsed_s
+            self.warmup_steps += warmup_steps
+            self.warmup_tokens += settled.tokens
+            pairs += [(self.warmup_projected_s, settled.projected_s),
+                      (self.warmup_projected_no_overlap_s, settled.projected_no_overlap_s)]
+        for mine, theirs in pairs:
             for name, seconds in theirs.items():
                 mine[name] = mine.get(name, 0.0) + seconds
+
+    def add_one_off(self, seconds: float) -> None:
+        """One-off seconds outside any step (communicator creation), on the clock as warm-up
+        (the projected clocks do not model it)."""
+        self.elapsed_s += seconds
+        self.warmup_s += seconds
+
+    def steady(self) -> tuple[int, float]:
+        """(tokens, seconds) of the steady state: the clock without its one-off costs."""
+        return self.tokens - self.warmup_tokens, self.elapsed_s - self.warmup_s
 
 
 @dataclass
@@ -347,11 +386,20 @@ class RunTotals:
 
 
 def run_totals(ledger: CommLedger, device: torch.device, model: str | None = None) -> RunTotals:
-    """At the end of a run (a collective over all ranks)."""
-    train = [r for r in ledger.records if r.phase in TRAIN_PHASES]
-    nbytes, wire = all_reduce_floats([sum(r.nbytes for r in train),
-                                      sum(wire_bytes(r, backend=model) for r in train)], device)
+    """At the end of a run (a collective over all ranks), from the ledger's aggregates (a
+    row's wire bytes are its bytes times its op's factor: `wire_bytes` is linear in them)."""
+    rows = ledger.aggregate()
+    train = [row for row in rows if row["phase"] in TRAIN_PHASES]
+    nbytes, wire = all_reduce_floats([
+        sum(row["bytes"] for row in train),
+        sum(wire_bytes(_as_record(row), backend=model) for row in train)], device)
     aggregates = [None] * dist.get_world_size()
-    dist.all_gather_object(aggregates, ledger.aggregate())
+    dist.all_gather_object(aggregates, rows)
     rows = [{"rank": r, **row} for r, agg in enumerate(aggregates) for row in agg]
     return RunTotals(int(nbytes), int(wire), rows)
+
+
+def _as_record(row: dict) -> CommRecord:
+    """An aggregate row as one record carrying all its bytes (for `wire_bytes`)."""
+    return CommRecord(step=0, phase=row["phase"], op=row["op"], group_size=row["group_size"],
+                      peers=None, nbytes=row["bytes"], seconds=row["seconds"], tier=row["tier"])

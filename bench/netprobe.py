@@ -58,10 +58,35 @@ def parse_size(text: str) -> int:
 # ---------------------------------------------------------------------- measuring (per rank)
 
 
-def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int) -> list[dict]:
-    """Measure every (tier, op, size) on the initialised default group; rows on rank 0 only."""
+def probe_device(backend: str):
+    """The device the probe's tensors live on: NCCL moves CUDA tensors only, so with
+    --backend nccl each rank takes its local GPU (LOCAL_RANK), set as current before the
+    process group's first op; gloo: the CPU."""
+    import torch
+
+    if backend != "nccl":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("netprobe --backend nccl needs a CUDA device on every rank (none "
+                         "here); use --backend gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
+
+
+def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
+          device=None) -> list[dict]:
+    """Measure every (tier, op, size) on the initialised default group; rows on rank 0 only.
+    Tensors live on `device` (default CPU); on CUDA each op is timed to its completion
+    (NCCL returns to the host before it)."""
     import torch
     import torch.distributed as dist
+
+    device = torch.device("cpu") if device is None else device
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     if world_size < 2 or world_size % ranks_per_node:
         raise ValueError(f"netprobe needs world_size >= 2 divisible by ranks_per_node, got "
@@ -84,11 +109,12 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int) ->
     for tier, (ranks, pg) in groups.items():
         peer = ranks[1]
         for size in sizes:
-            buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
             for op in OPS:
                 times = []
                 for i in range(iters + 1):
                     dist.barrier()
+                    sync()
                     t0 = time.perf_counter()
                     if op == "p2p":
                         if rank == 0:
@@ -104,8 +130,10 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int) ->
                             dist.broadcast(buf, src=ranks[0], group=pg)
                         else:
                             dist.all_gather([torch.empty_like(buf) for _ in ranks], buf, group=pg)
+                    sync()
                     # the op's time is the slowest rank's (a root's broadcast returns early)
-                    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                                           device=device)
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if i:  # the first round is a warm-up (connection set-up)
                         times.append(elapsed.item() / 2 if op == "p2p" else elapsed.item())
@@ -272,6 +300,14 @@ def run_cli(args) -> int:
     """`commbench netprobe`: start torchrun with this module as the ranks' program."""
     for s in args.sizes:
         parse_size(s)
+    if args.backend == "nccl":
+        import torch
+
+        local = args.world_size // max(1, args.nnodes)
+        if torch.cuda.device_count() < local:
+            raise ValueError(f"netprobe --backend nccl starts {local} ranks on this node, one "
+                             f"per GPU, but it has {torch.cuda.device_count()} CUDA devices; "
+                             "lower --world-size (or raise --nnodes), or use --backend gloo")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     try:
         rc = subprocess.run(torchrun_command(args), env=env, timeout=args.timeout).returncode
@@ -307,10 +343,11 @@ def _worker(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = probe_device(args.backend)  # before the group: NCCL binds the current GPU
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     try:
         rows = probe(rank, world, args.ranks_per_node, [parse_size(s) for s in args.sizes],
-                     args.iters)
+                     args.iters, device)
     finally:
         dist.destroy_process_group()
     if rank == 0:

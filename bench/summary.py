@@ -28,12 +28,18 @@ class Projection:
     """Modelled communication seconds per step in `total_s` (the slowest rank's per settle
     window)."""
     throughput_tokens_per_s: float | None
-    """Tokens consumed / total_s."""
+    """Steady state: tokens consumed / total_s, both without the warm-up steps' (None
+    when every step was warm-up)."""
+    warmup_s: float = 0.0
+    """The warm-up steps' share of total_s (bench/meter.py, Warm-up)."""
 
     @classmethod
-    def of(cls, total_s: float, comm_s_per_step: float, steps: int, tokens: int) -> Projection:
+    def of(cls, total_s: float, comm_s_per_step: float, steps: int, tokens: int,
+           warmup_s: float = 0.0, warmup_tokens: int = 0) -> Projection:
+        steady_s = total_s - warmup_s
         return cls(total_s=total_s, step_s=total_s / max(1, steps), comm_s=comm_s_per_step,
-                   throughput_tokens_per_s=tokens / total_s if total_s > 0 else None)
+                   throughput_tokens_per_s=(tokens - warmup_tokens) / steady_s
+                   if steady_s > 0 else None, warmup_s=warmup_s)
 
 
 @dataclass
@@ -55,7 +61,16 @@ class Summary:
     total_tokens: int = 0
     """Tokens consumed, summed over ranks (StepStats.tokens)."""
     wall_s: float = 0.0
-    """Step-synchronised wall clock: max over ranks between settle points (bench/meter.py)."""
+    """Step-synchronised wall clock: max over ranks between settle points (bench/meter.py);
+    includes the one-off costs in warmup_s."""
+    warmup_s: float = 0.0
+    """One-off seconds in wall_s: each process's first run.warmup_steps steps (compile,
+    communicator creation, autotuning) and the eager creation of its groups' communicators
+    (bench/meter.py, Warm-up). Throughput and MFU leave them out."""
+    warmup_steps: int = 0
+    """Steps measured as warm-up (per process: a resumed run warms up again)."""
+    warmup_tokens: int = 0
+    """Tokens consumed in the warm-up steps (left out of throughput)."""
     compute_s_total: float = 0.0
     """Rank 0's measured compute seconds."""
     comm_s_total: float = 0.0
@@ -67,11 +82,17 @@ class Summary:
     summed over ranks (bench.network.wire_bytes)."""
     final_val_loss: float | None = None
     best_val_loss: float | None = None
+    val_set: dict | None = None
+    """The validation set every val_loss is the exact mean over: {id, sequences, seq_len,
+    tokens} (bench/batches.py `ValidationSet.record`; tokens = positions scored). Losses
+    compare only between runs with the same `id`; records without it predate it."""
     final_val_loss_extra: dict[str, float] = field(default_factory=dict)
     """Final validation loss of each extra eval model, recorded as final_val_loss_NAME."""
     target_loss: float | None = None
     time_to_target_s: float | None = None
-    """wall_s at the first validation at or below target_loss."""
+    """wall_s at the first validation at or below target_loss (one-off costs included)."""
+    time_to_target_steady_s: float | None = None
+    """time_to_target_s without the one-off costs (warmup_s) paid by then."""
     tokens_to_target: int | None = None
     projected_time_to_target_s: dict[str, float] | None = None
     """Per profile: projected elapsed seconds at that validation."""
@@ -90,7 +111,8 @@ class Summary:
     data: dict | None = None
     """The corpus's metadata (name, tokenizer, token counts)."""
     mfu: float | None = None
-    """Model FLOPs utilisation (on known GPUs only)."""
+    """Model FLOPs utilisation in the steady state (warm-up left out), against the peak of
+    the GPU model for the run's precision (bench/env.py `peak_flops`; known GPUs only)."""
     bubble_fraction_measured: float | None = None
     """Idle (point-to-point wait) seconds over step seconds, summed over ranks: a
     pipeline's measured bubble (0 for data-parallel strategies)."""
@@ -111,9 +133,10 @@ class Summary:
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
         extra = record.pop("final_val_loss_extra")
-        wall = self.wall_s
+        wall, steady_s = self.wall_s, self.wall_s - self.warmup_s
         record.update(
-            throughput_tokens_per_s=self.total_tokens / wall if wall > 0 else None,
+            throughput_tokens_per_s=(self.total_tokens - self.warmup_tokens) / steady_s
+            if steady_s > 0 else None,
             comm_share=self.comm_s_total / wall if wall > 0 else None,
             comm_bytes_per_rank=int(self.comm_bytes_total) // max(1, self.world_size),
             comm_wire_bytes_per_rank=(None if self.comm_wire_bytes_total is None else
@@ -126,12 +149,13 @@ class Summary:
         return record
 
 
-_LEFT_OUT_WHEN_NONE = ("num_params", "flops_per_token", "device", "backend", "data", "mfu",
+_LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "num_params", "flops_per_token", "device",
+                       "backend", "data", "mfu",
                        "config_hash", "error", "eval", "comm_wire_bytes_total",
                        "comm_wire_bytes_per_rank", "projection_model", "optim",
                        "bubble_fraction_measured", "bubble_fraction_theory",
                        "peak_memory_bytes", "peak_memory_bytes_per_stage",
-                       "activation_bytes_per_boundary")
+                       "activation_bytes_per_boundary", "val_set")
 
 
 def make_summary(**fields: Any) -> dict[str, Any]:

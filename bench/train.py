@@ -13,7 +13,9 @@ inside its timed step, like a slow GPU's time). The run's clock (`elapsed_s`, `w
 advances at each metrics row, validation and checkpoint by the SLOWEST rank's step
 seconds since the previous one; tokens are those consumed, summed over ranks; projected
 times accumulate step by step. Validation, logging and checkpointing are outside the
-clock, so throughput = tokens / wall_s. The harness's own reductions go straight to
+clock; each process's first `run.warmup_steps` steps and its communicator creation are on
+it but measured apart (`warmup_s`), so throughput = steady tokens / steady wall_s (the
+warm-up left out, bench/meter.py). The harness's own reductions go straight to
 torch.distributed, never into the ledger, which holds only algorithm traffic.
 """
 
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from algorithms.base import StepStats, TrainSetup, mean_loss, peak_memory_bytes, strategy_class
 from algorithms.comm import CommLedger, Communicator
 from bench import checkpoint
-from bench.batches import BatchStream, val_batches
+from bench.batches import BatchStream, validation_set
 from bench.config import Config, from_dict, load_raw
 from bench.data import load_corpus
 from bench.env import (
@@ -67,11 +69,15 @@ __all__ = ["TRAIN_PHASES", "Trainer", "lr_at", "make_optimizer_factory", "main"]
 class Trainer:
     """Builds everything for one rank and runs the steps."""
 
-    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, backend: str):
+    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, backend: str,
+                 keep_records: bool = False):
+        """`keep_records`: the ledger keeps every record (tests, debugging; memory grows
+        with the run), else only the current step's besides its bounded aggregates."""
         self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
         self.records = RunDir(run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.run.seed)
+        self.checkpoint_group = checkpoint.barrier_group(cfg.checkpoint.timeout_s)
 
         tokenizer = get_tokenizer(cfg.data.tokenizer)
         if self.rank != 0:
@@ -88,8 +94,6 @@ class Trainer:
         model = GPT(self.model_config).to(device)
         self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
-        if cfg.model.compile:
-            model = torch.compile(model)
 
         self.ranks_per_node = cfg.network.ranks_per_node or int(
             os.environ.get("LOCAL_WORLD_SIZE", self.world))
@@ -97,7 +101,7 @@ class Trainer:
         self.net_model = backend if cfg.network.model == "auto" else cfg.network.model
         delay = (delay_policy(get_profile(cfg.network.emulate), self.rank, self.ranks_per_node,
                               backend=self.net_model) if cfg.network.emulate else None)
-        self.ledger = CommLedger()
+        self.ledger = CommLedger(keep_records)
         self.comm = Communicator(self.rank, self.world, device, self.ledger, delay,
                                  self.ranks_per_node)
         precision = cfg.model.precision
@@ -110,20 +114,23 @@ class Trainer:
             num_stages=cfg.parallel.num_stages, partition=cfg.parallel.partition,
             loss_fn=lm_loss, delay_correction=cfg.optim.delay_correction,
             ef_lambda=cfg.optim.ef_lambda,
+            # the strategy compiles what it trains, after wrapping it (compile(DDP(model)))
+            compile=torch.compile if cfg.model.compile else None, precision=precision,
         )
         self.strategy = strategy_class(cfg.strategy.name)(cfg.strategy, setup)
         shard, num_shards = self.strategy.data_shard()
         self.stream = BatchStream(splits.train, cfg.model.seq_len, cfg.data.batch_size, shard,
                                   num_shards, cfg.run.seed)
-        all_val = val_batches(splits.val, cfg.model.seq_len, cfg.data.batch_size,
-                              cfg.run.val_batches)
-        self.val = all_val[shard::num_shards]  # ranks sharing a batch share its val batches
+        # the same windows for every layout; ranks sharing a batch share its share of them
+        self.val_set = validation_set(splits.val, cfg.model.seq_len, cfg.run.val_sequences)
+        self.val = self.val_set.batches(cfg.data.batch_size, shard, num_shards)
         self.data_meta = splits.meta
 
     # ------------------------------------------------------------------ evaluation
 
     def validate(self) -> tuple[float, dict[str, float]]:
-        """Validation loss of the strategy's eval model, and of its extra eval models."""
+        """Validation loss of the strategy's eval model, and of its extra eval models: each
+        the exact mean over every position of the validation set (`mean_loss`)."""
         with self.comm.phase("eval"):
             loss = self.strategy.evaluate(self.val)
             extra = self.strategy.extra_eval_models()
@@ -135,7 +142,8 @@ class Trainer:
     def run(self) -> dict:
         """Train from step 0 (or the checkpoint when resuming); returns summary.json's body."""
         cfg, rank = self.cfg, self.rank
-        saved = checkpoint.load_state(self.records, rank, self.strategy, self.ledger)
+        saved = checkpoint.load_state(self.records, rank, self.strategy, self.ledger,
+                                      self.checkpoint_group)
         state = LoopState(**saved) if saved else LoopState()
         window = MetricsWindow()
         clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model,
@@ -143,8 +151,9 @@ class Trainer:
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
         every = checkpoint.interval(cfg)
-        if state.step < cfg.run.steps:  # untimed, the same fresh or resumed
-            self.strategy.warm_up(tuple(t.to(self.device) for t in self.stream.batch(state.step)))
+        state.add_one_off(self.warm_up(state.step))  # the same fresh or resumed
+        first_step = state.step
+        warm_end = min(first_step + cfg.run.warmup_steps, cfg.run.steps)  # one-off costs
         for step in range(state.step, cfg.run.steps):
             if fault is not None and step == fault[0]:
                 inject_fault(fault[1], rank, step, self.model)
@@ -157,6 +166,8 @@ class Trainer:
             state.idle_s += stats.idle_s
             window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
             clock.add(step_s, stats, step_records)
+            if state.step == warm_end > first_step:  # the warm-up steps, settled apart
+                state.advance(clock.settle(), warmup_steps=warm_end - first_step)
 
             last = state.step == cfg.run.steps
             if state.step % cfg.run.log_every == 0 or last:
@@ -182,20 +193,37 @@ class Trainer:
             if every and state.step % every == 0 and not last:
                 state.advance(clock.settle())
                 every = checkpoint.save_periodic(self.records, rank, state.step, self.strategy,
-                                                 self.ledger, asdict(state), cfg, every)
+                                                 self.ledger, asdict(state), cfg, every,
+                                                 self.checkpoint_group)
         state.advance(clock.settle())
 
         if state.status == "ok" and cfg.checkpoint.final:
             checkpoint.save_eval_model(self.records, rank, self.strategy,
                                        vars(self.model_config), cfg.data.tokenizer,
-                                       cfg.run.steps)
+                                       cfg.run.steps, self.checkpoint_group)
         return self.summarise(state)
+
+    def warm_up(self, step: int) -> float:
+        """One-off work before this process's first step `step`, outside the timed steps:
+        every group's communicator created (`Communicator.warm_up`; NCCL makes them lazily)
+        and the strategy's own (`Strategy.warm_up`: DDP's bucket rebuild). The slowest
+        rank's seconds (a one-off cost, bench/meter.py Warm-up)."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        self.comm.warm_up()
+        if step < self.cfg.run.steps:
+            self.strategy.warm_up(tuple(t.to(self.device) for t in self.stream.batch(step)))
+        synchronize(self.device)
+        (seconds,) = all_reduce_floats([time.perf_counter() - start], self.device,
+                                       dist.ReduceOp.MAX)
+        return seconds
 
     def timed_step(self, step: int) -> tuple[StepStats, float, list]:
         """One training step: (its stats, its seconds, its training-traffic ledger records)."""
         self.comm.step = step
         self.strategy.set_lr(lr_at(step, self.cfg))
         x, y = (t.to(self.device, non_blocking=True) for t in self.stream.batch(step))
+        self.ledger.trim()  # the aggregates keep the run; the records, this step
         first_record = len(self.ledger.records)
         synchronize(self.device)
         start = time.perf_counter()
@@ -217,15 +245,17 @@ class Trainer:
         target = self.cfg.run.target_loss
         if target is not None and state.target is None and state.last_val <= target:
             state.target = {"time_to_target_s": state.elapsed_s,
+                            "time_to_target_steady_s": state.elapsed_s - state.warmup_s,
                             "tokens_to_target": state.tokens,
                             "projected_time_to_target_s": dict(state.projected_s)}
 
     def _projections(self, total_s: dict[str, float], comm_s: dict[str, float],
-                     state: LoopState) -> dict[str, Projection]:
-        """Per profile: the run's projected total and modelled comm per step."""
+                     warmup_s: dict[str, float], state: LoopState) -> dict[str, Projection]:
+        """Per profile: the run's projected total, modelled comm per step, steady rate."""
         steps = max(1, state.step)
         return {name: Projection.of(total_s.get(name, 0.0), comm_s.get(name, 0.0) / steps,
-                                    state.step, state.tokens) for name in self.profiles}
+                                    state.step, state.tokens, warmup_s.get(name, 0.0),
+                                    state.warmup_tokens) for name in self.profiles}
 
     def summarise(self, state: LoopState) -> dict:
         """The run's summary (every rank returns it) and, on rank 0, comm.jsonl."""
@@ -239,21 +269,27 @@ class Trainer:
                                            self.device)
         (peak_memory,) = all_reduce_floats([peak_memory_bytes(self.device)], self.device,
                                            dist.ReduceOp.MAX)
-        peak = self.device.type == "cuda" and peak_flops(self.device)
-        mfu = (self.flops_per_token * state.tokens / state.elapsed_s / (peak * self.world)
-               if peak and state.elapsed_s > 0 else None)
+        peak = peak_flops(self.device, cfg.model.precision)
+        steady_tokens, steady_s = state.steady()
+        mfu = (self.flops_per_token * steady_tokens / steady_s / (peak * self.world)
+               if peak and steady_s > 0 else None)
         return Summary(
             status=state.status, run_name=cfg.run.name, strategy=cfg.strategy.name,
             world_size=self.world, steps=state.step, total_tokens=state.tokens,
-            wall_s=state.elapsed_s, compute_s_total=state.compute_s, comm_s_total=state.comm_s,
+            wall_s=state.elapsed_s, warmup_s=state.warmup_s, warmup_steps=state.warmup_steps,
+            warmup_tokens=state.warmup_tokens, compute_s_total=state.compute_s,
+            comm_s_total=state.comm_s,
             comm_bytes_total=totals.logical_bytes, comm_wire_bytes_total=totals.wire_bytes,
             final_val_loss=state.last_val,
+            val_set=self.val_set.record(),
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
             final_val_loss_extra=state.extra_val, target_loss=cfg.run.target_loss,
             **(state.target or {}),
-            projected=self._projections(state.projected_s, state.projected_comm_s, state),
+            projected=self._projections(state.projected_s, state.projected_comm_s,
+                                        state.warmup_projected_s, state),
             projected_no_overlap=self._projections(state.projected_no_overlap_s,
-                                                   state.projected_comm_no_overlap_s, state),
+                                                   state.projected_comm_no_overlap_s,
+                                                   state.warmup_projected_no_overlap_s, state),
             projection_model=f"{self.net_model} collectives, overlap-aware",
             optim=describe_optimizer(getattr(self.strategy, "optimizer", None), cfg),
             num_params=self.num_params, flops_per_token=self.flops_per_token,

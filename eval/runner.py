@@ -161,10 +161,29 @@ def evaluate_run(
     return out
 
 
+def eval_device(cfg: Config) -> str:
+    """Where a run's self-evaluation runs: the device the run trained on (its first GPU:
+    `launch.cuda_visible_devices`' first, numbered as this process sees it), else CPU."""
+    from bench.config import runs_on_cuda
+
+    if not runs_on_cuda(cfg):
+        return "cpu"
+    chosen = cfg.launch.cuda_visible_devices
+    if not chosen:
+        return "cuda"
+    first = chosen.split(",")[0].strip()
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in mine.split(",")] if mine else None
+    if visible is not None and first in visible:
+        return f"cuda:{visible.index(first)}"
+    return f"cuda:{first}" if first.isdigit() else "cuda"
+
+
 def self_evaluate(cfg: Config, run_dir: str | Path) -> dict:
-    """Evaluate a run that just trained with its config's `eval` section; returns its
-    summary.json. lm-eval's chatter goes to logs/eval.log, not the terminal; a failure
-    is recorded as `eval_error` (the training record stays valid), never raised."""
+    """Evaluate a run that just trained with its config's `eval` section, on the run's
+    device (`eval_device`); returns its summary.json. lm-eval's chatter goes to
+    logs/eval.log, not the terminal; a failure is recorded as `eval_error` (the training
+    record stays valid), never raised."""
     run = RunDir(run_dir)
     run.logs.mkdir(parents=True, exist_ok=True)
     with open(run.eval_log, "a") as log, contextlib.redirect_stdout(log), \
@@ -174,7 +193,8 @@ def self_evaluate(cfg: Config, run_dir: str | Path) -> dict:
         root.handlers = [logging.StreamHandler(log)]
         try:
             evaluate_run(run.path, suite=cfg.eval.suite, tasks=cfg.eval.tasks or None,
-                         limit=cfg.eval.limit, batch_size=cfg.eval.batch_size)
+                         limit=cfg.eval.limit, batch_size=cfg.eval.batch_size,
+                         device=eval_device(cfg))
         except Exception as err:
             return run.update_summary(
                 {"eval_error": f"{type(err).__name__}: {err} (see {run.eval_log})"})

@@ -16,7 +16,7 @@ from bench.config import load_config
 from bench.train import Trainer
 from tests.helpers import params_of
 
-SMALL = ["run.log_every=1", "run.val_every=0", "run.val_batches=1", "model.seq_len=32",
+SMALL = ["run.log_every=1", "run.val_every=0", "run.val_sequences=2", "model.seq_len=32",
          "data.batch_size=2", "optim.warmup_steps=2", "checkpoint.final=false"]
 """Overrides that make a tiny config's run take seconds."""
 
@@ -25,7 +25,7 @@ def make_trainer(world_size, config, overrides, run_dir) -> Trainer:
     cfg = load_config(config, [*SMALL, f"parallel.world_size={world_size}", *overrides])
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+    return Trainer(cfg, run_dir, torch.device("cpu"), "gloo", keep_records=True)
 
 
 def train(world_size, config, overrides, run_dir) -> dict:

@@ -57,7 +57,7 @@ def spec(body: str) -> dict[str, str]:
 
 
 SWEEP = ["sweep", "{tmp}/spec.yaml", "--no-report"]
-SMALL = ["parallel.world_size=2", "run.steps=4", "run.log_every=2", "run.val_batches=1"]
+SMALL = ["parallel.world_size=2", "run.steps=4", "run.log_every=2", "run.val_sequences=8"]
 """A run small enough that a row which wrongly trains it (old code) fails fast."""
 RECORDED = to_yaml(load_config(REPO / "configs/ddp-tiny.yaml", [
     *SMALL, "run.output_dir='{tmp}/out'", "data.cache_dir='{tmp}/cache'"]))
@@ -110,6 +110,14 @@ CASES = [
     Case("section-scalar", run_argv("run=5"), ["run", "got 5", "a mapping"]),
     Case("val-fraction", run_argv("data.val_fraction=1.5"),
          ["data.val_fraction", "1.5", "in (0, 1)"]),
+    Case("val-batches-replaced", run_argv("run.val_batches=2"),
+         ["run.val_batches (2)", "replaced by run.val_sequences",
+          "run.val_sequences: 16 (val_batches 2 x data.batch_size 8)"]),
+    Case("val-batches-replaced-in-file", run_argv(config="{tmp}/c.yaml"),
+         ["run.val_batches (8)", "run.val_sequences: 128 (val_batches 8 x data.batch_size 16)"],
+         files={"c.yaml": "run: {val_batches: 8}\ndata: {batch_size: 16}\n"}),
+    Case("val-sequences-zero", run_argv("run.val_sequences=0"),
+         ["run.val_sequences", ">= 1", "got 0"]),
     # ---- #16.7: checks that used to wait for torchrun
     Case("cuda-without-cuda", run_argv("parallel.device=cuda"),
          ["parallel.device", "'cuda'", "auto or cpu"], marks=(NO_CUDA,)),
@@ -179,6 +187,10 @@ CASES = [
     Case("corpus-val-too-small", run_argv("data.corpus={tmp}/small.txt"),
          ["data.corpus", "{tmp}/small.txt", "val split", "model.seq_len + 1 = 129",
           "data.val_fraction"], files={"small.txt": SMALL_TEXT}),
+    Case("val-sequences-over-split", run_argv("data.corpus={tmp}/mid.txt"),
+         ["data.corpus", "{tmp}/mid.txt", "run.val_sequences must be <= 16",
+          "validation split", "got 64", "valid: 1 to 16",
+          "data.val_fraction"], files={"mid.txt": SMALL_TEXT * 40}),
     # ---- command-line arguments
     Case("set-without-equals", run_argv("run.steps"), ["--set", "KEY=VALUE", "'run.steps'"]),
     Case("output-dir-under-file", run_argv("run.output_dir={tmp}/file/sub"),
@@ -198,7 +210,7 @@ CASES = [
     Case("resume-world-size", RESUME + ["--set", "parallel.world_size=4"],
          ["parallel.world_size 2 -> 4", "Only run.steps"], files=recorded_run()),
     Case("resume-other-config-file", ["run", DDP_TINY, "--resume", "{tmp}/r", "--quiet"],
-         ["--resume", "{tmp}/r", "parallel.world_size 2 -> 4", "run.val_batches 1 -> 8"],
+         ["--resume", "{tmp}/r", "parallel.world_size 2 -> 4", "run.val_sequences 8 -> 64"],
          files=recorded_run()),
     Case("resume-fewer-steps", RESUME + ["--set", "run.steps=2"],
          ["--resume", "run.steps can only grow", "recorded 4, got 2"], files=recorded_run()),

@@ -35,13 +35,17 @@ def rule(**kw) -> Rule:
     return Rule(**{**base, **kw})
 
 
-def runs_table(values: dict[str, list], statuses: dict[str, list] | None = None) -> pd.DataFrame:
+def runs_table(values: dict[str, list], statuses: dict[str, list] | None = None,
+               val_sets: dict[str, str] | None = None) -> pd.DataFrame:
+    """Runs of variants over seeds 0, 1, ...; `val_sets`: variant -> its validation set."""
     rows = []
     for variant, per_seed in values.items():
         for seed, value in enumerate(per_seed):
             status = (statuses or {}).get(variant, ["ok"] * len(per_seed))[seed]
             rows.append({"variant": variant, "seed": seed, "status": status,
-                         "final_val_loss": value, "throughput_tokens_per_s": value})
+                         "final_val_loss": value, "throughput_tokens_per_s": value,
+                         "run_id": f"{variant}-{seed}",
+                         "val_set": (val_sets or {}).get(variant, "0123456789ab (64 x 128)")})
     return pd.DataFrame(rows)
 
 
@@ -97,6 +101,29 @@ def test_diverged_runs_are_dropped_or_counted_worst():
                                       diverged="worst"))
     assert flipped.interval.low == 1.0 and flipped.interval.high == math.inf
     assert flipped.verdict == FAILS
+
+
+def test_validation_losses_on_different_sets_are_not_compared():
+    table = runs_table({"a": [2.0, 2.1, 2.05], "b": [2.3, 2.35, 2.4]},
+                       val_sets={"b": "fedcba987654 (128 x 128)"})
+    result = decide_rule(table, rule(below=0.0))
+    assert result.verdict == INCONCLUSIVE and result.interval.n == 0
+    assert result.reason == (
+        "final_val_loss is not compared across validation sets, and these runs were scored "
+        "on 2: 0123456789ab (64 x 128): a seed 0 (a-0), a seed 1 (a-1), a seed 2 (a-2); "
+        "fedcba987654 (128 x 128): b seed 0 (b-0), b seed 1 (b-1), b seed 2 (b-2)")
+    # throughput does not depend on the validation set: still decided
+    assert decide_rule(table, rule(metric="throughput_tokens_per_s")).verdict == HOLDS
+
+
+def test_unrecorded_validation_sets_compare_only_when_the_same_and_say_so():
+    old = "not recorded (before run.val_sequences): the first 8 x 8 windows of ..."
+    table = runs_table({"a": [2.0, 2.1, 2.05], "b": [2.3, 2.35, 2.4]},
+                       val_sets={"a": old, "b": old})
+    result = decide_rule(table, rule(below=0.0))
+    assert result.verdict == HOLDS and f"validation set {old}" in result.notes
+    mixed = runs_table({"a": [2.0, 2.1, 2.05], "b": [2.3, 2.35, 2.4]}, val_sets={"a": old})
+    assert decide_rule(mixed, rule(below=0.0)).verdict == INCONCLUSIVE
 
 
 def test_ratio_scale_uses_log_and_reports_ratios():
@@ -177,12 +204,16 @@ def test_shipped_claim_files_load():
 
 
 def fake_runner(cfg, run_dir, progress=True) -> dict:
-    """A run in milliseconds: DiLoCo's loss is 0.1 below DDP's for every seed."""
+    """A run in milliseconds: DiLoCo's loss is 0.1 below DDP's for every seed; the
+    validation set's id stands for its size (a real run hashes the tokens)."""
     loss = 2.0 + 0.05 * cfg.run.seed + (0.0 if cfg.strategy.name == "diloco" else 0.1)
     rows = [val_row(5, 100, 1.0, {}, loss + 0.5), val_row(10, 200, 2.0, {}, loss)]
+    n, seq_len = cfg.run.val_sequences, cfg.model.seq_len
     summary = make_summary(status="ok", run_name=cfg.run.name, config_hash=config_hash(cfg),
                            strategy=cfg.strategy.name, world_size=cfg.parallel.world_size,
-                           steps=10, total_tokens=200, wall_s=2.0, final_val_loss=loss)
+                           steps=10, total_tokens=200, wall_s=2.0, final_val_loss=loss,
+                           val_set={"id": f"{n:06d}{seq_len:06d}", "sequences": n,
+                                    "seq_len": seq_len, "tokens": n * seq_len})
     RunDir.write_fake_run(run_dir, to_yaml(cfg), rows, summary)
     return {**summary, "run_dir": str(run_dir)}
 
@@ -217,3 +248,25 @@ def test_claims_page_from_fake_runs(tmp_path, monkeypatch):
     run_claims(claims_dir=claims_dir, output_dir="results", report_dir="report",
                runner=lambda *a, **k: calls.append(a) or fake_runner(*a, **k))
     assert calls == []
+
+
+def test_claims_page_refuses_a_loss_rule_across_validation_sets(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base = {"run": {"name": "base", "steps": 10}, "model": {"preset": "tiny", "seq_len": 32},
+            "data": {"corpus": "embedded", "batch_size": 4}, "parallel": {"world_size": 2},
+            "strategy": {"name": "ddp"}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    data = claim_data()
+    data["sweep"]["variants"]["diloco"]["run.val_sequences"] = 32
+    (tmp_path / "claims").mkdir()
+    (tmp_path / "claims" / "toy.yaml").write_text(yaml.safe_dump(data))
+    run_claims(claims_dir=tmp_path / "claims", output_dir="results", report_dir="report",
+               runner=fake_runner)
+    (claim,) = json.loads((tmp_path / "report" / "claims.json").read_text())["claims"]
+    assert claim["verdict"] == INCONCLUSIVE
+    reason = claim["rules"][0]["reason"]
+    assert reason.startswith("final_val_loss is not compared across validation sets")
+    assert "000064000032 (64 x 32 tokens): ddp seed 0" in reason
+    assert "000032000032 (32 x 32 tokens): diloco seed 0" in reason
+    md = (tmp_path / "report" / "claims.md").read_text()
+    assert "validation set" in md and "000032000032 (32 x 32 tokens)" in md

@@ -75,10 +75,12 @@ def test_validation_sets_that_differ_or_are_not_recorded_are_listed(tmp_path, ca
     b.update_summary({"val_set": {**val_set, "id": "v2"}})
     rc, out, _ = compare(capsys, a.path, b.path, c.path, "-o", tmp_path / "cmp")
     assert rc == 0
-    assert "validation set: v1 (16 sequences of 128 tokens, 2048 tokens) -> v2 (" in out
-    assert "validation set: v1 (16 sequences of 128 tokens, 2048 tokens) -> not recorded" in out
+    assert "validation set: v1 (16 x 128 tokens) -> v2 (16 x 128 tokens)" in out
+    assert "validation set: v1 (16 x 128 tokens) -> not recorded (before run.val_sequences)" \
+        in out
+    assert out.index("validation set: v1") < out.index("max |Δloss|")
     rc, out, _ = compare(capsys, c.path, c.path, "-o", tmp_path / "cmp")
-    assert "validation sets not recorded" in out  # a note, not a difference
+    assert "note: validation set not recorded (before run.val_sequences)" in out
     assert "differences" not in out
 
 

@@ -35,7 +35,7 @@ from tests.distributed import run_distributed
 from tests.helpers import IdleStrategy
 
 SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=12", "--set", "run.log_every=2",
-         "--set", "run.val_every=6", "--set", "run.val_batches=1", "--set",
+         "--set", "run.val_every=6", "--set", "run.val_sequences=8", "--set",
          "checkpoint.final=false"]
 TIMEOUT_S = 30
 """parallel.timeout_s of the fault runs: generous (the machine is loaded), but bounded."""
@@ -169,7 +169,7 @@ class Sleepy(IdleStrategy, Strategy):
 def train_with_straggler(rank, world_size, run_dir, slowdown):
     STRATEGIES["sleepy"] = f"{__name__}:Sleepy"  # in this rank's process only
     cfg = load_config("configs/ddp-tiny.yaml", [
-        f"run.steps={STEPS}", "run.log_every=2", "run.val_every=0", "run.val_batches=1",
+        f"run.steps={STEPS}", "run.log_every=2", "run.val_every=0", "run.val_sequences=8",
         "checkpoint.final=false", "checkpoint.every=0", "parallel.world_size=2",
         "network.profiles=[nvlink]", "run.straggler.rank=1", f"run.straggler.slowdown={slowdown}"])
     cfg.strategy = SleepConfig()
@@ -197,7 +197,7 @@ class Stateless(Sleepy):
 def train_stateless(rank, world_size, run_dir, every):
     STRATEGIES["sleepy"] = f"{__name__}:Stateless"
     cfg = load_config("configs/ddp-tiny.yaml", [
-        "run.steps=4", "run.log_every=2", "run.val_every=0", "run.val_batches=1",
+        "run.steps=4", "run.log_every=2", "run.val_every=0", "run.val_sequences=8",
         "checkpoint.final=false", f"checkpoint.every={every}", "parallel.world_size=2",
         "network.profiles=[nvlink]"])
     cfg.strategy = SleepConfig()
@@ -341,7 +341,7 @@ name: killed
 base: {repo}/configs/ddp-tiny.yaml
 output_dir: {out}
 set: {{parallel.world_size: 1, run.steps: 6, run.log_every: 2, run.val_every: 0,
-       run.val_batches: 1, checkpoint.final: false, network.profiles: [nvlink]}}
+       run.val_sequences: 8, checkpoint.final: false, network.profiles: [nvlink]}}
 grid: {{optim.lr: [0.001, 0.002, 0.003]}}
 """
 

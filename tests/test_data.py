@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.batches import BatchStream, val_batches
+from bench.batches import BatchStream, validation_set
 from bench.data import load_corpus, prepare
 from bench.tokenizers import get_tokenizer
 
@@ -275,20 +275,42 @@ def test_bad_shard_index_rejected():
         _stream(rank_batch=1, shard_index=4, num_shards=4)
 
 
-def test_val_batches_are_the_first_windows():
-    batches = val_batches(TOKENS, 16, 4, 3)
-    assert len(batches) == 3
-    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
-    assert starts == [16 * w for w in range(12)]
-    assert torch.equal(batches[1][1], val_batches(TOKENS, 16, 4, 3)[1][1])
-    assert len(val_batches(TOKENS, 16, 100, 10)) == 2  # 256 windows: 2 full batches of 100
+def test_validation_set_spreads_windows_over_the_split():
+    vs = validation_set(TOKENS, 16, 4)  # 256 windows: windows 0, 64, 128, 192
+    assert vs.windows[:, 0].tolist() == [0, 16 * 64, 16 * 128, 16 * 192]
+    assert vs.windows.shape == (4, 17)
+    assert vs.record() == {"id": vs.id, "sequences": 4, "seq_len": 16, "tokens": 64}
+    assert validation_set(TOKENS, 16, 256).windows[:, 0].tolist() == [16 * w for w in range(256)]
 
 
-def test_val_batches_short_split():
-    ((x, y),) = val_batches(TOKENS[:50], 16, 8, 4)  # 3 windows: one smaller batch
-    assert x.shape == (3, 16)
-    with pytest.raises(ValueError, match=r"validation split has 10 tokens.*17"):
-        val_batches(TOKENS[:10], 16, 8, 4)
+def test_validation_set_identity_is_the_tokens():
+    same = validation_set(TOKENS.copy(), 16, 8)
+    assert same.id == validation_set(TOKENS, 16, 8).id and len(same.id) == 12
+    changed = TOKENS.copy()
+    changed[16 * 32 + 3] += 1  # inside window 32, the second of the set
+    others = [validation_set(changed, 16, 8), validation_set(TOKENS, 16, 9),
+              validation_set(TOKENS, 15, 8), validation_set(TOKENS[:-16], 16, 8)]
+    assert len({same.id, *(o.id for o in others)}) == 5
+
+
+def test_validation_batches_cover_the_set_once_whatever_the_cut():
+    vs = validation_set(TOKENS, 16, 10)
+    everything = torch.cat([x for x, _ in vs.batches(10)])
+    for batch_size, num_shards in [(1, 1), (3, 1), (4, 3), (2, 4), (16, 16)]:
+        shares = [vs.batches(batch_size, s, num_shards) for s in range(num_shards)]
+        assert all(0 < x.shape[0] <= batch_size for share in shares for x, _ in share)
+        rows = torch.cat([x for share in shares for x, _ in share])
+        assert sorted(rows[:, 0].tolist()) == everything[:, 0].tolist()
+    x, y = vs.batches(10)[0]
+    assert torch.equal(x[:, 1:], y[:, :-1]) and x.dtype == torch.int64
+
+
+def test_validation_set_size_is_checked():
+    with pytest.raises(ValueError, match=r"run.val_sequences must be >= 1, got 0"):
+        validation_set(TOKENS, 16, 0)
+    with pytest.raises(ValueError, match=r"run.val_sequences must be <= 3, .* 17 tokens .*50 "
+                                         r"tokens\), got 4; valid: 1 to 3, .*data.val_fraction"):
+        validation_set(TOKENS[:50], 16, 4)
 
 
 def test_cache_dir_tilde_means_home(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ def train_and_collect(rank, world_size, overrides, run_dir):
     cfg = load_config(TINY, [f"parallel.world_size={world_size}", *overrides])
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo", keep_records=True)
     initial = params_of(trainer.strategy.eval_model())
     summary = trainer.run()
     trainer.strategy.close()
@@ -38,7 +38,7 @@ def train_and_collect(rank, world_size, overrides, run_dir):
     return params, ledger, summary, initial
 
 
-COMMON = ["run.steps=4", "run.log_every=1", "run.val_every=0", "run.val_batches=1",
+COMMON = ["run.steps=4", "run.log_every=1", "run.val_every=0", "run.val_sequences=8",
           "optim.warmup_steps=2", "checkpoint.final=false"]
 
 

@@ -31,7 +31,7 @@ from tests.local_updates import Regression, regression_batch
 
 TINY = "configs/gasloc-tiny.yaml"
 # 6 steps in rounds of 2: three gossip rounds, so the outer momentum is exercised.
-COMMON = ["run.steps=6", "run.log_every=2", "run.val_every=3", "run.val_batches=1",
+COMMON = ["run.steps=6", "run.log_every=2", "run.val_every=3", "run.val_sequences=2",
           "optim.warmup_steps=2", "checkpoint.final=false", "data.batch_size=2",
           "strategy.inner_steps=2"]
 
@@ -41,7 +41,7 @@ def train_and_collect(rank, world_size, overrides, run_dir, config=TINY):
     cfg = load_config(config, [f"parallel.world_size={world_size}", *overrides])
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo", keep_records=True)
     summary = trainer.run()
     trainer.strategy.close()
     params = {k: v.detach().clone() for k, v in trainer.strategy.model.state_dict().items()}

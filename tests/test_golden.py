@@ -33,7 +33,7 @@ REL_TOL = 1e-5
 """Losses must match to 1e-5 relative: float32 CPU kernels differ in the last bits between
 x86-64 generations (AVX2 vs AVX-512/AMX machines differ by ~1e-7 from step 1, growing to
 ~1e-6 by step 10), while any change to the math moves them by orders more."""
-COMMON = [f"run.steps={STEPS}", "run.log_every=1", "run.val_every=0", "run.val_batches=1",
+COMMON = [f"run.steps={STEPS}", "run.log_every=1", "run.val_every=0", "run.val_sequences=8",
           "optim.warmup_steps=2", "checkpoint.final=false", "parallel.world_size=4"]
 ROUNDS = ["strategy.inner_steps=3"]
 CASES: dict[str, tuple[str, list[str]]] = {

@@ -32,7 +32,7 @@ STEPS = 6
 FRONT_STEPS = 2
 """Steps at the start that all-reduce FRONT_FLOATS floats (training traffic)."""
 FRONT_FLOATS = 1 << 20
-SETTINGS = [f"run.steps={STEPS}", "run.log_every=2", "run.val_every=3", "run.val_batches=1",
+SETTINGS = [f"run.steps={STEPS}", "run.log_every=2", "run.val_every=3", "run.val_sequences=8",
             "run.target_loss=100", "checkpoint.final=false", "parallel.world_size=2",
             "network.profiles=[nvlink, wan-1g]"]
 
@@ -60,7 +60,7 @@ def train_straggler(rank, world_size, run_dir):
     STRATEGIES["straggler"] = f"{__name__}:Straggler"  # in this rank's process only
     cfg = load_config("configs/ddp-tiny.yaml", SETTINGS)
     cfg.strategy = StragglerConfig()
-    trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo", keep_records=True)
     summary = trainer.run()
     train = [r for r in trainer.ledger.records if r.phase in TRAIN_PHASES]
     # the loop prices with the run's backend (network.model: auto -> gloo here); wan-1g is

@@ -39,7 +39,7 @@ from bench.records import RunDir
 from tests.distributed import run_distributed
 
 BASE = {
-    "run": {"name": "matrix", "steps": 3, "log_every": 3, "val_every": 0, "val_batches": 1},
+    "run": {"name": "matrix", "steps": 3, "log_every": 3, "val_every": 0, "val_sequences": 4},
     "model": {"preset": "tiny", "n_layer": 4, "n_embd": 32, "n_head": 2, "seq_len": 16},
     "data": {"corpus": "embedded", "tokenizer": "byte", "batch_size": 4},
     "optim": {"lr": 1e-3, "warmup_steps": 1},

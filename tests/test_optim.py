@@ -76,7 +76,7 @@ def loop_against_reference(rank, world_size, runs, base_dir):
     for i, (overrides, reference_factory) in enumerate(runs):
         cfg = load_config("configs/ddp-tiny.yaml", [
             "parallel.world_size=1", "run.steps=4", "run.log_every=2", "run.val_every=0",
-            "run.val_batches=1", "model.seq_len=32", "data.batch_size=2",
+            "run.val_sequences=2", "model.seq_len=32", "data.batch_size=2",
             "checkpoint.final=false", *overrides])
         run_dir = Path(base_dir) / f"run{i}"
         run_dir.mkdir(parents=True)
@@ -225,7 +225,7 @@ def ddp_delayed_against_one_process(rank, world_size, base_dir):
 
     cfg = load_config("configs/ddp-tiny.yaml", [
         f"parallel.world_size={world_size}", "run.steps=4", "run.log_every=2",
-        "run.val_every=0", "run.val_batches=1", "model.seq_len=32", "data.batch_size=2",
+        "run.val_every=0", "run.val_sequences=2", "model.seq_len=32", "data.batch_size=2",
         "checkpoint.final=false", "optim.delay=1",
         "optim.delay_correction=ef"])
     run_dir = Path(base_dir) / "ddp"

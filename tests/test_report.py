@@ -21,6 +21,7 @@ import yaml
 from bench.records import RunDir
 from bench.report import build_report, load_results
 from bench.report.analysis import compare, first_crossing, mean_ci, t_quantile_975
+from bench.report.render import md_text
 from bench.summary import Projection, make_summary, train_row, val_row
 
 STEPS = [10, 20, 30, 40]
@@ -28,20 +29,27 @@ DDP_VAL = [4.0, 3.0, 2.5, 2.0]
 DILOCO_VAL = {0: [3.8, 2.8, 2.0, 1.9], 1: [3.8, 2.8, 2.2, 1.8]}
 PROJECTED_TOTAL = {"ddp": {"nvlink": 20.0, "wan-1g": 400.0},
                    "diloco": {"nvlink": 10.0, "wan-1g": 40.0}}
+VAL_SET = {"id": "0123456789ab", "sequences": 64, "seq_len": 128, "tokens": 64 * 128}
+"""The validation set the fixture's runs record (summary.json `val_set`)."""
 
 
 def write_run(sweep_dir: Path, sweep: dict, name: str, strategy: str, seed: int,
               val: list[float] | None, seconds_per_step: float, status: str | None = "ok",
               error: str | None = None, point: dict | None = None, torn: bool = False,
               eval_scores: dict | None = None, config: dict | None = None,
-              projected_elapsed: dict | None = None, summary_extra: dict | None = None) -> Path:
+              projected_elapsed: dict | None = None, summary_extra: dict | None = None,
+              val_set: dict | None = VAL_SET) -> Path:
     """One run record. `config` is merged into config.yaml (e.g. {"optim": {...}});
     `projected_elapsed` {profile: cumulative seconds at each of STEPS} adds the harness's
-    `projected_elapsed_s` to every metrics row; `summary_extra` is merged into summary.json."""
-    run_id = hashlib.sha256(f"{name}{seed}{point}".encode()).hexdigest()[:12]
+    `projected_elapsed_s` to every metrics row; `summary_extra` is merged into summary.json;
+    `val_set` is recorded in summary.json, and its size in config.yaml (None: a record
+    from before run.val_sequences, without either)."""
+    run_id = hashlib.sha256(f"{name}{seed}{point}{val_set}".encode()).hexdigest()[:12]
     run_dir = sweep_dir / f"{name}-{run_id}"
     full_config = {"run": {"name": name, "seed": seed, "steps": 40},
                    "strategy": {"name": strategy}}
+    if val_set is not None:
+        full_config["run"]["val_sequences"] = val_set["sequences"]
     for section, values in (config or {}).items():
         full_config.setdefault(section, {}).update(values)
     rows = []
@@ -66,7 +74,7 @@ def write_run(sweep_dir: Path, sweep: dict, name: str, strategy: str, seed: int,
             final_val_loss=val[-1] if val else None, best_val_loss=min(val or [9]),
             projected={p: Projection.of(t, t / steps / 4, steps, 1000 * steps)
                        for p, t in PROJECTED_TOTAL.get(strategy, {}).items()},
-            error=error, eval=eval_scores) | (summary_extra or {})
+            error=error, eval=eval_scores, val_set=val_set) | (summary_extra or {})
     RunDir.write_fake_run(run_dir, full_config, rows, summary,
                           torn_tail='{"step": 50, "tokens": 500' if torn else None)
     return run_dir
@@ -258,7 +266,7 @@ def test_report_from_results_with_a_failed_and_a_partial_run(tmp_path):
     for text in ("RuntimeError: rank 2 exploded", "loss is nan at step 21",
                  "no summary: killed midway, or still running", "Runs that did not finish ok",
                  "2.47× [0.93, 6.6] n<3", "truncated last line"):
-        assert text.replace("<", "&lt;") in html and text in md, text
+        assert text.replace("<", "&lt;") in html and md_text(text) in md, text
     runs = pd.read_csv(out / "runs.csv")
     assert sorted(runs["status"]) == ["diverged", "failed", "ok", "ok", "ok", "ok", "partial"]
     steps = pd.read_csv(out / "steps.csv")
@@ -633,3 +641,103 @@ def test_report_says_which_links_each_run_was_measured_on(tmp_path):
     assert "2 on this machine's own links" in md
     assert "2 on sleep-based emulation of wan-1g" in md
     assert "1 on shaped: tbf 100 Mbit/s + 10 ms" in md
+
+
+# ---------------------------------------------------------------------- validation sets
+
+OTHER_SET = {"id": "fedcba987654", "sequences": 128, "seq_len": 128, "tokens": 128 * 128}
+OLD_DDP = {"run": {"val_batches": 8}, "data": {"batch_size": 8}}
+"""A config from before run.val_sequences (no summary.json val_set either)."""
+
+
+def test_runs_on_different_validation_sets_are_never_compared(tmp_path):
+    """DDP and `near` on one set, `far` on another: `near` is compared with DDP, `far` has
+    no baseline on its set, and the report names both sets and the groups on each."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+        write_run(sweep_dir, sweep, "near", "diloco", seed, DILOCO_VAL[seed], 0.5)
+        write_run(sweep_dir, sweep, "far", "diloco", seed, DILOCO_VAL[seed], 0.5,
+                  val_set=OTHER_SET)
+    res = load_results(_save(sweep_dir, sweep))
+    with pytest.raises(ValueError, match="2 validation sets.*0123456789ab.*fedcba987654"):
+        compare(res.runs, res.steps, res.profiles)
+    out = tmp_path / "out"
+    build_report(sweep_dir, out)
+    speedup = pd.read_csv(out / "speedup.csv")
+    rows = speedup[speedup["clock"] == "measured"].set_index("label")
+    assert rows.loc["near", "baseline"] == "ddp" and rows.loc["near", "speedup"] > 1
+    assert rows.loc["far", "baseline"].startswith("none") and math.isnan(rows.loc["far",
+                                                                                 "speedup"])
+    assert rows.loc["far", "val_set"] == "fedcba987654 (128 x 128 tokens)"
+    md = (out / "report.md").read_text()
+    assert "scored on 2 different validation sets" in md
+    assert "**validation set 1**: 0123456789ab (64 x 128 tokens): `ddp`, `near`" in md
+    assert "**validation set 2**: fedcba987654 (128 x 128 tokens): `far`" in md
+    assert "## Speedup vs DDP (time to target loss) (validation set 2)" in md
+    for name in ("loss_vs_tokens-set1", "loss_vs_tokens-set2"):
+        assert (out / "figures" / f"{name}.png").exists()
+
+
+def test_one_validation_set_is_named_once(tmp_path):
+    out = tmp_path / "out"
+    build_report(make_results(tmp_path / "results"), out)
+    md = (out / "report.md").read_text()
+    assert "scored on one validation set, 0123456789ab (64 x 128 tokens)" in md
+    assert "(validation set" not in md and (out / "figures" / "loss_vs_tokens.png").exists()
+
+
+def test_records_without_a_validation_set_are_marked_and_kept_apart(tmp_path):
+    """Old records (run.val_batches, no val_set) compare with each other only where their
+    configs imply the same windows, and never with recorded runs."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+        write_run(sweep_dir, sweep, "old-ddp", "ddp", seed, DDP_VAL, 1.0, val_set=None,
+                  config=OLD_DDP)
+        write_run(sweep_dir, sweep, "old-diloco", "diloco", seed, DILOCO_VAL[seed], 0.5,
+                  val_set=None, config=OLD_DDP)
+        write_run(sweep_dir, sweep, "old-pipe", "diloco", seed, DILOCO_VAL[seed], 0.5,
+                  val_set=None, config={"run": {"val_batches": 8}, "data": {"batch_size": 16}})
+    res = load_results(_save(sweep_dir, sweep))
+    sets = {label: name for label, name in zip(res.runs["label"], res.runs["val_set"],
+                                               strict=True)}
+    assert sets["ddp"] == "0123456789ab (64 x 128 tokens)"
+    assert sets["old-ddp"] == sets["old-diloco"] == (
+        "not recorded (before run.val_sequences): the first 8 x 8 windows of the held-out "
+        "split of 'embedded' (byte, val_fraction 0.05, seq_len 128)")
+    assert sets["old-pipe"].startswith("not recorded") and "8 x 16 windows" in sets["old-pipe"]
+    out = tmp_path / "out"
+    build_report(sweep_dir, out)
+    speedup = pd.read_csv(out / "speedup.csv")
+    rows = speedup[speedup["clock"] == "measured"].set_index("label")
+    assert rows.loc["old-diloco", "baseline"] == "old-ddp"  # same implied set: compared
+    assert rows.loc["old-pipe", "baseline"].startswith("none")  # 128 first windows, not 64
+    assert "scored on 3 different validation sets" in (out / "report.md").read_text()
+
+
+def test_a_run_killed_before_recording_its_set_counts_with_its_group(tmp_path):
+    """A partial run (no summary.json) is on the set its config asks for, so it still voids
+    its group's speedup; a group whose runs recorded two sets is split."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+    write_run(sweep_dir, sweep, "dil", "diloco", 0, DILOCO_VAL[0], 0.5)
+    write_run(sweep_dir, sweep, "dil", "diloco", 1, DILOCO_VAL[1][:2], 0.5, status=None)
+    write_run(sweep_dir, sweep, "mixed", "diloco", 0, DILOCO_VAL[0], 0.5)
+    write_run(sweep_dir, sweep, "mixed", "diloco", 1, DILOCO_VAL[1], 0.5, val_set={
+        **VAL_SET, "id": "aaaaaaaaaaaa"})
+    res = load_results(_save(sweep_dir, sweep))
+    dil = res.runs[res.runs["variant"] == "dil"]
+    assert list(dil["status"]) == ["ok", "partial"] and dil["val_set"].nunique() == 1
+    speedup, _ = compare(*_one_set(res, "0123456789ab"), res.profiles)
+    row = speedup[speedup["clock"] == "measured"].set_index("label").loc["dil"]
+    assert row["reason"] == "no speedup: 1 partial"
+    assert sorted(res.runs.loc[res.runs["variant"] == "mixed", "label"]) == [
+        "mixed [val 0123456789ab]", "mixed [val aaaaaaaaaaaa]"]
+
+
+def _one_set(res, set_id: str):
+    from bench.report.load import by_validation_set
+    ((_, part),) = [(n, p) for n, p in by_validation_set(res) if n.startswith(set_id)]
+    return part.runs, part.steps

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.batches import validation_set
+from bench.data import load_corpus
 from bench.records import RunDir
 
 SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=20", "--set", "run.log_every=5",
-         "--set", "run.val_every=10", "--set", "run.val_batches=2"]
+         "--set", "run.val_every=10", "--set", "run.val_sequences=16"]
 
 
 def commbench(*args, env=None, timeout=240):
@@ -44,6 +46,9 @@ def test_run_writes_every_record_and_loss_falls(tmp_path):
         assert summary[key] is not None, key
     assert summary["status"] == "ok" and summary["steps"] == 20
     assert summary["total_tokens"] == 20 * 2 * 8 * 128
+    val = load_corpus("embedded", "byte", "~/.cache/commbench", 0.05).val
+    assert summary["val_set"] == validation_set(val, 128, 16).record()
+    assert summary["val_set"]["sequences"] == 16 and summary["val_set"]["tokens"] == 16 * 128
     profiles = {"nvlink", "ib-400g", "eth-100g", "eth-10g", "wan-1g"}
     assert set(summary["projected"]) == profiles
     # a slower network can only make the projected step slower

@@ -544,7 +544,7 @@ def test_executor_override_and_report_at_the_end(tmp_path, env, capsys):
 def test_real_two_run_sweep_end_to_end(tmp_path):
     """Two seeds of DDP on 2 gloo ranks with the real launcher, then the report."""
     base = {**BASE, "run": {"name": "tiny", "steps": 12, "log_every": 4, "val_every": 6,
-                            "val_batches": 2},
+                            "val_sequences": 8},
             "model": {"preset": "tiny", "seq_len": 32, "n_layer": 1}}
     path = write_spec(tmp_path, {"name": "e2e", "base": base, "seeds": [0, 1],
                                  "variants": {"ddp": {"strategy.name": "ddp"}}})

@@ -384,7 +384,7 @@ def test_a_real_run_writes_tensorboard_mlflow_and_wandb_as_it_trains(tmp_path, m
     proc = subprocess.run(
         [sys.executable, "-m", "bench.cli", "run", "configs/ddp-tiny.yaml", "--quiet",
          "--set", "parallel.world_size=2", "--set", "run.steps=10", "--set", "run.log_every=5",
-         "--set", "run.val_every=5", "--set", "run.val_batches=2",
+         "--set", "run.val_every=5", "--set", "run.val_sequences=16",
          "--set", f"run.output_dir={out}",
          "--set", f"tracking.tensorboard.dir={tmp_path / 'tb'}",
          "--set", f"tracking.mlflow.tracking_uri={tmp_path / 'mlruns'}",
@@ -477,7 +477,7 @@ def test_a_sweep_with_tensorboard_is_served_and_its_seeds_compare(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"name: small\nbase: {REPO / 'configs' / 'ddp-tiny.yaml'}\n"
                     "set: {parallel.world_size: 2, run.steps: 10, run.log_every: 5, "
-                    "run.val_every: 5, run.val_batches: 2}\nseeds: [0, 1]\n"
+                    "run.val_every: 5, run.val_sequences: 16}\nseeds: [0, 1]\n"
                     "variants: {ddp: {strategy.name: ddp}}\n")
     tb = tmp_path / "tb"
     proc = subprocess.run([sys.executable, "-m", "bench.cli", "sweep", str(spec), "--no-report",

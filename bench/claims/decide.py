@@ -11,6 +11,12 @@ interval, `mean ± t(0.975, n-1) · sd / sqrt(n)`.
 - inconclusive: the interval straddles the threshold, or fewer than MIN_SEEDS seeds are
   complete (failed, partial or missing runs drop their seed and are listed).
 
+A rule on a validation loss (`VALIDATION_METRICS`) compares only runs scored on one
+validation set (the `val_set` column, bench/report/load.py): when the runs of its
+variants name several, the rule is inconclusive and its reason lists each set with its
+runs; runs whose set was not recorded (records from before run.val_sequences) are
+compared only with runs whose configs imply the same set, and the rule says so.
+
 A diverged run drops its seed, unless the rule says `diverged: worst`: then its metric is
 +infinity, and since a t-interval of infinite values means nothing, the interval becomes
 the range [min, max] of the per-seed contrasts (said in the output). A claim is reproduced
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from bench.claims.spec import MIN_SEEDS, Claim, Rule
+from bench.claims.spec import MIN_SEEDS, VALIDATION_METRICS, Claim, Rule
 from bench.report.stats import mean_interval
 
 HOLDS, FAILS, INCONCLUSIVE = "holds", "fails", "inconclusive"
@@ -140,8 +146,28 @@ def contrasts(runs: pd.DataFrame, rule: Rule) -> tuple[dict[int, float], list[st
     return per_seed, notes
 
 
+def validation_sets(runs: pd.DataFrame, rule: Rule) -> dict[str, list[str]]:
+    """The validation sets of the runs of the rule's variants: name -> "variant seed N
+    (run id)" of each run on it ({} for a metric that is not a validation loss)."""
+    if rule.metric not in VALIDATION_METRICS or "val_set" not in runs:
+        return {}
+    sets: dict[str, list[str]] = {}
+    for _, row in runs[runs["variant"].isin(list(rule.contrast))].iterrows():
+        where = f" ({row['run_id']})" if "run_id" in row else ""
+        sets.setdefault(row["val_set"], []).append(
+            f"{row['variant']} seed {row['seed']}{where}")
+    return sets
+
+
 def decide_rule(runs: pd.DataFrame, rule: Rule) -> RuleResult:
+    sets = validation_sets(runs, rule)
+    if len(sets) > 1:
+        reason = (f"{rule.metric} is not compared across validation sets, and these runs "
+                  "were scored on " + str(len(sets)) + ": " + "; ".join(
+                      f"{name}: {', '.join(members)}" for name, members in sets.items()))
+        return RuleResult(rule, INCONCLUSIVE, t_interval([]), {}, [], reason)
     per_seed, notes = contrasts(runs, rule)
+    notes += [f"validation set {name}" for name in sets if name.startswith("not recorded")]
     interval = t_interval(list(per_seed.values()))
     reason = ""
     if interval.n < MIN_SEEDS:

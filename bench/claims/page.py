@@ -58,6 +58,8 @@ def _variants_table(result: ClaimResult) -> pd.DataFrame:
         row = {"variant": variant,
                "runs": ", ".join(f"{counts[s]} {s}" for s in counts.index) if len(mine)
                else "none"}
+        if runs is not None and "val_set" in runs:
+            row["validation set"] = ", ".join(dict.fromkeys(mine["val_set"])) or "—"
         for metric in metrics:
             values = mine.loc[mine["status"] == "ok", metric] if metric in mine else []
             mean, half, n = mean_ci(values)

@@ -50,6 +50,8 @@ METRICS = (
     "comm_bytes_total", "comm_s_total", "compute_s_total",
 )
 """Run-summary numbers a rule may use, besides `proj.PROFILE.KEY` and `eval.TASK/METRIC`."""
+VALIDATION_METRICS = ("final_val_loss", "best_val_loss")
+"""Metrics that are validation losses: compared only between runs on one validation set."""
 _PROJECTED = re.compile(r"^proj\.[A-Za-z0-9_-]+\.(step_s|total_s|comm_s|throughput_tokens_per_s)$")
 _EVAL = re.compile(r"^eval\.[^\s]+$")
 _CLAIM_KEYS = ("name", "statement", "paper", "reconstruction", "sweep", "scales", "rules")

@@ -20,6 +20,14 @@ directory, a folder of sweeps, or single runs) and writes to `out_dir`:
 Sections for particular studies (one-step delay, pipelines) appear when such runs are
 present: bench/report/studies.py.
 
+Validation losses compare only between runs scored on the same validation set
+(summary.json `val_set`; bench/report/load.py says how records without one are named).
+The runs are split by set first (`load.by_validation_set`): speedups, convergence, loss
+curves and study sections are computed within each set, under headings that name it
+when there are several (files suffixed -setK), and a group whose baseline ran on another
+set has none. The report's head names every set and the groups on it. Throughput,
+communication and downstream numbers do not depend on the set and cover every run.
+
 Failed, diverged and partial (killed) runs are listed with their error, never dropped
 silently: they count in their group's tallies (a group gets a speedup only when every seed
 reached the target), while only ok runs contribute numbers. How times to target, speedups
@@ -30,12 +38,13 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from bench import records
-from bench.report import analysis, figures, render, studies, tables
+from bench.report import analysis, figures, load, render, studies, tables
 from bench.report.load import Results, load_results
 
 __all__ = ["build_report", "load_results", "Results"]
@@ -52,7 +61,11 @@ _METHOD = (
     "no speedup, and the cell says why. Speedup = DDP time / run time: geometric mean over "
     "seeds [95% interval on the log-ratios, t-distribution], paired by seed when both "
     "groups ran the same seeds, else Welch's two-sample interval on the logs; \"n<3\" "
-    "marks an interval from fewer than 3 seeds."
+    "marks an interval from fewer than 3 seeds. Times to target here INCLUDE one-off "
+    "costs (each process's warm-up steps and communicator creation: compile, NCCL set-up; "
+    "summary.json `warmup_s`), as a user waits for them; summary.json's "
+    "`time_to_target_steady_s` leaves them out. Throughput is steady state (warm-up left "
+    "out)."
 )
 
 
@@ -80,38 +93,34 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "figures").mkdir(exist_ok=True)
 
-    runs, steps, profiles = res.runs, res.steps, res.profiles
-    speedup, convergence = analysis.compare(runs, steps, profiles, target_loss,
-                                            res.sweep_targets)
+    runs, profiles = res.runs, res.profiles
+    palette = figures.colors(list(dict.fromkeys(runs["label"])))
+    parts = load.by_validation_set(res)
+    sets = []
+    for k, (name, part) in enumerate(parts, 1):
+        suffix = f"-set{k}" if len(parts) > 1 else ""
+        sets.append(_compare_on_one_set(name, part, out_dir, target_loss, palette, suffix))
+    speedup = pd.concat([s.speedup.assign(val_set=s.name) for s in sets], ignore_index=True)
+    convergence = pd.concat([s.convergence.assign(val_set=s.name) for s in sets],
+                            ignore_index=True)
     comm = analysis.communication(runs, profiles)
     evals = analysis.downstream(runs)
 
     runs.to_csv(out_dir / "runs.csv", index=False)
-    steps.to_csv(out_dir / "steps.csv", index=False)
+    res.steps.to_csv(out_dir / "steps.csv", index=False)
     speedup.to_csv(out_dir / "speedup.csv", index=False)
     convergence.to_csv(out_dir / "convergence.csv", index=False)
     comm.to_csv(out_dir / "communication.csv", index=False)
     if not evals.empty:
         evals.to_csv(out_dir / "downstream.csv", index=False)
 
-    targets = speedup["target_loss"].dropna().unique() if not speedup.empty else []
-    target_line = float(targets[0]) if len(targets) == 1 else None
-    palette = figures.colors(list(dict.fromkeys(runs["label"])))
     drawn = {}
-    for name, fig in (
-        ("loss_vs_tokens", figures.loss_vs_tokens(runs, steps, palette, target_line)),
-        ("loss_vs_time", figures.loss_vs_time(runs, steps, palette, target_line, profiles)),
-        ("throughput", figures.throughput(comm, profiles)),
-        ("communication", figures.communication(comm, profiles, palette)),
-    ):
+    for name, fig in (("throughput", figures.throughput(comm, profiles)),
+                      ("communication", figures.communication(comm, profiles, palette))):
         if fig is not None:
-            path = out_dir / "figures" / f"{name}.png"
-            fig.savefig(path)
-            drawn[name] = path
+            drawn[name] = _save(fig, out_dir, name)
 
-    extra = studies.blocks(res, out_dir, target_loss, speedup)
-    blocks = _blocks(results_dir, res, speedup, convergence, comm, evals, drawn, profiles,
-                     extra)
+    blocks = _blocks(results_dir, res, sets, comm, evals, drawn, profiles)
     title = f"commbench report: {results_dir.resolve().name}"
     records.write_text(out_dir / "report.md", render.to_markdown(blocks, out_dir))
     html_path = out_dir / "report.html"
@@ -119,25 +128,65 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     return html_path
 
 
-def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence: pd.DataFrame,
-            comm: pd.DataFrame, evals: pd.DataFrame, drawn: dict, profiles: list[str],
-            extra: list[tuple]) -> list:
-    runs = res.runs
-    counts = runs["status"].value_counts()
-    status_text = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "failed", "diverged",
-                                                                 "partial") if counts.get(s, 0))
-    blocks: list[tuple] = [
-        ("h1", f"commbench report: {results_dir.resolve().name}"),
-        ("p", f"Generated {time.strftime('%Y-%m-%d %H:%M')} from `{results_dir}`: "
-              f"{tables.plural(len(runs), 'run')} in "
-              f"{tables.plural(runs['group'].nunique(), 'group')} ({status_text}). "
-              "A group is one config minus its seed."),
-    ]
-    if res.warnings:
-        blocks.append(("p", "Warnings:\n\n" + "\n".join(f"- {w}" for w in res.warnings)))
+@dataclass
+class _OneSet:
+    """What compares validation losses, computed over the runs of one validation set."""
 
-    blocks.append(("h2", "Speedup vs DDP (time to target loss)"))
-    if not counts.get("ok", 0):
+    name: str
+    runs: pd.DataFrame
+    speedup: pd.DataFrame
+    convergence: pd.DataFrame
+    drawn: dict
+    studies: list[tuple]
+    tag: str
+    """Appended to the section headings when the report holds several sets."""
+
+
+def _save(fig, out_dir: Path, name: str) -> Path:
+    path = out_dir / "figures" / f"{name}.png"
+    fig.savefig(path)
+    return path
+
+
+def _compare_on_one_set(name: str, part: Results, out_dir: Path, target_loss: float | None,
+                        palette: dict, suffix: str) -> _OneSet:
+    """Speedups, convergence, loss curves and study sections of the runs of one set."""
+    speedup, convergence = analysis.compare(part.runs, part.steps, part.profiles, target_loss,
+                                            part.sweep_targets)
+    targets = speedup["target_loss"].dropna().unique() if not speedup.empty else []
+    target_line = float(targets[0]) if len(targets) == 1 else None
+    drawn = {}
+    for figure, fig in (
+        ("loss_vs_tokens", figures.loss_vs_tokens(part.runs, part.steps, palette, target_line)),
+        ("loss_vs_time", figures.loss_vs_time(part.runs, part.steps, palette, target_line,
+                                              part.profiles)),
+    ):
+        if fig is not None:
+            drawn[figure] = _save(fig, out_dir, figure + suffix)
+    tag = f" (validation set {suffix.removeprefix('-set')})" if suffix else ""
+    extra = studies.blocks(part, out_dir, target_loss, speedup, suffix, tag)
+    return _OneSet(name, part.runs, speedup, convergence, drawn, extra, tag)
+
+
+def _validation_text(sets: list[_OneSet]) -> str:
+    if len(sets) == 1:
+        return (f"Every run was scored on one validation set, {sets[0].name} (its validation "
+                "losses compare).")
+    lines = [f"- **validation set {k}**: {s.name}: "
+             + ", ".join(f"`{label}`" for label in dict.fromkeys(s.runs["label"]))
+             for k, s in enumerate(sets, 1)]
+    return (f"**These runs were scored on {len(sets)} different validation sets, whose "
+            "losses do not compare.** Speedups, convergence, loss curves and studies are "
+            "computed within each set only, each under its own headings below; a group "
+            "whose baseline ran on another set has no baseline there. Sets (\"not "
+            "recorded\": a record from before summary.json `val_set`, told apart by what "
+            "its config implies):\n\n" + "\n".join(lines))
+
+
+def _comparison_blocks(one: _OneSet, profiles: list[str]) -> list[tuple]:
+    speedup, convergence, runs, tag = one.speedup, one.convergence, one.runs, one.tag
+    blocks: list[tuple] = [("h2", "Speedup vs DDP (time to target loss)" + tag)]
+    if not (runs["status"] == "ok").any():
         blocks.append(("p", "No run finished ok: nothing to compare."))
     if not speedup.empty:
         blocks.append(("p", tables.target_text(speedup) + " " + _METHOD))
@@ -156,15 +205,15 @@ def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence:
         blocks.append(("p", "Time to target, seconds (measured here, then projected; mean "
                             "± 95% half-width over seeds):"))
         blocks.append(("table", tables.wide_by_clock(speedup, profiles, "time")))
-        blocks.append(("h2", "Convergence"))
+        blocks.append(("h2", "Convergence" + tag))
         blocks.append(("p", "Tokens to target and its ratio to DDP (geometric mean [95% "
                             "interval]); final validation loss over the ok runs and its "
                             "difference from DDP (paired by seed when both ran the same "
                             "seeds, else Welch)."))
         blocks.append(("table", tables.convergence_table(convergence)))
-    blocks += extra
+    blocks += one.studies
 
-    blocks.append(("h2", "Loss curves"))
+    blocks.append(("h2", "Loss curves" + tag))
     for name, caption in (
         ("loss_vs_tokens", "Loss vs tokens (mean over seeds; band: min-max over seeds; "
                            "dashed: target)."),
@@ -172,15 +221,37 @@ def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence:
                          "network profile (the run's cumulative projected clock where it "
                          "logged one, else projected run time × fraction of tokens)."),
     ):
-        if name in drawn:
-            blocks.append(("figure", drawn[name], caption))
+        if name in one.drawn:
+            blocks.append(("figure", one.drawn[name], caption))
+    return blocks
+
+
+def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataFrame,
+            evals: pd.DataFrame, drawn: dict, profiles: list[str]) -> list:
+    runs = res.runs
+    counts = runs["status"].value_counts()
+    status_text = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "failed", "diverged",
+                                                                 "partial") if counts.get(s, 0))
+    blocks: list[tuple] = [
+        ("h1", f"commbench report: {results_dir.resolve().name}"),
+        ("p", f"Generated {time.strftime('%Y-%m-%d %H:%M')} from `{results_dir}`: "
+              f"{tables.plural(len(runs), 'run')} in "
+              f"{tables.plural(runs['group'].nunique(), 'group')} ({status_text}). "
+              "A group is one config minus its seed."),
+        ("p", _validation_text(sets)),
+    ]
+    if res.warnings:
+        blocks.append(("p", "Warnings:\n\n" + "\n".join(f"- {w}" for w in res.warnings)))
+    for one in sets:
+        blocks += _comparison_blocks(one, profiles)
 
     blocks.append(("h2", "Throughput and communication"))
     if comm.empty:
         blocks.append(("p", "No run finished ok."))
     else:
         for name, caption in (
-            ("throughput", "Throughput in tokens/s over the whole run (log scale)."),
+            ("throughput", "Throughput in tokens/s, steady state: the run without its "
+                           "warm-up steps and communicator creation (log scale)."),
             ("communication", "Bytes per rank over the run: logical payload (tensor bytes "
                               "handed to collectives and sends) beside modelled wire bytes "
                               "(what the algorithm puts on the link, e.g. 2(n−1)/n × payload "
@@ -214,7 +285,8 @@ def _blocks(results_dir: Path, res: Results, speedup: pd.DataFrame, convergence:
         blocks.append(("table", tables.problem_table(bad)))
 
     blocks.append(("h2", "All runs"))
-    blocks.append(("table", tables.runs_table(runs)))
+    numbers = {one.name: k for k, one in enumerate(sets, 1)} if len(sets) > 1 else None
+    blocks.append(("table", tables.runs_table(runs, numbers)))
     files = ["runs.csv", "steps.csv", "speedup.csv", "convergence.csv", "communication.csv"]
     if not evals.empty:
         files.append("downstream.csv")

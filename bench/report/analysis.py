@@ -11,8 +11,10 @@ writes into every metrics row, interpolated the same way ("step-wise"); records 
 fall back to the run's projected total times the fraction of its tokens seen at the
 crossing, which assumes every step costs the same ("uniform-step estimate", marked).
 
-Each group (a config minus its seed) is compared with the DDP group of the same sweep
-and grid point (else the only DDP group). The target is the caller's, else the sweep
+Only runs scored on one validation set are compared (`require_one_validation_set`; the
+report splits its runs by set first, bench/report/load.py `by_validation_set`). Each
+group (a config minus its seed) is compared with the DDP group of the same sweep and grid
+point (else the only DDP group). The target is the caller's, else the sweep
 spec's, else the DDP group's final validation loss (the highest over its seeds, so that
 every DDP seed reaches it). Only runs with status ok can reach the target: a diverged,
 failed or partial run counts as a miss. A group gets a time to target and a speedup only
@@ -201,6 +203,16 @@ CONV_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_so
              "flag"]
 
 
+def require_one_validation_set(runs: pd.DataFrame) -> None:
+    """Fail unless every run was scored on the same validation set (column `val_set`):
+    validation losses of different sets do not compare, whatever the caller wants."""
+    sets = list(dict.fromkeys(runs["val_set"])) if "val_set" in runs else []
+    if len(sets) > 1:
+        raise ValueError(f"runs scored on {len(sets)} validation sets ({'; '.join(sets)}) "
+                         "cannot be compared: split them with "
+                         "bench.report.load.by_validation_set first")
+
+
 def compare(runs: pd.DataFrame, steps: pd.DataFrame, profiles: list[str],
             target_loss: float | None = None, sweep_targets: dict[str, float] | None = None,
             is_baseline=lambda group: group["strategy"] == "ddp",
@@ -210,7 +222,9 @@ def compare(runs: pd.DataFrame, steps: pd.DataFrame, profiles: list[str],
     speedup: one row per group and clock (measured, then each network profile).
     convergence: one row per group: tokens to target, final validation loss (ok runs) and
     its difference from the baseline. `is_baseline(group row)` picks baseline groups (row
-    fields: sweep, label, strategy, point, schedule)."""
+    fields: sweep, label, strategy, point, schedule). The runs must share one validation
+    set (`require_one_validation_set`)."""
+    require_one_validation_set(runs)
     if runs.empty:
         return pd.DataFrame(columns=SPEED_COLS), pd.DataFrame(columns=CONV_COLS)
     groups = runs.groupby("group", sort=False).agg(
@@ -224,7 +238,8 @@ def compare(runs: pd.DataFrame, steps: pd.DataFrame, profiles: list[str],
         base_group = baselines[group]
         common = {"sweep": info["sweep"], "label": info["label"], "strategy": info["strategy"]}
         if base_group is None:
-            note = {"baseline": f"none (no unique {baseline_name} group)", "runs": len(mine)}
+            note = {"baseline": f"none (no unique {baseline_name} group on this validation "
+                                "set)", "runs": len(mine)}
             conv_rows.append({**common, **note})
             speed_rows.append({**common, **note, "clock": "measured"})
             continue

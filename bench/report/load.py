@@ -8,7 +8,7 @@ reads its files and returns `Results(runs, steps, warnings)`:
   config_hash, sweep, variant, label, group, seed, strategy), `status` (ok, failed,
   diverged, or partial for a run killed midway: config.yaml without summary.json, or
   summary status running), summary totals, `proj.PROFILE.KEY` projected columns, and
-  `eval.TASK/METRIC` columns.
+  `eval.TASK/METRIC` columns, `val_set` and `implied_val_set` (below).
   Config columns: `optim.name`, `optim.delay`, `optim.delay_correction`, `schedule`
   (strategy.schedule) with the defaults of older records (adamw, 0, none), and `delay_ref`
   (the config minus seed and delay settings: runs that differ only by delay share it).
@@ -18,6 +18,25 @@ reads its files and returns `Results(runs, steps, warnings)`:
 
 Runs are grouped for comparison by their config minus the seed: the `label` a sweep
 recorded in sweep.json (variant name plus grid point), else the run name.
+
+Validation sets (`val_set` column; `implied_val_set`: what the run's config asks for, in
+words). Validation losses compare only between runs scored on the same validation set,
+so every run carries the name of its set and the report splits the runs by it
+(`by_validation_set`) before anything compares them:
+- a record with summary.json `val_set` (bench/summary.py): "ID (N x L tokens)", ID the
+  hash of the tokens scored;
+- a run of this code that ended before writing one (killed, failed at start-up; its
+  config has run.val_sequences): its group's recorded set, else the set recorded by the
+  runs whose configs ask for the same one (same corpus, tokenizer, val_fraction, seq_len
+  and val_sequences), when that names exactly one; else "not recorded (the run ended
+  before recording it): ..." (so a failed seed still counts in its group's tallies);
+- a record from before run.val_sequences: "not recorded (before run.val_sequences): the
+  first B x b windows of ...", the set its config implies (val_batches x batch_size
+  windows from the start of the split), so such records compare with each other only
+  where that set is the same, and never with a recorded one (whose id is a hash);
+- no config.yaml either: a set of its own, compared with nothing.
+A group whose runs name several sets is split into one group per set, its label suffixed
+with the set.
 """
 
 from __future__ import annotations
@@ -111,6 +130,77 @@ def _read_config(path: Path, warnings: list[str]) -> dict:
         return {}
 
 
+def recorded_val_set(summary: dict | None) -> str | None:
+    """The name of the validation set a summary records ("ID (N x L tokens)"), else None."""
+    val_set = (summary or {}).get("val_set")
+    if not isinstance(val_set, dict) or not val_set.get("id"):
+        return None
+    return f"{val_set['id']} ({val_set.get('sequences')} x {val_set.get('seq_len')} tokens)"
+
+
+def implied_val_set(config: dict) -> tuple[str, bool]:
+    """The validation set a run's config asks for, in words (the defaults of its time
+    where a key is absent), and whether the config predates run.val_sequences (then it
+    scored the first run.val_batches x data.batch_size windows of the split)."""
+    run, data, model = (config.get(k) if isinstance(config.get(k), dict) else {}
+                        for k in ("run", "data", "model"))
+    old = "val_sequences" not in run
+    what = (f"the first {run.get('val_batches', 8)} x {data.get('batch_size', 8)} windows of"
+            if old else f"{run['val_sequences']} windows spread over")
+    return (f"{what} the held-out split of {data.get('corpus', 'embedded')!r} "
+            f"({data.get('tokenizer', 'byte')}, val_fraction {data.get('val_fraction', 0.05)}, "
+            f"seq_len {model.get('seq_len', 128)})"), old
+
+
+def _val_set_columns(summary: dict | None, config: dict, run_id: str) -> dict[str, str | None]:
+    """`val_set` (None: a run of this code that ended before recording it, resolved by
+    `_resolve_val_sets`) and `implied_val_set`."""
+    implied, old = implied_val_set(config)
+    name = recorded_val_set(summary)
+    if name is None and not config:
+        name = f"not recorded, no config.yaml (run {run_id})"  # a set of its own
+    elif name is None and old:
+        name = f"not recorded (before run.val_sequences): {implied}"
+    return {"val_set": name, "implied_val_set": implied}
+
+
+def _resolve_val_sets(runs: pd.DataFrame) -> None:
+    """Name the set of each run of this code that ended before recording it: its group's
+    recorded set, else the one recorded by the runs whose configs ask for the same set
+    (when either names exactly one). Then split a group whose runs name several sets
+    into one group per set."""
+    recorded = runs.dropna(subset=["val_set"])
+    by_group = recorded.groupby("group")["val_set"].unique()
+    by_implied = recorded.groupby("implied_val_set")["val_set"].unique()
+    for i in runs.index[runs["val_set"].isna()]:
+        implied = runs.at[i, "implied_val_set"]
+        names = by_group.get(runs.at[i, "group"], [])
+        names = names if len(names) else by_implied.get(implied, [])
+        runs.at[i, "val_set"] = (names[0] if len(names) == 1 else
+                                 f"not recorded (the run ended before recording it): {implied}")
+    for group, part in runs.groupby("group", sort=False):
+        names = list(dict.fromkeys(part["val_set"]))
+        for k, name in enumerate(names if len(names) > 1 else [], 1):
+            mine = part.index[part["val_set"] == name]
+            tag = f"set {k}" if name.startswith("not recorded") else name.split(" ")[0]
+            runs.loc[mine, "group"] = f"{group} @ val {name}"
+            runs.loc[mine, "label"] = [f"{label} [val {tag}]"
+                                       for label in part.loc[mine, "label"]]
+
+
+def by_validation_set(res: Results) -> list[tuple[str, Results]]:
+    """The results split by validation set, in first-seen order: (set name, its runs and
+    their steps). Whatever compares validation losses takes one part at a time."""
+    parts = []
+    for name in dict.fromkeys(res.runs["val_set"]):
+        runs = res.runs[res.runs["val_set"] == name].reset_index(drop=True)
+        steps = (res.steps[res.steps["run_id"].isin(runs["run_id"])]
+                 if len(res.steps) and "run_id" in res.steps else res.steps)
+        parts.append((name, Results(runs=runs, steps=steps, profiles=res.profiles,
+                                    sweep_targets=res.sweep_targets, warnings=res.warnings)))
+    return parts
+
+
 def _compared_config_key(config: dict, extra: tuple[str, ...] = ()) -> str:
     data = without_keys(json.loads(json.dumps(config, default=str)), (*_NOT_COMPARED, *extra))
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
@@ -200,6 +290,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             "error": (summary or {}).get("error") or (summary or {}).get("eval_error"),
             "steps_planned": run_cfg.get("steps"),
         }
+        row.update(_val_set_columns(summary, config, row["run_id"]))
         for key, default in CONFIG_FIELDS.items():
             section, name = key.split(".")
             value = (config.get(section) or {}).get(name) if isinstance(
@@ -245,6 +336,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             step_rows.append({**{k: row[k] for k in IDENTITY}, **m})
 
     runs = pd.DataFrame(run_rows)
+    _resolve_val_sets(runs)
     # The same label from two sweeps, or two unrelated runs with one name: keep them apart.
     labels = runs.groupby("label")["group"].nunique()
     clash = runs["label"].isin(labels[labels > 1].index)
@@ -255,7 +347,9 @@ def load_results(results_dir: str | os.PathLike) -> Results:
     ]
     steps = pd.DataFrame(step_rows, columns=None if step_rows else IDENTITY)
     if len(steps):
-        steps["label"] = steps["run_id"].map(dict(zip(runs["run_id"], runs["label"], strict=True)))
+        for column in ("label", "group"):
+            steps[column] = steps["run_id"].map(dict(zip(runs["run_id"], runs[column],
+                                                         strict=True)))
     runs["_baseline_first"] = runs["strategy"] != "ddp"
     runs = runs.sort_values(["sweep", "_baseline_first", "label", "seed", "run_id"],
                             kind="stable").drop(columns="_baseline_first").reset_index(drop=True)

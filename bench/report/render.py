@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -89,8 +90,22 @@ def percent(value) -> str:
 # ---------------------------------------------------------------------------- markdown
 
 
+_TAG_OPEN = re.compile(r"<(?=[A-Za-z/!?])")
+
+
+def md_text(text) -> str:
+    """Text for markdown that renders as text: records and claim files are untrusted (a
+    results directory travels), and markdown renderers keep inline HTML and follow links.
+    A `<` that could open a tag, comment or autolink (followed by a letter, `/`, `!` or `?`)
+    becomes `&lt;` (so "n<3" stays readable), and the link forms `](` and `]:` are
+    backslash-escaped (no `[x](javascript:...)` link, no reference definition). The
+    report's own `code` and **bold** are left alone."""
+    text = _TAG_OPEN.sub("&lt;", str(text))
+    return text.replace("](", "\\](").replace("]:", "\\]:")
+
+
 def _md_cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return md_text(text).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_table(table: pd.DataFrame) -> str:
@@ -107,17 +122,18 @@ def to_markdown(blocks: list[tuple], out_dir: Path) -> str:
     parts = []
     for kind, *content in blocks:
         if kind == "h1":
-            parts.append(f"# {content[0]}")
+            parts.append(f"# {md_text(content[0])}")
         elif kind == "h2":
-            parts.append(f"## {content[0]}")
+            parts.append(f"## {md_text(content[0])}")
         elif kind == "p":
-            parts.append(content[0])
+            parts.append(md_text(content[0]))
         elif kind == "table":
             parts.append(markdown_table(content[0]))
         elif kind == "figure":
             path, caption = content
-            parts.append(f"![{caption}]({Path(path).relative_to(out_dir).as_posix()})\n\n"
-                         f"_{caption}_")
+            alt = md_text(caption).replace("[", "\\[").replace("]", "\\]")
+            parts.append(f"![{alt}]({Path(path).relative_to(out_dir).as_posix()})\n\n"
+                         f"_{md_text(caption)}_")
     return "\n\n".join(parts) + "\n"
 
 

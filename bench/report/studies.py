@@ -37,16 +37,18 @@ EF_CAPTION = ("EF = the error-feedback correction as reconstructed in this proje
               "not the paper's exact equations")
 
 
-def blocks(res: Results, out_dir: Path, target_loss: float | None,
-           speedup: pd.DataFrame) -> list[tuple]:
-    """The study sections that apply to these results (none when neither does)."""
+def blocks(res: Results, out_dir: Path, target_loss: float | None, speedup: pd.DataFrame,
+           suffix: str = "", tag: str = "") -> list[tuple]:
+    """The study sections that apply to these results (none when neither does). The runs
+    are those of one validation set (bench/report/load.py `by_validation_set`); `suffix`
+    names its files (delay_study{suffix}.csv) and `tag` ends its headings."""
     out: list[tuple] = []
     cells = delay_study(res.runs)
     if cells is not None:
-        out += _delay_blocks(cells, out_dir)
+        out += _delay_blocks(cells, out_dir, suffix, tag)
     pipes = pipeline_study(res, target_loss, speedup)
     if pipes is not None:
-        out += _pipeline_blocks(pipes)
+        out += _pipeline_blocks(pipes, tag)
     return out
 
 
@@ -62,6 +64,7 @@ def _finals(part: pd.DataFrame) -> dict:
 def delay_study(runs: pd.DataFrame) -> pd.DataFrame | None:
     """One row per cell: optimizer, mechanism (emulation or pipeline), delay, correction,
     final loss, gap to its sync reference (or None), and what the correction recovers."""
+    analysis.require_one_validation_set(runs)
     keys = ["optim.name", "update_delay", "optim.delay_correction", "strategy"]
     if runs.empty or not (runs["update_delay"] > 0).any():
         return None
@@ -114,7 +117,7 @@ def setting(delay: int, correction: str) -> str:
     return "delayed" + CORRECTION_NAMES.get(correction, f" + {correction}")
 
 
-def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
+def _delay_blocks(cells: pd.DataFrame, out_dir: Path, suffix: str, tag: str) -> list[tuple]:
     table = pd.DataFrame({
         "group": cells["label"], "optimizer": cells["optimizer"],
         "delay by": cells["mechanism"],
@@ -133,7 +136,7 @@ def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
     })
     if cells["sweep"].nunique() > 1:
         table.insert(0, "sweep", cells["sweep"])
-    out = [("h2", "One-step delay: optimizers, delay and correction"),
+    out = [("h2", "One-step delay: optimizers, delay and correction" + tag),
            ("p", "Final validation loss per cell (ok runs: mean ± 95% half-width, n seeds) "
                  "and the gap to the synchronous run of the same config (delayed minus "
                  "sync: paired by seed when both ran the same seeds, else Welch). \"delay "
@@ -146,12 +149,12 @@ def _delay_blocks(cells: pd.DataFrame, out_dir: Path) -> list[tuple]:
            ("table", table)]
     fig = figures.delay_gaps(cells)
     if fig is not None:
-        path = out_dir / "figures" / "delay_gaps.png"
+        path = out_dir / "figures" / f"delay_gaps{suffix}.png"
         fig.savefig(path)
         out.append(("figure", path, "Gap of the final validation loss to the synchronous "
                                     "run, per sync reference and setting (error bars: 95% "
                                     "interval). " + EF_CAPTION + "."))
-    cells.drop(columns="delay_ref").to_csv(out_dir / "delay_study.csv", index=False)
+    cells.drop(columns="delay_ref").to_csv(out_dir / f"delay_study{suffix}.csv", index=False)
     return out
 
 
@@ -203,7 +206,7 @@ def _speed_cell(table: pd.DataFrame, key) -> str:
     return tables.ratio_cell(row)
 
 
-def _pipeline_blocks(pipes: pd.DataFrame) -> list[tuple]:
+def _pipeline_blocks(pipes: pd.DataFrame, tag: str) -> list[tuple]:
     table = pd.DataFrame({
         "group": pipes["label"], "strategy": pipes["strategy"],
         "schedule": pipes["schedule"].map(lambda s: "—" if s is None or s != s else s),
@@ -212,7 +215,7 @@ def _pipeline_blocks(pipes: pd.DataFrame) -> list[tuple]:
         "bubble theory": [render.percent(v) for v in pipes["bubble_theory"]],
         "tokens/s measured": [render.si(v) for v in pipes["throughput"]],
         "speedup vs sync 1F1B": pipes["vs_sync"], "speedup vs DDP": pipes["vs_ddp"]})
-    return [("h2", "Pipelines"),
+    return [("h2", "Pipelines" + tag),
             ("p", "Bubble fraction: measured (idle share of the step) and the schedule's "
                   "theory ((S−1)/(M+S−1) for S stages and M microbatches); — where a record "
                   "lacks it. Speedup to the target loss (measured clock) against the "

@@ -172,8 +172,10 @@ def problem_table(bad: pd.DataFrame) -> pd.DataFrame:
     })
 
 
-def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame({
+def runs_table(runs: pd.DataFrame, set_numbers: dict[str, int] | None = None) -> pd.DataFrame:
+    """One row per run; with `set_numbers` (validation set name -> its number in the
+    report), the set each run was scored on."""
+    table = pd.DataFrame({
         "run": runs["run_id"], "group": runs["label"], "seed": runs["seed"].map(render.num),
         "strategy": runs["strategy"], "status": runs["status"],
         "steps": runs["steps_done"].map(render.num),
@@ -182,3 +184,6 @@ def runs_table(runs: pd.DataFrame) -> pd.DataFrame:
         "tokens/s": runs["throughput_tokens_per_s"].map(render.si),
         "final val loss": runs["final_val_loss"].map(render.num),
     })
+    if set_numbers:
+        table["validation set"] = runs["val_set"].map(set_numbers)
+    return table

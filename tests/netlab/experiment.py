@@ -124,7 +124,7 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int,
     from bench.config import load_config, to_yaml
 
     sets = [f"run.steps={STEPS}", "run.val_every=100000", f"run.log_every={LOG_EVERY}",
-            "run.val_batches=1", "checkpoint.every=0", "checkpoint.final=false",
+            "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
             f"network.model={model}", f"network.profiles=[{','.join(profiles)}]"]
     cfg = load_config(ROOT / CONFIGS[strategy], sets)
     run_dir.mkdir(parents=True, exist_ok=True)

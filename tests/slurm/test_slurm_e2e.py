@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 
-BASE = {"run": {"name": "tiny", "steps": 6, "log_every": 2, "val_every": 6, "val_batches": 2},
+BASE = {"run": {"name": "tiny", "steps": 6, "log_every": 2, "val_every": 6, "val_sequences": 4},
         "model": {"preset": "tiny", "seq_len": 32, "n_layer": 1},
         "data": {"corpus": "embedded", "batch_size": 2},
         "parallel": {"world_size": 2}, "strategy": {"name": "ddp", "backend": "torch"}}

@@ -1,0 +1,68 @@
+"""`commbench doctor`: the table and skip logic (fast), and the whole CPU subset (slow)."""
+
+from pathlib import Path
+
+import pytest
+
+from bench import doctor
+from bench.doctor import FAIL, PASS, SKIP, Check, Context, Skip
+
+
+def passes(ctx):
+    return "fine"
+
+
+def skips(ctx):
+    raise Skip("not here")
+
+
+def fails(ctx):
+    raise RuntimeError("the NCCL error\nwith a second line")
+
+
+def test_checks_run_in_order_and_gpu_checks_skip_without_a_gpu(tmp_path):
+    checks = [Check("a", passes), Check("gpu", passes, needs_gpu="CUDA events"),
+              Check("b", skips), Check("c", fails)]
+    cpu = doctor.run_checks(checks, Context(2, 0, tmp_path))
+    assert [(r.check, r.status) for r in cpu] == [("a", PASS), ("gpu", SKIP), ("b", SKIP),
+                                                  ("c", FAIL)]
+    assert cpu[1].detail == "needs a GPU: CUDA events"
+    assert cpu[3].detail == "RuntimeError: the NCCL error"  # the error line
+    gpu = doctor.run_checks(checks, Context(2, 8, tmp_path))
+    assert gpu[1].status == PASS  # the same check runs where there is a GPU
+    report = doctor.format_report(cpu, Context(2, 0, tmp_path))
+    assert "| c | FAIL |" in report and "1 passed, 1 failed, 2 skipped." in report
+    assert "Skipped: gpu (needs a GPU: CUDA events); b (not here)" in report
+    assert "Attach this file to a bug report" in report
+
+
+def test_the_shipped_checks_name_their_gpu_needs():
+    gpu_only = {c.name for c in doctor.CHECKS if c.needs_gpu}
+    assert gpu_only == {"one GPU per rank", "CUDA events vs host timing", "compile with DDP"}
+    names = [c.name for c in doctor.CHECKS]
+    for family in ("run ddp", "run diloco", "run gasloc", "run pipeline 1f1b (2 stages)",
+                   "run pipedream-2bw (2 stages)", "run deepspeed zero-1",
+                   "checkpoint and resume", "collectives and p2p", "bf16 autocast"):
+        assert family in names
+
+
+def test_too_many_ranks_for_the_gpus_fails(tmp_path):
+    (result,) = doctor.run_checks([c for c in doctor.CHECKS if c.name == "one GPU per rank"],
+                                  Context(8, 4, tmp_path))
+    assert result.status == FAIL and "8 ranks on this node" in result.detail
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_commbench_doctor_on_this_machine(tmp_path, monkeypatch, capsys):
+    """The CPU subset passes here and lists what it skipped for lack of a GPU."""
+    from bench.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the short runs' corpus cache
+    out = tmp_path / "doctor-report.md"
+    code = main(["doctor", "--out", str(out), "--keep", str(tmp_path / "work")])
+    report = out.read_text()
+    assert code == 0, report
+    assert "0 failed" in report and "| run pipedream-2bw (2 stages) | pass |" in report
+    assert "Skipped: one GPU per rank (needs a GPU" in report
+    assert Path(tmp_path / "work" / "runs").is_dir()
