@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -363,6 +364,35 @@ def test_failing_sinks_warn_once_and_the_run_finishes_ok(tmp_path, monkeypatch, 
         assert list((tmp_path / "wb").glob("wandb/offline-run-*"))
     else:
         assert len(warnings) == 2, err
+
+
+@pytest.mark.timeout(60)
+def test_a_hanging_sink_holds_back_neither_the_others_nor_the_run(tmp_path, monkeypatch,
+                                                                   capfd):
+    """MLflow's server hangs (its `open` never returns): TensorBoard still gets the rows
+    live, and the run returns after tracking.timeout_s with one warning."""
+    pytest.importorskip("tensorboard")
+    from bench.cli import run_and_evaluate
+    from bench.tracking.sinks import MlflowSink
+
+    release = threading.Event()
+    monkeypatch.setattr(MlflowSink, "open", lambda self, run, handle: release.wait(120) or "x")
+    live: list = []
+    monkeypatch.setattr("bench.launch.run_config", _fake_launcher(tmp_path, live))
+    cfg = load_config("configs/ddp-tiny.yaml", [
+        f"tracking.tensorboard.dir={tmp_path / 'tb'}", "tracking.poll_s=0.05",
+        f"tracking.mlflow.tracking_uri={tmp_path / 'mlruns'}", "tracking.timeout_s=1"])
+    try:
+        summary = run_and_evaluate(cfg, tmp_path / "results" / "r")
+        assert not release.is_set()  # returned while MLflow still hangs
+    finally:
+        release.set()
+    assert summary["status"] == "ok" and live == [True]
+    assert_series(tensorboard_scalars(tmp_path / "tb" / "r"), RunDir(tmp_path / "results" / "r"),
+                  rel=1e-6)
+    err = capfd.readouterr().err
+    assert err.count("warning: tracking: mlflow did not finish r within tracking.timeout_s=1 s"
+                     ) == 1, err
 
 
 def _installed(name: str) -> bool:

@@ -118,7 +118,7 @@ class WandbSink:
             id=handle, resume="allow", project=self.spec.project, entity=self.spec.entity,
             mode=mode, group=self.spec.group or run.group, name=run.name,
             tags=sorted({run.strategy, *self.spec.tags}), notes=json.dumps(run.env, indent=1),
-            config=run.config, dir=self.spec.dir, reinit="create_new",
+            config=run.hyperparameters, dir=self.spec.dir, reinit="create_new",
             settings=wandb.Settings(silent=True, console="off", init_timeout=self.timeout_s,
                                     x_disable_stats=True, disable_git=True, save_code=False,
                                     x_save_requirements=False))

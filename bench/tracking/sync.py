@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -73,7 +74,8 @@ class TrackedRun:
                    strategy=str(summary.get("strategy") or
                                 (config.get("strategy") or {}).get("name") or "unknown"),
                    env=env if isinstance(env, dict) else {}, summary=summary,
-                   rows=[r for r in run.read_metrics([]) if isinstance(r, dict)], eval=evals)
+                   rows=[r for r in run.read_metrics([]) if isinstance(r, dict) and
+                         isinstance(r.get("step"), int)], eval=evals)
 
     @property
     def attempt(self) -> str | None:
@@ -88,9 +90,14 @@ class TrackedRun:
     def last_step(self) -> int:
         return int(self.summary.get("steps") or max((r["step"] for r in self.rows), default=0))
 
+    @property
+    def hyperparameters(self) -> dict:
+        """The resolved config without its tracking section (where it is shown, not what ran)."""
+        return {k: v for k, v in self.config.items() if k != "tracking"}
+
     def params(self) -> dict:
-        """The resolved config as flat hyper-parameters (the tracking section left out)."""
-        return flatten({k: v for k, v in self.config.items() if k != "tracking"})
+        """The hyper-parameters flat: {"optim.lr": 0.001, ...}."""
+        return flatten(self.hyperparameters)
 
     def walltime(self, elapsed_s: float | None) -> float | None:
         """The attempt's start plus the run's clock: a sink's time axis shows the run's own
@@ -145,6 +152,9 @@ def _digest(data) -> str:
 # ------------------------------------------------------------------------ the account
 
 
+_LEDGER = threading.Lock()
+
+
 def _warn(message: str) -> None:
     print(f"warning: tracking: {message}", file=sys.stderr, flush=True)
 
@@ -161,11 +171,10 @@ class RunSync:
     def sync(self) -> list[str]:
         """Send what each sink lacks; one line per sink that got something."""
         run = TrackedRun.load(self.records.path)
-        ledger = self._ledger()
         lines = []
         for sink in list(self.sinks):
             try:
-                line = self._push(sink, run, ledger)
+                line = self._push(sink, run)
             except ImportError as err:
                 self._drop(sink, f"its package is not installed ({err}); pip install "
                                  f"'commbench[{sink.name}]'")
@@ -192,19 +201,28 @@ class RunSync:
         with contextlib.suppress(Exception):
             sink.close()
 
-    def _ledger(self) -> dict:
+    def _entry(self, key: str) -> dict:
         path = self.records.tracking
         try:
-            return records.read_json(path) if path.exists() else {}
+            return (records.read_json(path) if path.exists() else {}).get(key) or {}
         except ValueError:
             return {}
 
-    def _save(self, ledger: dict) -> None:
-        records.write_json(self.records.tracking, ledger)
+    def _save(self, key: str, entry: dict) -> None:
+        """Record one destination's account (the sinks of a run are followed in threads of
+        one process: each rewrites its own key)."""
+        with _LEDGER:
+            path = self.records.tracking
+            try:
+                ledger = records.read_json(path) if path.exists() else {}
+            except ValueError:
+                ledger = {}
+            ledger[key] = entry
+            records.write_json(path, ledger)
 
-    def _push(self, sink, run: TrackedRun, ledger: dict) -> str | None:
+    def _push(self, sink, run: TrackedRun) -> str | None:
         key = sink.key()
-        entry = ledger.get(key) or {}
+        entry = self._entry(key)
         if entry and key not in self.opened and entry.get("attempt") != run.attempt \
                 and not run.summary.get("resumed_from_step"):
             entry = {}  # a new attempt of the run (started again from step 0): a new sink run
@@ -227,8 +245,7 @@ class RunSync:
             entry["handle"] = sink.open(run, entry.get("handle"))
             entry["attempt"] = run.attempt
             self.opened.add(key)
-            ledger[key] = entry
-            self._save(ledger)
+            self._save(key, entry)
         sink.write_rows([(row["step"], run.walltime(row.get("elapsed_s")), scalars)
                          for _, row, scalars in rows])
         for kind, row, _ in rows:
@@ -240,8 +257,7 @@ class RunSync:
         if todo_eval:
             sink.finish(step, walltime, {f"eval/{k}": v for k, v in run.eval.items()}, None)
             entry["eval"] = eval_digest
-        ledger[key] = entry
-        self._save(ledger)
+        self._save(key, entry)
         what = [f"{len(rows)} rows"] + ["summary"] * todo_summary + ["eval"] * todo_eval
         return f"{sink.name}: {', '.join(what)} -> {sink.where(entry['handle'])}"
 
@@ -266,9 +282,10 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
 
 
 class Follower:
-    """A launcher thread that sends the run's new records every `poll_s` seconds.
+    """Launcher threads, one per sink (a slow one holds back no other), that send the
+    run's new records every `poll_s` seconds.
 
-    It waits for this attempt's metrics.jsonl: rank 0 replaces the file (atomically, a new
+    They wait for this attempt's metrics.jsonl: rank 0 replaces the file (atomically, a new
     inode) before its first step (bench/checkpoint.py `load_state`), so rows of an earlier
     attempt are never sent as this one's. On a multi-node run only the launcher on rank
     0's node (env.json's host) sends anything."""
@@ -276,24 +293,30 @@ class Follower:
     def __init__(self, cfg: TrackingConfig, run_dir: str | os.PathLike):
         self.cfg, self.records = cfg, RunDir(run_dir)
         self.stale = _identity(self.records.metrics)
-        sinks = [make_sink(name, spec, cfg.timeout_s) for name, spec in cfg.sinks().items()]
-        self.sync = RunSync(run_dir, sinks)
-        self.live, self.final, self.seen = False, True, None
+        self.syncs = [RunSync(run_dir, [make_sink(name, spec, cfg.timeout_s)])
+                      for name, spec in cfg.sinks().items()]
+        self.live, self.final = False, True
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True,
-                                       name=f"tracking {self.records.path.name}")
+        self.threads = [threading.Thread(target=self._loop, args=(sync,), daemon=True,
+                                         name=f"tracking {sync.sinks[0].name}")
+                        for sync in self.syncs]
 
     def start(self) -> None:
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
 
     def stop(self, final: bool = True) -> None:
         """Send the last records (unless `final` is False: Ctrl-C) and close the sinks,
         waiting at most tracking.timeout_s."""
         self.final = final
         self.done.set()
-        self.thread.join(self.cfg.timeout_s if final else min(5.0, self.cfg.timeout_s))
-        if self.thread.is_alive():
-            _warn(f"the sinks of {self.records.path.name} did not finish within "
+        deadline = time.monotonic() + (self.cfg.timeout_s if final
+                                       else min(5.0, self.cfg.timeout_s))
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        late = [t.name.removeprefix("tracking ") for t in self.threads if t.is_alive()]
+        if late:
+            _warn(f"{', '.join(late)} did not finish {self.records.path.name} within "
                   f"tracking.timeout_s={self.cfg.timeout_s:g} s and are left behind (the "
                   "records are complete; `commbench track` sends what is missing)")
 
@@ -302,9 +325,9 @@ class Follower:
             now = _identity(self.records.metrics)
             if now is None or now == self.stale:
                 return False
-            env = self._env()
-            if env.get("host") not in (None, socket.gethostname()):
-                self.sync.sinks.clear()  # rank 0 runs on another node: its launcher sends
+            if self._env().get("host") not in (None, socket.gethostname()):
+                for sync in self.syncs:  # rank 0 runs on another node: its launcher sends
+                    sync.sinks.clear()
                 return False
             self.live = True
         return True
@@ -316,27 +339,26 @@ class Follower:
             return {}
         return env if isinstance(env, dict) else {}
 
-    def _poll(self, last: bool) -> None:
-        if not self._ready() or not self.sync.sinks:
-            return
-        seen = tuple(_identity(p) for p in (self.records.metrics, self.records.summary,
-                                            self.records.eval))
-        if seen == self.seen:
-            return
-        try:
-            self.sync.sync()
-        except Exception as err:  # records being written: try again at the next poll
-            if last:
-                _warn(f"could not read {self.records.path}: {type(err).__name__}: {err}")
-            return
-        self.seen = seen
-
-    def _loop(self) -> None:
-        while not self.done.wait(self.cfg.poll_s):
-            self._poll(last=False)
-        if self.final:
-            self._poll(last=True)
-        self.sync.close()
+    def _loop(self, sync: RunSync) -> None:
+        seen = None
+        while True:
+            stopping = self.done.wait(self.cfg.poll_s)
+            if stopping and not self.final:
+                break
+            if self._ready() and sync.sinks:
+                now = tuple(_identity(p) for p in (self.records.metrics, self.records.summary,
+                                                   self.records.eval))
+                if now != seen:
+                    try:
+                        sync.sync()
+                        seen = now
+                    except Exception as err:  # records being written: the next poll retries
+                        if stopping:
+                            _warn(f"could not read {self.records.path}: "
+                                  f"{type(err).__name__}: {err}")
+            if stopping:
+                break
+        sync.close()
 
 
 @contextlib.contextmanager
