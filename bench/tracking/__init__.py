@@ -17,8 +17,8 @@ runs: a W&B group, an MLflow parent run, TensorBoard sub-directories SWEEP/RUN.
 
 A sink that fails (package missing, unwritable directory, network down) warns once and
 is dropped: the run goes on and its records are complete; `commbench track` backfills
-them later (idempotent: what a sink already holds is not sent again, `bench/tracking/
-sync.py` keeps the account in the run directory's tracking.json).
+them later (idempotent: what a sink already holds is not sent again; bench/tracking/sync.py
+keeps the account in the run directory's tracking.json).
 
 Packages: `pip install 'commbench[tensorboard]'`, `[wandb]`, `[mlflow]` (mlflow-skinny).
 """

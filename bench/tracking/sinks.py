@@ -119,9 +119,11 @@ class WandbSink:
             mode=mode, group=self.spec.group or run.group, name=run.name,
             tags=sorted({run.strategy, *self.spec.tags}), notes=json.dumps(run.env, indent=1),
             config=run.hyperparameters, dir=self.spec.dir, reinit="create_new",
-            settings=wandb.Settings(silent=True, console="off", init_timeout=self.timeout_s,
-                                    x_disable_stats=True, disable_git=True, save_code=False,
-                                    x_save_requirements=False))
+            settings=wandb.Settings(**_known(wandb.Settings, {
+                "silent": True, "console": "off", "init_timeout": self.timeout_s,
+                "disable_git": True, "save_code": False,
+                # no system-metrics sampling beside a benchmark; W&B's private names
+                "x_disable_stats": True, "x_save_requirements": False})))
         return handle
 
     def write_rows(self, rows: list[tuple[int, float | None, dict[str, float]]]) -> None:
@@ -271,6 +273,12 @@ def reachable(url: str, timeout_s: float) -> bool:
             return True
     except OSError:
         return False
+
+
+def _known(settings_class, wanted: dict) -> dict:
+    """The settings this version of the library has (private ones come and go)."""
+    fields = getattr(settings_class, "model_fields", None)
+    return wanted if fields is None else {k: v for k, v in wanted.items() if k in fields}
 
 
 def _code(text: str, language: str) -> str:
