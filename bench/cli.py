@@ -4,6 +4,8 @@
     commbench sweep configs/quickstart.yaml [--dry-run] [--output-dir DIR] [--set K=V]
     commbench eval RUN_DIR --suite smoke
     commbench report results/quickstart -o reports/quickstart
+    commbench compare results/before results/after --tolerance 0
+    commbench track results/quickstart --to tensorboard --set dir=tb
     commbench claims [NAME ...] [--scale tiny|small|paper] [--dry-run]
     commbench config show configs/ddp-tiny.yaml
     commbench data prepare embedded
@@ -24,15 +26,19 @@ from pathlib import Path
 
 def run_and_evaluate(cfg, run_dir=None, progress: bool = True, resume: bool = False) -> dict:
     """bench.launch.run_config, then lm-eval on the final model when `cfg.eval.suite` is set
-    and the run ended ok. The runner of `commbench run` and `commbench sweep`; here because
-    only the command line imports `eval` (module level: Slurm jobs pickle it by name)."""
-    from bench.launch import run_config
+    and the run ended ok, both followed by the `tracking:` sinks (bench/tracking/). The
+    runner of `commbench run` and `commbench sweep`; here because only the command line
+    imports `eval` (module level: Slurm jobs pickle it by name)."""
+    from bench.launch import new_run_dir, run_config
+    from bench.tracking.sync import follow
 
-    summary = run_config(cfg, run_dir, progress=progress, resume=resume)
-    if summary["status"] == "ok" and cfg.eval.suite:
-        from eval.runner import self_evaluate
+    run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
+    with follow(cfg.tracking, run_dir):
+        summary = run_config(cfg, run_dir, progress=progress, resume=resume)
+        if summary["status"] == "ok" and cfg.eval.suite:
+            from eval.runner import self_evaluate
 
-        summary = {**self_evaluate(cfg, summary["run_dir"]), "run_dir": summary["run_dir"]}
+            summary = {**self_evaluate(cfg, summary["run_dir"]), "run_dir": summary["run_dir"]}
     return summary
 
 
@@ -159,6 +165,19 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    _check_new_dir(args.output, "compare -o")
+    from bench.compare import compare
+
+    return compare(args.runs, args.output, tolerance=args.tolerance)
+
+
+def _cmd_track(args) -> int:
+    from bench.tracking.sync import track
+
+    return 1 if track(args.results_dir, args.to, args.set) else 0
+
+
 def _cmd_data_prepare(args) -> int:
     from bench.config import DataConfig
     from bench.data import prepare
@@ -249,6 +268,34 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--target-loss", type=float,
                         help="target validation loss (default: DDP's final)")
     report.set_defaults(func=_cmd_report)
+
+    compare = sub.add_parser(
+        "compare", help="compare runs, groups or sweeps: differences, curves, a gate",
+        description="Compare runs, groups (DIR:LABEL) or whole sweeps with the first: the "
+        "config and validation-set differences first, then per group the matched steps' max "
+        "|Δloss| and final Δ (training and validation), throughput and bytes ratios; writes "
+        "compare.png (curves) and compare.json (bench/compare.py).")
+    compare.add_argument("runs", nargs="+", metavar="RUN_OR_DIR",
+                         help="a run directory, a results directory, or DIR:LABEL")
+    compare.add_argument("-o", "--output", default="reports/compare",
+                         help="where compare.png and compare.json go")
+    compare.add_argument("--tolerance", type=float, metavar="NATS",
+                         help="exit 1 when any pair's max |Δloss| over matched steps "
+                         "(training or validation loss, absolute) exceeds this, or a pair has "
+                         "no step in common (0 = bit-exact)")
+    compare.set_defaults(func=_cmd_compare)
+
+    track = sub.add_parser(
+        "track", help="send recorded runs to TensorBoard, W&B or MLflow (idempotent)",
+        description="Backfill: send every run under RESULTS_DIR to a tracking sink; what it "
+        "already holds is not sent again (bench/tracking/). The sink's settings are the "
+        "run's own tracking.SINK section, then --set.")
+    track.add_argument("results_dir")
+    track.add_argument("--to", required=True, choices=["tensorboard", "wandb", "mlflow"])
+    track.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                       help="a sink setting: tensorboard: dir; wandb: project, entity, mode, "
+                       "group, tags, dir; mlflow: tracking_uri, experiment (e.g. --set dir=tb)")
+    track.set_defaults(func=_cmd_track)
 
     data = sub.add_parser("data", help="corpora")
     data_sub = data.add_subparsers(dest="data_command", required=True)

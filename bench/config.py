@@ -24,6 +24,7 @@ import yaml
 from algorithms.base import STRATEGIES, StrategyConfig, config_class
 from bench.env import StragglerConfig, check_straggler
 from bench.optim import OptimConfig
+from bench.tracking import TrackingConfig, check_tracking
 from bench.typed import (  # noqa: F401  (re-exported: the public names of bench.config)
     describe_sections,
     field_docs,
@@ -195,11 +196,13 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
-# Not the run's identity: where things go, and the checkpoint cadence (resume is bit-exact).
+# Not the run's identity: where things go, the checkpoint cadence (resume is bit-exact),
+# and the tracking sinks (views of the records, written by the launcher: bench/tracking/).
 NON_IDENTITY_KEYS = ("run.output_dir", "run.warmup_steps", "data.cache_dir", "launch",
-                     "checkpoint")
+                     "checkpoint", "tracking")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """Names that become directory names: no path separators, no leading dot."""
 
@@ -357,6 +360,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval.tasks and cfg.eval.suite is None:
         raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
     check_corpus_path(cfg.data.corpus)
+    check_tracking(cfg.tracking)
     check_straggler(cfg.run.straggler, cfg.parallel.world_size)
     cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
     if cfg.optim.delay_correction != "none" and cfg.strategy.update_delay(cfg) == 0:

@@ -9,6 +9,7 @@ A run directory (`commbench run` prints its path) holds:
     summary.json    status ok|failed|diverged|running, totals, projections, eval numbers
                     (its schema: bench/summary.py)
     eval.json       lm-eval results (after `commbench eval`)
+    tracking.json   what each tracking sink already holds (bench/tracking/sync.py)
     checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
                     state at the last `checkpoint.every` step; .pt.next while saving)
     logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log
@@ -162,6 +163,7 @@ class RunDir:
     comm = property(lambda self: self.path / "comm.jsonl")
     summary = property(lambda self: self.path / "summary.json")
     eval = property(lambda self: self.path / "eval.json")
+    tracking = property(lambda self: self.path / "tracking.json")
     checkpoints = property(lambda self: self.path / "checkpoints")
     final_checkpoint = property(lambda self: self.path / RunDir.FINAL_CHECKPOINT)
     logs = property(lambda self: self.path / "logs")
