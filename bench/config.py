@@ -63,8 +63,13 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    """Architecture: gpt2 (LayerNorm, learned positions, GELU MLP, biases, tied head) or
+    llama (RMSNorm, rotary positions, SwiGLU MLP, no biases, grouped-query attention,
+    untied head)."""
     preset: str = "tiny"
-    """Model size: tiny, small (GPT-2 124M), medium (350M), xl (1.5B), 7b."""
+    """Model size: tiny, small (124M class), medium (350M class), xl (gpt2: 1.5B), 1b
+    (llama: Llama 3.2 1B's shape), 7b (LLaMA-7B's shape)."""
     seq_len: int = 128
     """Context length in tokens."""
     dropout: float = 0.0
@@ -75,6 +80,12 @@ class ModelConfig:
     """Override the preset's number of attention heads."""
     n_embd: int | None = None
     """Override the preset's hidden size."""
+    n_kv_head: int | None = None
+    """llama: key/value heads (grouped-query attention; must divide n_head); null = the
+    preset's."""
+    tie_embeddings: bool | None = None
+    """Whether the LM head is the token embedding's weight; null = the architecture's
+    convention (gpt2 tied, llama untied)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 autocast around forward passes (GPU; works but is slow on CPU)."""
     compile: bool = False
@@ -252,7 +263,7 @@ def _in_range(path: str, value: float, low: float, high: float, closed: str = "[
 def validate(cfg: Config) -> None:
     """Checks that need more than one field's type: ranges, tables, cross-section rules."""
     from bench.data import check_corpus_path
-    from bench.model import PRESETS, gpt_config
+    from bench.model import config_of
     from bench.network import PROFILES, get_profile, is_profile_path
 
     if not NAME_RE.match(cfg.run.name):
@@ -275,11 +286,8 @@ def validate(cfg: Config) -> None:
         _in_range(f"optim.betas[{i}]", beta, 0, 1)
     _in_range("optim.momentum", cfg.optim.momentum, 0, 1)
     _in_range("data.val_fraction", cfg.data.val_fraction, 0, 1, "()")
-    if cfg.model.preset not in PRESETS:
-        raise _fail("model.preset", cfg.model.preset, f"one of {sorted(PRESETS)}")
-    m = cfg.model  # the shape checks (heads divide the width, dropout) live with the model
-    blocks = gpt_config(m.preset, 256, m.seq_len, m.dropout, m.n_layer, m.n_head,
-                        m.n_embd).n_layer
+    # the preset and shape checks (heads divide the width, dropout) live with the model
+    blocks = config_of(cfg.model, 256).n_layer
     if cfg.parallel.num_stages > blocks:
         raise ValueError(f"parallel.num_stages ({cfg.parallel.num_stages}) must be <= the "
                          f"model's number of blocks ({blocks})")

@@ -54,7 +54,7 @@ from bench.meter import (
     all_reduce_floats,
     run_totals,
 )
-from bench.model import GPT, autocast_context, gpt_config, lm_loss
+from bench.model import autocast_context, build_model, config_of, lm_loss
 from bench.network import delay_policy, get_profile
 from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl, write_text
@@ -81,11 +81,8 @@ class Trainer:
         if self.rank == 0:
             dist.barrier()
 
-        self.model_config = gpt_config(
-            cfg.model.preset, tokenizer.vocab_size, cfg.model.seq_len, cfg.model.dropout,
-            n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd,
-        )
-        model = GPT(self.model_config).to(device)
+        self.model_config = config_of(cfg.model, tokenizer.vocab_size)
+        model = build_model(self.model_config).to(device)
         self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
         if cfg.model.compile:

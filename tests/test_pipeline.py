@@ -22,7 +22,7 @@ from algorithms.partition import split_layers, stage_bounds
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from algorithms.pipeline import Pipeline, PipelineConfig
 from bench.config import Config, DataConfig, ModelConfig, ParallelConfig
-from bench.model import GPT, GPTConfig, lm_loss
+from bench.model import GPT, GPTConfig, LlamaConfig, build_model, lm_loss
 from bench.optim import (
     OptimConfig,
     build_optimizer,
@@ -36,10 +36,14 @@ VOCAB, SEQ, WIDTH, LAYERS = 64, 8, 32, 4
 LR = 1e-2
 
 
-def make_model(seed: int = 0, n_layer: int = LAYERS) -> GPT:
+def make_model(seed: int = 0, n_layer: int = LAYERS, arch: str = "gpt2",
+               tied: bool = True) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=n_layer, n_head=2,
-                         n_embd=WIDTH))
+    shape = dict(vocab_size=VOCAB, seq_len=SEQ, n_layer=n_layer, n_head=2, n_embd=WIDTH,
+                 tie_embeddings=tied)
+    if arch == "llama":
+        return build_model(LlamaConfig(**shape, n_kv_head=1))
+    return GPT(GPTConfig(**shape))
 
 
 def make_optimizer(module, optim="adamw"):
@@ -77,7 +81,7 @@ def full_state(model: GPT) -> dict:
 
 
 def one_process(steps: int, batch: int, microbatches: int, delay: int = 0,
-                optim: str = "sgd") -> dict:
+                optim: str = "sgd", arch: str = "gpt2", tied: bool = True) -> dict:
     """Gradient accumulation in one process; `delay=1` applies each step's gradient a
     step late (our hand-written one-step-delay loop: step 0 applies nothing).
 
@@ -86,13 +90,13 @@ def one_process(steps: int, batch: int, microbatches: int, delay: int = 0,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _one_process(steps, batch, microbatches, delay, optim)
+        return _one_process(steps, batch, microbatches, delay, optim, arch, tied)
     finally:
         torch.set_num_threads(threads)
 
 
-def _one_process(steps, batch, microbatches, delay, optim) -> dict:
-    model = make_model()
+def _one_process(steps, batch, microbatches, delay, optim, arch, tied) -> dict:
+    model = make_model(arch=arch, tied=tied)
     opt = make_optimizer(model, optim)
     previous = None
     for step in range(steps):
@@ -127,12 +131,15 @@ class Spec:
     optim: str = "sgd"
     lr_schedule: bool = False
     """Set `lr_of(step)` before each step (else the optimizer's own lr throughout)."""
+    arch: str = "gpt2"
+    tied: bool = True
+    """Whether the head is the token embedding (else its own weight: no tied group)."""
 
 
 def build(rank, world, spec: Spec, model_seed=0, grad_clip=0.0):
     comm = Communicator(rank, world, "cpu")
     setup = TrainSetup(
-        model=make_model(model_seed), comm=comm,
+        model=make_model(model_seed, arch=spec.arch, tied=spec.tied), comm=comm,
         make_optimizer=lambda m: make_optimizer(m, spec.optim), total_steps=10,
         grad_clip=grad_clip, rank_batch_size=spec.rank_batch,
         num_microbatches=spec.microbatches, num_stages=spec.num_stages, loss_fn=lm_loss)
@@ -195,12 +202,16 @@ OURS_DELAYED_3 = Spec("pipedream", (("delay", 1),), num_stages=3, rank_batch=4,
 HYBRID = {kind: Spec(kind, kwargs, rank_batch=4, microbatches=2)
           for kind, kwargs in [("pipedream", (("delay", 0),)), ("pipeline", ())]}
 LEDGER = [Spec("pipedream", (("delay", 1),)), Spec("pipeline", (("schedule", "gpipe"),))]
+UNTIED = {("llama", "pipedream"): Spec("pipedream", (("delay", 0),), arch="llama", tied=False),
+          ("llama", "pipeline"): Spec("pipeline", (("schedule", "1f1b"),), arch="llama"),
+          ("gpt2", "pipeline"): Spec("pipeline", (("schedule", "1f1b"),), tied=False)}
+"""Llama (tied and untied) and an untied GPT-2 through both executors."""
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     return run_all(2, [OURS_SYNC, OURS_ADAMW, *TORCH.values(), OURS_DELAYED,
-                       *OURS_DELAYED_CFG.values()])
+                       *OURS_DELAYED_CFG.values(), *UNTIED.values()])
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +279,20 @@ def test_2bw_delay0_equals_torch_1f1b_equals_one_process(two_ranks):
                        {k: v for k, v in one_step.items() if k not in tied}, atol=0, rtol=0)
     for key in tied:
         torch.testing.assert_close(ours[key], one_step[key], atol=1e-7, rtol=0)
+
+
+@pytest.mark.timeout(400)
+def test_llama_and_untied_heads_equal_one_process(two_ranks):
+    """Both architectures, tied or not, pipeline to the one-process answer; an untied
+    head has no tied group (no `tied` traffic), a tied one has."""
+    for (arch, _), spec in UNTIED.items():
+        state, ranks = two_ranks[spec]
+        single = one_process(3, 8, 4, arch=arch, tied=spec.tied)
+        assert state.keys() == single.keys()
+        assert_same_params(state, single, atol=1e-6, rtol=0)
+        assert max_change(single, full_state(make_model(arch=arch, tied=spec.tied))) > 1e-3
+        tied_records = [rec for r in ranks for rec in r["records"] if rec[1] == "tied"]
+        assert bool(tied_records) == spec.tied, spec
 
 
 @pytest.mark.timeout(400)
