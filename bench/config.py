@@ -86,6 +86,10 @@ class ModelConfig:
     tie_embeddings: bool | None = None
     """Whether the LM head is the token embedding's weight; null = the architecture's
     convention (gpt2 tied, llama untied)."""
+    activation_checkpointing: Literal["none", "blocks"] = "none"
+    """none, or blocks: recompute each transformer block's activations in backward instead
+    of keeping them (every strategy and pipeline; same values, less memory, about a third
+    more compute)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 autocast around forward passes (GPU; works but is slow on CPU)."""
     compile: bool = False

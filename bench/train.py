@@ -83,6 +83,7 @@ class Trainer:
 
         self.model_config = config_of(cfg.model, tokenizer.vocab_size)
         model = build_model(self.model_config).to(device)
+        model.enable_activation_checkpointing(cfg.model.activation_checkpointing == "blocks")
         self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
         if cfg.model.compile:
