@@ -52,6 +52,12 @@ class StrategyConfig:
         Field-local checks belong in `__post_init__`; the default checks nothing.
         """
 
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """One rank's memory plan in bytes by term, before launch (bench/memory.py hands
+        the measured `algorithms.memory.MemoryFacts`). Default: parameters, gradients,
+        optimizer state and one microbatch's activations (`facts.base_terms()`)."""
+        return facts.base_terms()
+
 
 def require_data_parallel(config: StrategyConfig, cfg) -> None:
     """The rule every data-parallel strategy shares: no pipeline stages."""

@@ -51,6 +51,7 @@ from algorithms.base import (
     TrainSetup,
     require_data_parallel,
 )
+from algorithms.memory import shard_terms
 
 
 @dataclass
@@ -85,6 +86,22 @@ class DDPConfig(StrategyConfig):
                 f"{cfg.optim.name!r} with optim.delay={cfg.optim.delay} is not supported "
                 "(use strategy.backend=torch, or optim.name adamw/sgd/lion/adan/soap with "
                 "optim.delay=0)")
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """torch DDP: + its gradient buckets (a second copy of the gradients). ZeRO-1:
+        optimizer state over the ranks (+ the flat fp32 partition); ZeRO-2: gradients too."""
+        terms = facts.base_terms()
+        n = cfg.parallel.world_size
+        if self.backend == "torch":
+            if n > 1:
+                terms["DDP gradient buckets"] = facts.param_bytes
+            return terms
+        if self.zero_stage >= 1:
+            terms = shard_terms(terms, ("optimizer",), n)
+            terms["ZeRO: flat fp32 partition"] = facts.param_bytes // n
+        if self.zero_stage >= 2:
+            terms = shard_terms(terms, ("gradients",), n)
+        return terms
 
 
 # ---------------------------------------------------------------------------- clocks

@@ -28,7 +28,8 @@ from algorithms.base import (
     unwrap,
 )
 from algorithms.ddp import make_ddp
-from algorithms.outer import OuterOptimizer, RoundStats, replica_groups
+from algorithms.memory import HOST
+from algorithms.outer import WIRE_BYTES, OuterOptimizer, RoundStats, replica_groups
 
 
 @dataclass
@@ -69,6 +70,28 @@ class DiLoCoConfig(StrategyConfig):
     def check(self, cfg) -> None:
         # group_size dividing world_size is bench.config.validate's general rule
         require_data_parallel(self, cfg)
+
+    def outer_states(self) -> int:
+        """Tensors of outer optimizer state per parameter (SGD momentum, Adam's two)."""
+        return 2 if self.outer_optimizer == "adam" else int(self.outer_momentum > 0)
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """+ the global θ and its outer state (on the CPU with offload_outer), the round's
+        pseudo-gradient in the wire dtype (and its fp32 copy as θ's gradient when the two
+        differ), the evaluation copy of θ, and intra-group DDP buckets."""
+        terms = facts.base_terms()
+        theta = facts.param_bytes // facts.shard  # each rank steps its own shard of θ
+        host = HOST if self.offload_outer else ""
+        terms[f"{host}outer: global θ"] = theta
+        terms[f"{host}outer: optimizer state"] = self.outer_states() * theta
+        wire = WIRE_BYTES[self.outer_grad_dtype]
+        terms["outer: pseudo-gradient buffer"] = theta * wire // 4
+        if wire != 4 or self.offload_outer:
+            terms[f"{host}outer: θ's gradient (fp32 copy)"] = theta
+        terms["evaluation copy of θ"] = facts.param_bytes
+        if cfg.parallel.group_size > 1 and facts.shard == 1:
+            terms["DDP gradient buckets (inside the replica)"] = facts.param_bytes
+        return terms
 
 
 class DiLoCo(DataParallelStrategy):

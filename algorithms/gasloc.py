@@ -107,6 +107,22 @@ class GossipConfig(StrategyConfig):
                 f"valid: {[t for t in TOPOLOGIES if MIN_WORKERS[t] <= world_size]}"
             )
 
+    ROUND_BUFFERS = 2
+    """Flat |θ| buffers of a round besides the received ones: the point sent and the mix."""
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """+ the anchor θ_i, the two evaluation copies (average, worker 0), and a round's
+        flat buffers: the point, one per peer received, the mix (GASLoC: y, z, y_prev)."""
+        terms = facts.base_terms()
+        theta = facts.param_bytes
+        n = cfg.parallel.world_size
+        peers = {"complete": n - 1, "ring": min(2, n - 1), "random-matching": 1,
+                 "random-2peer": 2}[self.topology]
+        terms["gossip: anchor θ_i"] = theta
+        terms["evaluation copies (average, worker 0)"] = 2 * theta
+        terms["gossip: round buffers"] = (self.ROUND_BUFFERS + peers) * theta
+        return terms
+
 
 @dataclass
 class GASLoCConfig(GossipConfig):
@@ -116,6 +132,9 @@ class GASLoCConfig(GossipConfig):
     """Outer learning rate eta (y_i = theta_i + eta g_i)."""
     outer_momentum: float = 0.9
     """Outer momentum gamma (z_i = y_i + gamma (y_i - y_i_prev)), in [0, 1)."""
+
+    ROUND_BUFFERS = 5
+    """The current weights, y, z (sent), the mix, and y_prev kept between rounds."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -103,6 +103,17 @@ class PierConfig(DiLoCoConfig):
             return max(self.step_momentum)
         return self.outer_momentum
 
+    def outer_states(self) -> int:
+        return int(self.peak_momentum() > 0)
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """DiLoCo's, + the lazy start's DDP over all ranks (its buckets beside the group's)."""
+        terms = super().memory_terms(cfg, facts)
+        replicas = cfg.parallel.world_size // cfg.parallel.group_size
+        if self.warmup_fraction > 0 and replicas > 1:
+            terms["Pier lazy start: all-rank DDP buckets"] = facts.param_bytes
+        return terms
+
     def decay_start(self) -> float:
         if self.momentum_decay_start is None:
             return self.warmup_fraction

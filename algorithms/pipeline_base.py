@@ -67,6 +67,26 @@ class PipelineConfigBase(StrategyConfig):
         # more stages than blocks: checked by the harness (bench/config.py), which knows
         # the model; split_layers also refuses it when the stages are built
 
+    def in_flight(self, facts) -> float:
+        """Microbatches whose activations stage `facts.stage` holds at once: 1F1B's
+        min(S - s, M) (a stage runs S - s forwards before its first backward)."""
+        return min(facts.num_stages - facts.stage, facts.num_microbatches)
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """The stage's parameters, gradients, optimizer state and the activations of the
+        microbatches in flight; + the replicas' flat gradient buffer, + (until stages are
+        built alone) the whole model built before the stage is kept."""
+        in_flight = self.in_flight(facts)
+        terms = facts.base_terms(in_flight)
+        if facts.stage < facts.num_stages - 1:
+            terms["stage outputs kept for backward"] = int(in_flight * facts.boundary_bytes)
+        if facts.world_size > facts.num_stages:
+            terms["data-parallel gradient buffer"] = facts.param_bytes
+        whole = facts.model_param_bytes - facts.param_bytes
+        if whole > 0:
+            terms["whole model built before the stage is kept"] = whole
+        return terms
+
 
 @dataclass(frozen=True)
 class PipelineGrid:

@@ -349,11 +349,14 @@ def check_device(cfg: Config) -> None:
 
 def preflight(cfg: Config) -> None:
     """Checks against the machine that will train the run, before anything is launched:
-    the device and backend exist here, and the corpus has enough tokens for a window of
-    training and of validation data (tokenising it into the cache if needed)."""
+    the device and backend exist here, each rank's memory plan fits the device
+    (bench/memory.py), and the corpus has enough tokens for a window of training and of
+    validation data (tokenising it into the cache if needed)."""
     from bench.data import check_corpus_size
+    from bench.memory import check_fits
 
     check_device(cfg)
+    check_fits(cfg)
     check_corpus_size(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
                       cfg.data.val_fraction, cfg.model.seq_len)
 

@@ -46,6 +46,8 @@ from bench.env import (
     straggle,
     synchronize,
 )
+from bench.memory import plan as memory_plan
+from bench.memory import reset_peak
 from bench.meter import (
     TRAIN_PHASES,
     LoopState,
@@ -81,6 +83,8 @@ class Trainer:
         if self.rank == 0:
             dist.barrier()
 
+        self.memory_plan = memory_plan(cfg, on_cuda=device.type == "cuda")
+        self.start_memory = reset_peak(device)  # the peak counts from the model's build
         self.model_config = config_of(cfg.model, tokenizer.vocab_size)
         model = build_model(self.model_config).to(device)
         model.enable_activation_checkpointing(cfg.model.activation_checkpointing == "blocks")
@@ -232,8 +236,8 @@ class Trainer:
             fields = self.strategy.summary_fields()
         busy_s, idle_s = all_reduce_floats([state.compute_s + state.comm_s, state.idle_s],
                                            self.device)
-        (peak_memory,) = all_reduce_floats([peak_memory_bytes(self.device)], self.device,
-                                           dist.ReduceOp.MAX)
+        peaks = self.per_rank(peak_memory_bytes(self.device))
+        estimate = self.memory_plan.per_rank(on_cpu=self.device.type == "cpu")
         peak = self.device.type == "cuda" and peak_flops(self.device)
         mfu = (self.flops_per_token * state.tokens / state.elapsed_s / (peak * self.world)
                if peak and state.elapsed_s > 0 else None)
@@ -255,8 +259,21 @@ class Trainer:
             device=self.device.type, backend=self.backend, data=self.data_meta, mfu=mfu,
             error=state.diverged,
             bubble_fraction_measured=idle_s / busy_s if busy_s > 0 else None,
-            peak_memory_bytes=int(peak_memory), **fields,
+            peak_memory_bytes=max(peaks), peak_memory_bytes_per_rank=peaks,
+            peak_memory_above_start_bytes_per_rank=self.per_rank(
+                peak_memory_bytes(self.device) - self.start_memory),
+            memory_estimate_bytes_per_rank=estimate,
+            memory_estimate_terms=self.memory_plan.ranks[
+                self.memory_plan.rank_roles[estimate.index(max(estimate))]].terms,
+            **fields,
         ).to_dict()
+
+
+    def per_rank(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order (a collective outside the ledger)."""
+        values = [0.0] * self.world
+        values[self.rank] = float(value)
+        return [int(v) for v in all_reduce_floats(values, self.device)]
 
 
 def main(run_dir: str) -> int:
