@@ -101,7 +101,9 @@ class TrainSetup:
     """Everything the harness hands a strategy. Plain objects; no harness imports."""
 
     model: nn.Module
-    """The full model on this rank's device; `model(x, y)` returns (logits, loss)."""
+    """The full model; `model(x, y)` returns (logits, loss). The loop builds it on the meta
+    device: a strategy makes real what its rank keeps with `materialize` (the whole model,
+    one pipeline stage), on `comm.device`, with the values the whole model's init gives."""
     comm: Communicator
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     """Builds the inner optimizer for a module (param groups and hyper-parameters)."""
@@ -158,6 +160,14 @@ def mean_loss(model: nn.Module, batches, device: torch.device,
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     return (total[0] / total[1]).item()
+
+
+def materialize(model: nn.Module, module: nn.Module, device: torch.device) -> None:
+    """Make `module` (`model` itself or a part of it) real on `device` when it was built
+    on the meta device, through the model's own `materialize` (bench/model/common.py: the
+    values the whole model's init gives that part); a no-op when it is real already."""
+    if any(p.is_meta for p in module.parameters()):
+        unwrap(model).materialize(module, device)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -289,6 +299,7 @@ class DataParallelStrategy(Strategy):
 
     def __init__(self, config: StrategyConfig, setup: TrainSetup):
         super().__init__(config, setup)
+        materialize(setup.model, setup.model, setup.comm.device)  # every rank keeps it all
         self.model = setup.model
         self.train_model: nn.Module = setup.model
         self.optimizer = setup.make_optimizer(self.model)

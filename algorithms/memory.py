@@ -22,8 +22,6 @@ class MemoryFacts:
 
     param_bytes: int
     """This rank's parameters (fp32; a pipeline stage's, or the whole model)."""
-    model_param_bytes: int
-    """The whole model's parameters (fp32)."""
     optimizer: dict[str, int]
     """The inner optimizer's state on this rank's parameters, by term (delay wrapper included)."""
     optimizer_step_bytes: int

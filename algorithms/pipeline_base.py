@@ -30,6 +30,7 @@ from algorithms.base import (
     Strategy,
     StrategyConfig,
     TrainSetup,
+    materialize,
     peak_memory_bytes,
     set_lr,
     unwrap,
@@ -74,17 +75,14 @@ class PipelineConfigBase(StrategyConfig):
 
     def memory_terms(self, cfg, facts) -> dict[str, int]:
         """The stage's parameters, gradients, optimizer state and the activations of the
-        microbatches in flight; + the replicas' flat gradient buffer, + (until stages are
-        built alone) the whole model built before the stage is kept."""
+        microbatches in flight; + the stage outputs kept for backward and the replicas'
+        flat gradient buffer. The rest of the model is never allocated (stage-local)."""
         in_flight = self.in_flight(facts)
         terms = facts.base_terms(in_flight)
         if facts.stage < facts.num_stages - 1:
             terms["stage outputs kept for backward"] = int(in_flight * facts.boundary_bytes)
         if facts.world_size > facts.num_stages:
             terms["data-parallel gradient buffer"] = facts.param_bytes
-        whole = facts.model_param_bytes - facts.param_bytes
-        if whole > 0:
-            terms["whole model built before the stage is kept"] = whole
         return terms
 
 
@@ -168,6 +166,8 @@ class PipelineStrategy(Strategy):
         self.num_chunks = S * V
         chunks = [nn.Sequential(*parts[c]) for c in self.chunk_ids]
         self.stage_module = chunks[0] if V == 1 else nn.ModuleList(chunks)
+        # only this rank's stages become real (the rest of a meta-built model never does)
+        materialize(setup.model, self.stage_module, self.comm.device)
         self.names = _parameter_names(gpt, self.stage_module)
         self.optimizer = setup.make_optimizer(self.stage_module)
         self.step_index = 0

@@ -244,7 +244,6 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
     layers = model.as_layers()
     stages = _stage_chunks(cfg, layers) if p.num_stages > 1 else [[layers]]
     width, vocab = model.cfg.n_embd, model.cfg.vocab_size
-    model_bytes = sum(_bytes(t) for t in model.parameters())
     facts = []
     for s, chunks in enumerate(stages):
         module = nn.ModuleList([layer for chunk in chunks for layer in chunk])
@@ -268,7 +267,6 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
         holds_head = any(chunk[-1] is layers[-1] for chunk in chunks)
         facts.append(MemoryFacts(
             param_bytes=sum(_bytes(t) for t in _unique(module.parameters())),
-            model_param_bytes=model_bytes,
             optimizer=optimizer_terms(cfg.optim, module),
             optimizer_step_bytes=optimizer_step_bytes(cfg.optim, module, on_cuda),
             activation_bytes=int(activation * scale), block_bytes=int(block * scale),

@@ -86,7 +86,8 @@ class Trainer:
         self.memory_plan = memory_plan(cfg, on_cuda=device.type == "cuda")
         self.start_memory = reset_peak(device)  # the peak counts from the model's build
         self.model_config = config_of(cfg.model, tokenizer.vocab_size)
-        model = build_model(self.model_config).to(device)
+        with torch.device("meta"):  # nothing allocated: each strategy materialises its part
+            model = build_model(self.model_config)
         model.enable_activation_checkpointing(cfg.model.activation_checkpointing == "blocks")
         self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()

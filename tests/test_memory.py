@@ -191,3 +191,36 @@ def test_a_plan_that_does_not_fit_is_refused_naming_its_largest_term(monkeypatch
         preflight(load_config(ROOT / "configs/ddp-tiny.yaml"))
     message = str(err.value)
     assert "a 1 MiB device" in message and "largest term is 'activations'" in message
+
+
+STAGES = ["strategy.name=pipedream-2bw", "strategy.delay=0", "parallel.num_microbatches=4",
+          "model.n_layer=8", "model.n_embd=384", "model.n_head=6", "model.seq_len=128",
+          "data.batch_size=8", "parallel.world_size=4", "run.steps=2", "run.log_every=2",
+          "run.val_every=0", "run.val_batches=1", "checkpoint.final=false"]
+
+
+def _per_stage_peaks(rank, world_size, stages, root):
+    cfg = load_config(None, [*STAGES, f"parallel.num_stages={stages}",
+                             f"data.cache_dir={root}/cache"])
+    run_dir = Path(root) / f"S{stages}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+    summary = trainer.run()
+    trainer.strategy.close()
+    return summary
+
+
+@pytest.mark.slow  # two 4-rank launches, ~90 s; the default suite checks the stage-local
+@pytest.mark.timeout(600)  # build itself (tests/test_pipeline.py)
+def test_peak_memory_per_stage_falls_with_the_stage_count(tmp_path):
+    """Stage-local pipelines on 4 ranks: 4 stages hold about half of what 2 stages do, per
+    rank, planned and measured (peak RSS above start; recorded in summary.json)."""
+    summaries = {S: run_distributed(_per_stage_peaks, 4, S, str(tmp_path), timeout=300)[0]
+                 for S in (2, 4)}  # a launch each: a process that trained keeps memory
+    measured = {S: max(s["peak_memory_above_start_bytes_per_rank"])
+                for S, s in summaries.items()}
+    planned = {S: max(s["memory_estimate_bytes_per_rank"]) for S, s in summaries.items()}
+    print(json.dumps({"measured": measured, "planned": planned}))
+    assert planned[4] < 0.7 * planned[2]
+    assert measured[4] < 0.8 * measured[2]
+    assert len(summaries[4]["peak_memory_bytes_per_stage"]) == 4

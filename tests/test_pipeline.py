@@ -548,3 +548,56 @@ def test_critical_path_projection_hides_transfers_and_adds_the_bubble():
     assert step(0.0, flush=False) == pytest.approx(M * 2 * tau + tied_s)  # link-bound
     with pytest.raises(ValueError, match="work_slots"):
         critical_path_step_s(1.0, [], profile, slots=2, work_slots=4, hops=0)
+
+
+# ---------------------------------------------------------------------- stage-local build
+
+
+def _stage_initial_weights(rank, world, arch):
+    """Per partition: a pipeline rank given a meta-device model; its stage's initial
+    weights, and how many parameter elements of the whole model became real here."""
+    return {partition: _stage_of(rank, world, arch, partition)
+            for partition in ("layers", "parameters")}
+
+
+def _stage_of(rank, world, arch, partition):
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = build_model(heavy_ends_config(arch))
+    setup = TrainSetup(model=model, comm=Communicator(rank, world, "cpu"),
+                       make_optimizer=lambda m: make_optimizer(m), total_steps=1,
+                       rank_batch_size=4, num_microbatches=2, num_stages=world,
+                       partition=partition, loss_fn=lm_loss)
+    strategy = PipeDream2BW(PipeDreamConfig(delay=0), setup)
+    real = sum(p.numel() for p in model.parameters() if not p.is_meta)
+    return strategy.export_state(), real, sum(p.numel() for p in
+                                              strategy.stage_module.parameters())
+
+
+def heavy_ends_config(arch: str):
+    """6 blocks and a large vocabulary: the two partitions cut differently."""
+    shape = dict(vocab_size=4096, seq_len=SEQ, n_layer=6, n_head=2, n_embd=WIDTH)
+    return LlamaConfig(**shape, tie_embeddings=True) if arch == "llama" else GPTConfig(**shape)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_each_stage_builds_only_itself_with_the_full_models_initial_values(arch):
+    """Stage-local: every rank materialises its own stage of a meta-device model, holding
+    exactly the values the same slice of a fully built model has (same seed), for both
+    partitions; nothing of the other stages is allocated."""
+    torch.manual_seed(3)
+    full = build_model(heavy_ends_config(arch)).state_dict()
+    cuts = {}
+    results = run_distributed(_stage_initial_weights, 3, arch, timeout=120)
+    for partition in ("layers", "parameters"):
+        per_rank = [r[partition] for r in results]
+        merged = {}
+        for state, real, own in per_rank:
+            assert real == own  # only the stage became real
+            for key, value in state.items():
+                assert torch.equal(value, full[key]), (partition, key)
+                merged[key] = value
+        assert merged.keys() == full.keys()  # the stages cover the model (tied head too)
+        cuts[partition] = [sorted(state) for state, _, _ in per_rank]
+    assert cuts["layers"] != cuts["parameters"]
