@@ -87,6 +87,12 @@ class GossipConfig(StrategyConfig):
 
     def check(self, cfg) -> None:
         require_data_parallel(self, cfg)
+        if cfg.parallel.shard != "none":
+            raise ValueError(f"parallel.shard={cfg.parallel.shard!r} is not supported for "
+                             f"strategy {self.name!r}: its workers are one rank each "
+                             "(parallel.group_size 1), so there is no replica to shard; a "
+                             "sharded worker (gossip of each rank's shard across workers) is "
+                             "not implemented: use parallel.shard=none")
         world_size, group_size = cfg.parallel.world_size, cfg.parallel.group_size
         if group_size != 1:
             raise ValueError(

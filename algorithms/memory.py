@@ -45,6 +45,10 @@ class MemoryFacts:
     group_size: int = 1
     shard: int = 1
     """Ranks one replica's parameters, gradients and optimizer state are sharded over."""
+    unit_param_bytes: int = 0
+    """The largest transformer block's parameters (an FSDP unit gathered whole)."""
+    root_param_bytes: int = 0
+    """The parameters outside the blocks (embedding, head, final norm: FSDP's root unit)."""
     extra: dict = field(default_factory=dict)
 
     def base_terms(self, in_flight: float = 1) -> dict[str, int]:
@@ -69,3 +73,21 @@ class MemoryFacts:
 def shard_terms(terms: dict[str, int], names, ranks: int) -> dict[str, int]:
     """`terms` with those whose name starts with one of `names` divided over `ranks`."""
     return {k: v // ranks if k.startswith(tuple(names)) else v for k, v in terms.items()}
+
+
+def fsdp_terms(facts: MemoryFacts) -> dict[str, int]:
+    """What FSDP2 holds unsharded besides the shards: the root unit (embedding, head)
+    through forward and backward, two blocks gathered (the one running and the one
+    prefetched), and a block's full gradients with their reduce-scatter buffer."""
+    return {"FSDP: gathered root (embedding, head)": facts.root_param_bytes,
+            "FSDP: gathered blocks (running + prefetched)": 2 * facts.unit_param_bytes,
+            "FSDP: a block's unsharded gradients + reduce-scatter buffer":
+                2 * facts.unit_param_bytes}
+
+
+def require_shard_ranks(cfg, ranks: int, key: str) -> None:
+    """parallel.shard=fsdp shards a replica over its ranks: refuse a replica of one rank."""
+    if cfg.parallel.shard == "fsdp" and ranks < 2:
+        raise ValueError(f"parallel.shard=fsdp shards each replica over its ranks, but {key} "
+                         f"is {ranks}: a replica of one rank has nothing to shard (use "
+                         f"parallel.shard=none, or >= 2 ranks per replica)")

@@ -52,6 +52,10 @@ class PipelineConfigBase(StrategyConfig):
     def check(self, cfg) -> None:
         """Cross-field rules on the whole run config; raises ValueError naming the key."""
         p = cfg.parallel
+        if getattr(p, "shard", "none") != "none":
+            raise ValueError(f"parallel.shard={p.shard!r} is for the data-parallel "
+                             f"strategies (ddp, diloco, pier); {self.name} keeps a stage per "
+                             "rank: use parallel.shard=none")
         if p.world_size % p.num_stages:
             raise ValueError(f"parallel.world_size ({p.world_size}) must be divisible by "
                              f"parallel.num_stages ({p.num_stages}) for {self.name}")

@@ -123,6 +123,10 @@ class ParallelConfig:
     """Microbatches per step (gradient accumulation, or pipeline microbatches)."""
     partition: Literal["layers", "parameters"] = "layers"
     """How pipelines cut the model into stages: balanced by block or by parameter count."""
+    shard: Literal["none", "fsdp"] = "none"
+    """none (every rank holds its replica whole), or fsdp: each data-parallel replica (all
+    ranks for ddp, a parallel.group_size group for diloco and pier) sharded over its ranks
+    with FSDP2; outer steps then run on each rank's shard."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -328,9 +332,33 @@ def validate(cfg: Config) -> None:
         raise _fail("eval.suite", cfg.eval.suite, "null, 'smoke' or 'paper'")
     if cfg.eval.tasks and cfg.eval.suite is None:
         raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
+    if cfg.parallel.shard == "fsdp":
+        _check_sharded(cfg)
     check_corpus_path(cfg.data.corpus)
     check_straggler(cfg.run.straggler, cfg.parallel.world_size)
     cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
+
+
+SHARD_REFUSED_OPTIMIZERS = {
+    "muon": "Muon orthogonalises whole matrices: on FSDP shards DTensor would gather them "
+            "behind the ledger's back every step",
+    "soap": "SOAP's Kronecker preconditioners are per whole matrix (pytorch-optimizer's "
+            "SOAP mixes DTensor shards with plain tensors and fails)",
+    "adan": "pytorch-optimizer's Adan calls an operator DTensor has no sharding rule for "
+            "(aten._foreach_copy_)",
+}
+
+
+def _check_sharded(cfg: Config) -> None:
+    """What parallel.shard=fsdp cannot be combined with (strategies check their own)."""
+    reason = SHARD_REFUSED_OPTIMIZERS.get(cfg.optim.name)
+    if reason:
+        raise ValueError(f"optim.name={cfg.optim.name!r} with parallel.shard=fsdp: {reason}; "
+                         f"valid: adamw, sgd, lion, or parallel.shard=none")
+    if cfg.model.compile:
+        raise ValueError("model.compile=true with parallel.shard=fsdp is not supported (the "
+                         "model would be compiled before it is sharded): set model.compile "
+                         "to false, or parallel.shard=none")
 
 
 def check_device(cfg: Config) -> None:

@@ -220,7 +220,8 @@ def _meta_model(cfg):
     from bench.tokenizers import get_tokenizer
 
     model_cfg = config_of(cfg.model, get_tokenizer(cfg.data.tokenizer).vocab_size)
-    with torch.device("meta"):
+    # a build draws its init seed from the global RNG: planning must not move the stream
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         return build_model(model_cfg)
 
 
@@ -265,6 +266,7 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
                                                      chunk[0] is layers[0],
                                                      lm_loss if chunk[-1] is layers[-1] else None)
         holds_head = any(chunk[-1] is layers[-1] for chunk in chunks)
+        block_params = [sum(_bytes(t) for t in b.parameters()) for b in blocks]
         facts.append(MemoryFacts(
             param_bytes=sum(_bytes(t) for t in _unique(module.parameters())),
             optimizer=optimizer_terms(cfg.optim, module),
@@ -273,6 +275,9 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
             checkpointing=checkpointing,
             logits_bytes=micro * m.seq_len * vocab * 4 if holds_head else 0,
             boundary_bytes=int(micro * m.seq_len * width * 4 * scale),
+            unit_param_bytes=max(block_params, default=0),
+            root_param_bytes=sum(_bytes(t) for t in _unique(module.parameters()))
+            - sum(block_params),
             stage=s, num_stages=p.num_stages, num_microbatches=p.num_microbatches,
             world_size=p.world_size, group_size=p.group_size))
     return facts

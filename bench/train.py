@@ -111,7 +111,7 @@ class Trainer:
             num_microbatches=cfg.parallel.num_microbatches,
             autocast=lambda: autocast_context(device.type, precision),
             num_stages=cfg.parallel.num_stages, partition=cfg.parallel.partition,
-            loss_fn=lm_loss,
+            loss_fn=lm_loss, shard=cfg.parallel.shard,
         )
         self.strategy = strategy_class(cfg.strategy.name)(cfg.strategy, setup)
         shard, num_shards = self.strategy.data_shard()

@@ -100,6 +100,11 @@ LAYOUTS = {
     "gasloc": ("configs/gasloc-tiny.yaml", ["strategy.inner_steps=2"]),
     "2bw": ("configs/2bw-tiny.yaml", ["parallel.num_microbatches=4"]),
     "ddp-checkpointing": ("configs/ddp-tiny.yaml", ["model.activation_checkpointing=blocks"]),
+    "ddp-fsdp": ("configs/ddp-tiny.yaml", ["parallel.shard=fsdp"]),
+    "diloco-fsdp-llama": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=2",
+                                                       "parallel.shard=fsdp",
+                                                       "parallel.group_size=2",
+                                                       "model.arch=llama"]),
 }
 LOW, HIGH = 0.8, 1.4
 """Measured / estimated must lie in [LOW, HIGH]. Measured: each rank's peak RSS above its
@@ -107,7 +112,8 @@ RSS before the model was built (the interpreter, torch and the data excluded; fr
 handed back first). What the plan leaves out, and the reason for the slack: the C
 allocator's retention of freed blocks, backward temporaries beyond one block's (Llama's
 SwiGLU and rotary, +15-20% here), the objects of torch's pipelining and gloo's buffers
-(pipelines +20-30% at this size, tens of MiB); the plan does not under-count by more."""
+(pipelines +20-30% at this size, tens of MiB), FSDP2's all-gather and copy-out buffers
+beyond two blocks' (+15-30%); the plan does not under-count by more."""
 
 
 def _measure(rank, world_size, name, root):
@@ -122,7 +128,7 @@ def _measure(rank, world_size, name, root):
     return summary
 
 
-DEFAULT_LAYOUTS = ("diloco-llama", "2bw")
+DEFAULT_LAYOUTS = ("diloco-fsdp-llama", "2bw")
 """In the default suite (a launch each, ~30 s on a loaded 2-core machine); the others run
 under `pytest -m slow`."""
 
@@ -153,8 +159,10 @@ def test_estimate_holds_against_measured_cpu_peaks(tmp_path, names):
 
 SEVEN_B = {
     "ddp": [],
+    "fsdp": ["parallel.shard=fsdp"],
+    "diloco-over-fsdp": ["strategy.name=diloco", "parallel.group_size=4",
+                         "parallel.shard=fsdp"],
     "pipeline-4-stages": ["strategy.name=pipeline", "parallel.num_stages=4"],
-    "diloco": ["strategy.name=diloco", "parallel.group_size=4"],
 }
 
 
@@ -181,6 +189,12 @@ def test_7b_plans_print_without_allocating_the_model():
     stages = plan(load_config(ROOT / "configs/llama-7b.yaml", SEVEN_B["pipeline-4-stages"]),
                   on_cuda=True)
     assert max(r.terms["parameters"] for r in stages.ranks) < ddp["parameters"] / 3
+    fsdp = plan(load_config(ROOT / "configs/llama-7b.yaml", SEVEN_B["fsdp"]), on_cuda=True)
+    assert fsdp.worst().terms["parameters"] == ddp["parameters"] // 8  # sharded over 8
+    diloco = plan(load_config(ROOT / "configs/llama-7b.yaml", SEVEN_B["diloco-over-fsdp"]),
+                  on_cuda=True).worst().terms
+    assert diloco["outer: global θ"] == ddp["parameters"] // 4  # its shard of θ, group of 4
+    assert fsdp.worst().total() < 80e9 < plan(cfg, on_cuda=True).worst().total()
 
 
 def test_a_plan_that_does_not_fit_is_refused_naming_its_largest_term(monkeypatch):
@@ -224,3 +238,13 @@ def test_peak_memory_per_stage_falls_with_the_stage_count(tmp_path):
     assert planned[4] < 0.7 * planned[2]
     assert measured[4] < 0.8 * measured[2]
     assert len(summaries[4]["peak_memory_bytes_per_stage"]) == 4
+
+
+def test_planning_leaves_the_random_stream_alone():
+    """The plan builds a model (on the meta device), which draws its init seed from the
+    global RNG: the run's own model, built after it, must get the seed it would have got."""
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    plan(load_config(ROOT / "configs/ddp-tiny.yaml"))
+    assert torch.equal(torch.rand(3), expected)

@@ -108,17 +108,10 @@ def model_config(
     return LlamaConfig(**common, n_kv_head=n_kv_head, ffn_hidden=ffn_hidden)
 
 
-def gpt_config(
-    preset: str,
-    vocab_size: int,
-    seq_len: int,
-    dropout: float = 0.0,
-    n_layer: int | None = None,
-    n_head: int | None = None,
-    n_embd: int | None = None,
-) -> GPTConfig:
-    """`model_config` for a GPT-2 preset."""
-    return model_config("gpt2", preset, vocab_size, seq_len, dropout, n_layer, n_head, n_embd)
+def gpt_config(preset: str, vocab_size: int, seq_len: int, *shape, **overrides) -> GPTConfig:
+    """`model_config("gpt2", ...)`: (preset, vocab_size, seq_len, dropout, n_layer, n_head,
+    n_embd), the builder's signature from before Llama."""
+    return model_config("gpt2", preset, vocab_size, seq_len, *shape, **overrides)
 
 
 def config_of(model_section, vocab_size: int) -> DecoderConfig:
