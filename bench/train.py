@@ -56,6 +56,7 @@ from bench.meter import (
     MetricsWindow,
     StepClock,
     all_reduce_floats,
+    peak_sync_bytes,
     run_totals,
 )
 from bench.model import autocast_context, build_model, config_of, lm_loss
@@ -150,7 +151,7 @@ class Trainer:
         state = LoopState(**saved) if saved else LoopState()
         window = MetricsWindow()
         clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model,
-                          self.strategy.critical_path())
+                          self.strategy.critical_path(), state.recent_compute_s)
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
         every = checkpoint.interval(cfg)
@@ -274,6 +275,7 @@ class Trainer:
         estimate = self.memory_plan.per_rank(on_cpu=self.device.type == "cpu")
         peak = peak_flops(self.device, cfg.model.precision)
         steady_tokens, steady_s = state.steady()
+        peak_sync = peak_sync_bytes(state.bytes_series)
         mfu = (self.flops_per_token * steady_tokens / steady_s / (peak * self.world)
                if peak and steady_s > 0 else None)
         return Summary(
@@ -283,6 +285,8 @@ class Trainer:
             warmup_tokens=state.warmup_tokens, compute_s_total=state.compute_s,
             comm_s_total=state.comm_s,
             comm_bytes_total=totals.logical_bytes, comm_wire_bytes_total=totals.wire_bytes,
+            comm_peak_sync_bytes=peak_sync[0], comm_peak_sync_wire_bytes=peak_sync[1],
+            comm_bytes_series=state.bytes_series,
             final_val_loss=state.last_val,
             val_set=self.val_set.record(),
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
