@@ -106,7 +106,8 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     comm = analysis.communication(runs, profiles)
     evals = analysis.downstream(runs)
 
-    runs.to_csv(out_dir / "runs.csv", index=False)
+    runs.drop(columns=["comm_bytes_series"], errors="ignore").to_csv(out_dir / "runs.csv",
+                                                                      index=False)
     res.steps.to_csv(out_dir / "steps.csv", index=False)
     speedup.to_csv(out_dir / "speedup.csv", index=False)
     convergence.to_csv(out_dir / "convergence.csv", index=False)
@@ -116,7 +117,8 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     drawn = {}
     for name, fig in (("throughput", figures.throughput(comm, profiles)),
-                      ("communication", figures.communication(comm, profiles, palette))):
+                      ("communication", figures.communication(comm, profiles, palette)),
+                      ("bytes_per_step", figures.bytes_per_step(runs, palette))):
         if fig is not None:
             drawn[name] = _save(fig, out_dir, name)
 
@@ -259,6 +261,11 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
                               "communication seconds (measured = exposed, not overlapped "
                               "with compute; projected = modelled per profile) and "
                               "communication share of the step."),
+            ("bytes_per_step", "Bytes per step over the run (one run per group, the largest "
+                               "logical payload any rank sent in each step): DDP is flat, "
+                               "DiLoCo spikes every H steps, Streaming DiLoCo has P smaller "
+                               "spikes per H. The peak per sync is in the table below (the "
+                               "last step's closing sync left out)."),
         ):
             if name in drawn:
                 blocks.append(("figure", drawn[name], caption))
