@@ -38,8 +38,10 @@ Ops that span steps (`launch` -> `Pending.wait` -> `Pending.record`): started at
 of one step, waited for some steps later (Streaming DiLoCo's overlapped outer exchange).
 The work runs where the calling thread's compute cannot wait for it: on the CPU on a
 thread of its own (gloo blocks the thread that calls it), on CUDA on a side stream (the
-host only enqueues; the loop and the clocks synchronise the current stream, never the
-device, so they do not wait for it: bench/env.py `synchronize`). It must run on a group no
+host only enqueues). On CUDA this is not enabled yet: the loop and the clocks synchronise
+the whole device every step (bench/env.py `synchronize`), which would wait for the side
+stream, so `strategy.overlap_steps > 0` is refused there (algorithms/diloco.py); the
+CUDA branch is unexercised until they synchronise the current stream. It must run on a group no
 other thread uses (collectives on one group must be issued in the same order on every
 rank). The record is made at the wait, in the waiting step, with `launch_step` and
 `tail_s` (CommRecord): the network model prices its overlap with the compute of the steps
@@ -298,12 +300,10 @@ class Communicator:
         self.record(op, nbytes, seconds, group, peers, **extra)
 
     def synchronize(self) -> None:
-        """Wait for this rank's queued device work on the current stream (a no-op on CPU): a
-        host clock started after it does not count the rank's own compute. Not the whole
-        device: an op launched to span steps (`launch`) runs on a side stream and must not
-        be waited for here (a blocking op issued on the current stream is ordered on it)."""
+        """Wait for this rank's queued device work (a no-op on CPU): a host clock started
+        after it does not count the rank's own compute."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
 
     def _pg(self, group: Group | None):
         if group is None:

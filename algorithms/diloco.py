@@ -135,6 +135,15 @@ class DiLoCoConfig(StrategyConfig):
         # fragments than the model has blocks is checked there too (it knows the model)
         require_data_parallel(self, cfg)
         require_shard_ranks(cfg, cfg.parallel.group_size, "parallel.group_size")
+        device = cfg.parallel.device
+        if self.overlap_steps > 0 and (device == "cuda" or (device == "auto"
+                                                            and torch.cuda.is_available())):
+            raise ValueError(
+                f"strategy.overlap_steps={self.overlap_steps} on CUDA (parallel.device "
+                f"{device!r}): not supported yet. The loop and the clocks synchronise the "
+                "whole device every step, which would wait for the exchange on its side "
+                "stream and count it as compute; use overlap_steps 0 on GPUs, or "
+                "parallel.device cpu")
 
     def codec(self):
         """The codec of outer_compression (algorithms/compress.py; None for none)."""

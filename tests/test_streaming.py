@@ -242,6 +242,8 @@ def test_peak_leaves_out_the_closing_step_unless_it_is_the_only_sync():
                                  "fragments = 5), got 5"),
     ("strategy.mix_alpha=1.5", "strategy.mix_alpha must be in [0, 1], got 1.5"),
     ("strategy.fragment_pattern=random", "strategy.fragment_pattern must be one of"),
+    ("parallel.device=cuda", "strategy.overlap_steps=1 on CUDA (parallel.device 'cuda'): "
+                             "not supported yet"),
 ])
 def test_bad_streaming_config_fails_before_launch(override, message):
     assert_bad_config(STREAMING_TINY, override, message)
