@@ -555,6 +555,12 @@ class Pending:
                 "seconds": self.seconds, "result": result.detach().clone()}
 
     @classmethod
+    def local(cls, comm: Communicator, result: torch.Tensor) -> Pending:
+        """A launched op with nothing to send (one replica): finished, never recorded."""
+        return cls.from_state(comm, None, {"op": None, "nbytes": 0, "step": comm.step,
+                                           "seconds": 0.0, "result": result})
+
+    @classmethod
     def from_state(cls, comm: Communicator, group: Group | None, state: dict) -> Pending:
         """A finished op restored from `state_dict` (resume): waiting for it is free."""
         pending = cls(comm, state["op"], state["nbytes"], group, state["step"], 0.0)
@@ -562,8 +568,11 @@ class Pending:
         pending.result = state["result"].to(comm.device)
         return pending
 
-    def record(self, tail_s: float = 0.0) -> CommRecord:
-        """The op's ledger record, made now (this step, the current phase)."""
+    def record(self, tail_s: float = 0.0) -> CommRecord | None:
+        """The op's ledger record, made now (this step, the current phase); None for a
+        `local` one."""
+        if self.op is None:
+            return None
         return self.comm.record(self.op, self.nbytes, self.seconds, self.group,
                                 launch_step=self.step, tail_s=tail_s)
 

@@ -144,8 +144,11 @@ class OuterOptimizer:
 
         `group`: the one to exchange on (default: the cross group; a launched exchange
         needs a group only it uses). `launch=True`: return the `Pending` exchange. One
-        replica sends nothing, so nothing is compressed (Δ is its own, in the wire dtype).
+        replica sends nothing, so nothing is compressed (Δ is its own, in the wire dtype;
+        launched: a finished `Pending.local`).
         """
+        if launch and self.num_replicas == 1:
+            return Pending.local(self.comm, self.pseudo_gradient())
         group = self.cross_group if group is None else group
         if self.codec is None:
             flat = self.pseudo_gradient()

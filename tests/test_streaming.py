@@ -176,6 +176,16 @@ def test_two_fragments_overlap_1_match_the_hand_written_schedule(rounds, case):
         assert not left  # every launched exchange was waited for
 
 
+@pytest.mark.timeout(60)
+def test_one_replica_overlaps_nothing_and_still_follows_the_schedule():
+    """One replica sends nothing (a launched exchange is finished at once, unrecorded), but
+    Δ is still taken τ steps early and merged."""
+    (replica_errors, global_errors, count, left), = run_distributed(
+        streaming_rounds, 1, 2, 1, 0.25, 9, timeout=50)
+    assert count == 6 and not left
+    assert max(replica_errors) < 1e-6 and max(global_errors) < 1e-6
+
+
 # ------------------------------------------------------------------------ the loop
 
 STREAMING_TINY = "configs/streaming-diloco-tiny.yaml"
