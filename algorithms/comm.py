@@ -599,7 +599,7 @@ def quantized_average(flat: torch.Tensor, codec, pg, size: int) -> torch.Tensor:
     dist.all_to_all_single(received, coded, group=pg)
     shard = codec.decode(received).view(size, -1).sum(dim=0).div_(size)
     gathered = torch.empty_like(coded)
-    dist.all_gather_single(gathered, codec.encode(shard), group=pg)
+    dist.all_gather_into_tensor(gathered, codec.encode(shard), group=pg)
     return codec.decode(gathered)[:numel]
 
 
@@ -611,7 +611,7 @@ def sparse_average(indices: torch.Tensor, values: torch.Tensor, numel: int, pg,
     payload = torch.cat([values.contiguous().view(torch.uint8),
                          indices.contiguous().view(torch.uint8)])
     gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)
-    dist.all_gather_single(gathered, payload, group=pg)
+    dist.all_gather_into_tensor(gathered, payload, group=pg)
     out = torch.zeros(numel, dtype=torch.float32, device=values.device)
     for part in gathered.view(size, -1):
         out.index_add_(0, part[value_bytes:].view(indices.dtype).long(),

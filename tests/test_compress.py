@@ -144,10 +144,20 @@ def _exchanges(rank, world_size, kind):
     return result, reference, torch.stack(everyone).mean(0), bound, comm.ledger.records, later
 
 
-@pytest.mark.timeout(60)
+def _every_kind(rank, world_size):
+    """`_exchanges` for every format, in one launch (process start-up is the slow part)."""
+    return {kind: _exchanges(rank, world_size, kind) for kind in QUANTIZERS}
+
+
+@pytest.fixture(scope="module")
+def exchanged():
+    return run_distributed(_every_kind, 4, timeout=80)
+
+
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", QUANTIZERS)
-def test_quantized_exchange_equals_its_tensor_math_on_every_rank(kind):
-    results = run_distributed(_exchanges, 4, kind, timeout=50)
+def test_quantized_exchange_equals_its_tensor_math_on_every_rank(kind, exchanged):
+    results = [per_rank[kind] for per_rank in exchanged]
     codec = RowQuantizer(kind, row=32)
     for result, reference, mean, bound, records, later in results:
         assert torch.equal(result, results[0][0])  # every rank the same bits
