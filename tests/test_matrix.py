@@ -53,6 +53,7 @@ BASE = {
     "data": {"corpus": "embedded", "tokenizer": "byte", "batch_size": 4},
     "optim": {"lr": 1e-3, "warmup_steps": 1},
     "network": {"ranks_per_node": 1, "profiles": ["eth-10g"]},
+    "parallel": {"device": "cpu"},  # the rows train on CPU (and validate as they run)
     "checkpoint": {"every": 0, "final": True},
 }
 
