@@ -56,6 +56,8 @@ from bench.meter import (
     MetricsWindow,
     StepClock,
     all_reduce_floats,
+    compute_stats,
+    robust_projection,
     run_totals,
 )
 from bench.model import autocast_context, build_model, config_of, lm_loss
@@ -168,7 +170,7 @@ class Trainer:
             state.comm_s += stats.comm_s
             state.idle_s += stats.idle_s
             window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
-            clock.add(step_s, stats, step_records)
+            clock.add(step_s, stats, step_records, state.compute_samples)
             if state.step == warm_end > first_step:  # the warm-up steps, settled apart
                 state.advance(clock.settle(), warmup_steps=warm_end - first_step)
 
@@ -276,6 +278,7 @@ class Trainer:
         steady_tokens, steady_s = state.steady()
         mfu = (self.flops_per_token * steady_tokens / steady_s / (peak * self.world)
                if peak and steady_s > 0 else None)
+        robust = self.robust_fields(state)
         return Summary(
             status=state.status, run_name=cfg.run.name, strategy=cfg.strategy.name,
             world_size=self.world, steps=state.step, total_tokens=state.tokens,
@@ -305,8 +308,33 @@ class Trainer:
             memory_estimate_bytes_per_rank=estimate,
             memory_estimate_terms=self.memory_plan.ranks[
                 self.memory_plan.rank_roles[estimate.index(max(estimate))]].terms,
-            **fields,
+            ranks_per_node=self.ranks_per_node, **robust, **fields,
         ).to_dict()
+
+    def robust_fields(self, state: LoopState) -> dict:
+        """summary.json's `compute_per_step` (every rank's compute per step kind: median,
+        10th/90th percentile, mean) and `projected_robust` (the overlap-aware projection
+        with each rank's median compute per step kind: bench/meter.py
+        `robust_projection`). Collective (outside the ledger)."""
+        stats = [None] * self.world
+        dist.all_gather_object(stats, compute_stats(state.compute_samples))
+        kinds = sorted({k for rank in stats for k in rank})
+        per_kind = {kind: {key: [rank.get(kind, {}).get(key) for rank in stats]
+                           for key in ("steps", "median_s", "p10_s", "p90_s", "mean_s")}
+                    for kind in kinds}
+        if not state.robust_stretches:
+            return {"compute_per_step": per_kind or None}
+        medians = [{k: v["median_s"] for k, v in rank.items()} for rank in stats]
+        names = list(self.profiles)
+        totals, compute = robust_projection(
+            state.robust_stretches, medians, 2 * len(names),
+            self.strategy.critical_path(), len(names))
+        steps = max(1, state.step)
+        projected = {name: Projection.of(totals[i], (totals[i] - compute) / steps,
+                                         state.step, state.tokens)
+                     for i, name in enumerate(names)}  # overlap-aware: the first columns
+        return {"compute_per_step": per_kind, "projected_robust": projected,
+                "robust_compute_s": compute}
 
 
     def per_rank(self, value: int) -> list[int]:
