@@ -175,6 +175,25 @@ def _cmd_compare(args) -> int:
     return compare(args.runs, args.output, tolerance=args.tolerance)
 
 
+def _cmd_whatif(args) -> int:
+    from bench.whatif.report import evaluate, run_whatif, table, write
+    from bench.whatif.scenario import load_scenario
+
+    if args.run:
+        for name, row in run_whatif(args.run).items():
+            recorded = row["recorded_s"]
+            print(f"{name}: what-if {row['whatif_s']:.6g} s, run's projected_robust "
+                  f"{'n/a' if recorded is None else f'{recorded:.6g} s'}, "
+                  f"utilisation {row['utilisation']:.1%}")
+        return 0
+    scenario = load_scenario(args.scenario, args.set or [])
+    results = evaluate(scenario)
+    print(table(scenario, results))
+    out = write(scenario, results, Path(args.output) / scenario.name)
+    print(f"\nwrote {out}/whatif.md, whatif.json, whatif.png")
+    return 0
+
+
 def _cmd_track(args) -> int:
     from bench.tracking.sync import track
 
@@ -288,6 +307,23 @@ def build_parser() -> argparse.ArgumentParser:
                          "(training or validation loss, absolute) exceeds this, or a pair has "
                          "no step in common (0 = bit-exact)")
     compare.set_defaults(func=_cmd_compare)
+
+    whatif = sub.add_parser(
+        "whatif", help="project methods onto a planned model, world and network",
+        description="Price each method of a scenario (YAML, or --set on the defaults) with "
+        "its strategy's own traffic description on the network model, over a bandwidth "
+        "range: step time, exposed communication, compute utilisation, time for the token "
+        "budget, the bandwidth needed for each target utilisation, and a figure "
+        "(bench/whatif/; docs/network-model.md).")
+    whatif.add_argument("scenario", nargs="?", help="a what-if scenario YAML (default: the "
+                        "defaults of bench/whatif/scenario.py)")
+    whatif.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a scenario field (repeatable)")
+    whatif.add_argument("-o", "--output", default="results/whatif",
+                        help="where SCENARIO_NAME/whatif.{md,json,png} go")
+    whatif.add_argument("--run", metavar="RUN_DIR", help="instead: a measured run's own "
+                        "what-if beside its recorded projected_robust")
+    whatif.set_defaults(func=_cmd_whatif)
 
     track = sub.add_parser(
         "track", help="send recorded runs to TensorBoard, W&B or MLflow (idempotent)",
