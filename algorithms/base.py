@@ -67,7 +67,7 @@ class StrategyConfig:
     def traffic(self, cfg, facts):
         """What one rank sends in each step, described without training: an
         `algorithms.traffic.Traffic` built from the run config `cfg` and the model's
-        `TrafficFacts` (bench/whatif.py prices it for `commbench whatif`). It must say
+        `TrafficFacts` (bench/whatif/engine.py prices it for `commbench whatif`). It must say
         what the strategy's own code records in the CommLedger (tests/test_whatif.py
         holds each description against real runs' ledgers). Default: not described."""
         raise ValueError(f"strategy.name={self.name!r} has no traffic description "

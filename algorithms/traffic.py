@@ -7,7 +7,7 @@ config, to `StrategyConfig.traffic(cfg, facts)`, which returns a `Traffic`: for 
 and step, the `Transfer`s the rank issues in that step, in order, as the strategy's own
 code records them in its CommLedger (algorithms/comm.py: phase, op, group, logical
 bytes, and for DDP's buckets how far backward still has to go when each is launched).
-bench/whatif.py prices them with the network model the run projections use
+bench/whatif/engine.py prices them with the network model the run projections use
 (bench/network/); tests/test_whatif.py holds every description against real runs'
 ledgers and projections.
 
@@ -348,23 +348,39 @@ def pipeline_traffic(config, cfg, facts: TrafficFacts) -> Traffic:
                    - (facts.tied_bytes if tied_twice[s] else 0)
                    for s, layers in enumerate(layers_of)]
     path = config.critical_path(S, M)
-    crossing = "exchange" if getattr(config, "schedule", "1f1b") != "gpipe" and M > 1 else None
+    gpipe = getattr(config, "schedule", "1f1b") == "gpipe"
+    no_flush = bool(getattr(config, "delay", 0))
     boundary = facts.boundary_bytes
-    cache: dict[int, list[Transfer]] = {}
+    cache: dict[tuple[int, bool], list[Transfer]] = {}
+
+    def crossings(first: str, last: str, steady: bool) -> list[str]:
+        """One neighbour's records in a step: GPipe's M of one kind then M of the other;
+        1F1B's first crossing alone, M - 1 batched exchanges, the last alone; without a
+        flush (2BW, delay 1) the first step's M (the drain is the next step's) and then
+        M exchanges. Checked against runs with two stages (tests/test_whatif.py)."""
+        if gpipe:
+            return [first] * M + [last] * M
+        if no_flush:
+            return ["exchange"] * M if steady else [first] + ["exchange"] * (M - 1)
+        return [first] + ["exchange"] * (M - 1) + [last] if M > 1 else [first, last]
 
     def transfers(rank: int, step: int) -> list[Transfer]:
-        if rank in cache:
-            return cache[rank]
+        key = (rank, step > 0)
+        if key in cache:
+            return cache[key]
         replica, stage = divmod(rank, S)
         out = []
-        for peer in (rank + 1 if stage < S - 1 else None, rank - 1 if stage > 0 else None):
+        for peer, first, last in ((rank + 1 if stage < S - 1 else None, "send", "recv"),
+                                  (rank - 1 if stage > 0 else None, "recv", "send")):
             if peer is None:
                 continue
-            kinds = ["send", *([crossing] if crossing else []), "recv"]
             out += [Transfer("train", kind, (boundary,), peers=(peer,),
                              peer_nbytes=(boundary,) if kind == "exchange" else None)
-                    for kind in kinds]
+                    for kind in crossings(first, last, step > 0)]
         first, last = replica * S, replica * S + S - 1
+        if no_flush and step == 0:  # its backwards run in step 1: no gradients yet
+            cache[key] = out
+            return out
         if replicas > 1:
             out.append(Transfer("dp", "all_reduce", (stage_bytes[stage],),
                                 tuple(range(stage, world, S))))
@@ -372,15 +388,18 @@ def pipeline_traffic(config, cfg, facts: TrafficFacts) -> Traffic:
             out.append(Transfer("tied", "all_reduce", (facts.tied_bytes,), (first, last)))
         if S > 1 and cfg.optim.grad_clip > 0:
             out.append(Transfer("clip", "all_reduce", (4,), tuple(range(first, last + 1))))
-        cache[rank] = out
+        cache[key] = out
         return out
 
-    return Traffic(cfg.run.steps, transfers,
+    return Traffic(cfg.run.steps, transfers, phases=[(0, 1), (1, cfg.run.steps)]
+                   if no_flush and cfg.run.steps > 1 else [],
                    compute_share=lambda rank, step: work[rank % S] / sum(work),
                    reads_batch=lambda rank, step: rank % S == 0,
                    critical_path=lambda rank: (path.slots, path.work_slots, path.hops),
                    notes=["pipeline stages: each stage's compute its share of the model's "
                           "matmul parameters (attention's score matmuls not counted); "
-                          "activations fp32, one message per microbatch and boundary; "
+                          "activations fp32, one message per microbatch and boundary "
+                          "(a stage with two neighbours: their records not checked against "
+                          "a run); "
                           "priced on the schedule's critical path "
                           "(bench/network/pipeline.py)"])
