@@ -203,9 +203,10 @@ class Trainer:
         state.advance(clock.settle())
 
         if state.status == "ok" and cfg.checkpoint.final:
-            checkpoint.save_eval_model(self.records, rank, self.strategy,
-                                       vars(self.model_config), cfg.data.tokenizer,
-                                       cfg.run.steps, self.checkpoint_group)
+            with self.comm.phase("eval"):  # e.g. GASLoC's average: not training traffic
+                checkpoint.save_eval_model(self.records, rank, self.strategy,
+                                           vars(self.model_config), cfg.data.tokenizer,
+                                           cfg.run.steps, self.checkpoint_group)
         return self.summarise(state)
 
     def warm_up(self, step: int) -> float:
