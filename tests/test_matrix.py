@@ -295,6 +295,7 @@ def _run_rows(rank, world, rows: list[Combination], base_dir: str):
         try:
             summary, state, _, traffic = _train(cfg, run_dir)
             row = {"status": summary["status"], "loss_finite": None, "traffic": traffic,
+                   "projection_model": summary.get("projection_model", ""),
                    "val": summary.get("final_val_loss"), "steps": summary["steps"],
                    "tokens": summary["total_tokens"]}
             if rank == 0:
@@ -358,6 +359,8 @@ def check(combo: Combination, found: dict) -> None:
             named, traffic)
     else:
         assert traffic is None, f"what-if traffic differs from the ledger: {named}: {traffic}"
+    # a sharded run's projection says FSDP's collectives are priced with no overlap
+    assert ("FSDP" in found["projection_model"]) == (named["parallel.shard"] == "fsdp"), named
     if named["resume"]:
         assert found["resumed_status"] == "ok", (named, found)
         assert found["resumed_steps"] == [2], f"did not resume from step 2: {named} {found}"
