@@ -257,3 +257,24 @@ def test_hierarchical_diloco_run_equals_its_whatif(tmp_path):
 @pytest.mark.parametrize("case", [c for c in CASES if c != "diloco-hier"])
 def test_every_strategys_run_equals_its_whatif(case, tmp_path):
     check_run(case, tmp_path)
+
+
+def test_a_measured_runs_flops_rate_scales_to_the_scenario(tmp_path):
+    """hardware.run: the run's FLOPs per step (its flops_per_token x batch x seq_len) over
+    the median compute of its most frequent batch-reading step kind, applied to the
+    scenario's FLOPs per step."""
+    import json
+    import shutil
+
+    shutil.copy("configs/ddp-tiny.yaml", tmp_path / "config.yaml")  # batch 8 x 128 tokens
+    stats = {"steps": [10], "median_s": [0.5], "p10_s": [0.4], "p90_s": [0.9],
+             "mean_s": [0.6]}
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "status": "ok", "flops_per_token": 2e6, "compute_per_step": {
+            "train:all_reduce": stats,
+            "no batch, no traffic": {**stats, "steps": [90], "median_s": [0.01]}}}))
+    s = scenario({"ddp": {"strategy": {"name": "ddp"}}}, "hardware.compute_s_per_step=null",
+                 f"hardware.run={tmp_path}", "model_size.flops_per_token=1e6")
+    _, _, compute_s, _ = method_plan(s, "ddp", net())
+    achieved = 2e6 * 8 * 128 / 0.5
+    assert compute_s == pytest.approx(1e6 * 2 * 128 / achieved, rel=1e-12)
