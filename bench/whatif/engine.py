@@ -47,12 +47,13 @@ how long DDP's buckets can overlap."""
 # ---------------------------------------------------------------------- the model's facts
 
 
-def traffic_facts(cfg) -> TrafficFacts:
-    """The model of run config `cfg`, measured on the meta device (nothing allocated)."""
+def traffic_facts(cfg, model=None) -> TrafficFacts:
+    """The model of run config `cfg`, measured on the meta device (nothing allocated);
+    `model`: that meta model, when the caller has built it."""
     from bench.memory import _meta_model
     from bench.model import TransformerBlock
 
-    model = _meta_model(cfg)
+    model = model if model is not None else _meta_model(cfg)
     layers = model.as_layers()
     layer_of: dict[int, int] = {}
     for i, layer in enumerate(layers):
@@ -68,12 +69,6 @@ def traffic_facts(cfg) -> TrafficFacts:
         tied_layers=(0, len(layers) - 1) if tied is not None else (),
         layer_bytes=tuple(sum(p.numel() * 4 for p in _unique(layer)) for layer in layers),
         boundary_bytes=micro * cfg.model.seq_len * model.cfg.n_embd * 4)
-
-
-def flops_per_token(cfg) -> int:
-    from bench.memory import _meta_model
-
-    return _meta_model(cfg).flops_per_token()
 
 
 def synthetic_facts(num_params: int, n_layer: int) -> TrafficFacts:

@@ -22,7 +22,6 @@ from bench.whatif.engine import (
     Compute,
     Plan,
     bandwidth_for,
-    flops_per_token,
     plan,
     price,
     synthetic_facts,
@@ -90,8 +89,24 @@ def measured_flops_per_s(run_dir: str) -> float:
     return summary["flops_per_token"] * tokens / kinds[kind]["median_s"][0]
 
 
-def method_plan(s: Scenario, name: str, profile) -> tuple:
-    """(run config, Plan, compute seconds per step, notes) of method `name`."""
+def model_facts(cfg, cache: dict | None = None) -> tuple:
+    """(TrafficFacts, FLOPs per token) of `cfg`'s model from one meta-device build, kept in
+    `cache` for methods that share the model, batch and microbatches."""
+    from bench.memory import _meta_model
+
+    key = (repr(cfg.model), cfg.data.batch_size, cfg.parallel.num_microbatches)
+    if cache is not None and key in cache:
+        return cache[key]
+    model = _meta_model(cfg)
+    out = traffic_facts(cfg, model), model.flops_per_token()
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def method_plan(s: Scenario, name: str, profile, models: dict | None = None) -> tuple:
+    """(run config, Plan, compute seconds per step, FLOPs per token) of method `name`
+    (`models`: `model_facts`' cache)."""
     cfg = method_config(s, name)
     size = s.model_size
     if size.num_params is not None:
@@ -102,7 +117,7 @@ def method_plan(s: Scenario, name: str, profile) -> tuple:
         facts = synthetic_facts(int(size.num_params), size.n_layer)
         flops = size.flops_per_token or 6 * size.num_params
     else:
-        facts, flops = traffic_facts(cfg), flops_per_token(cfg)
+        facts, flops = model_facts(cfg, models)
     compute_s = step_compute_s(s, cfg, flops)
     traffic = cfg.strategy.traffic(cfg, facts)
     p = plan(traffic, Compute(step_s=compute_s, backward_share=s.hardware.backward_share),
@@ -117,9 +132,9 @@ def evaluate(s: Scenario) -> list[MethodResult]:
     at = high if s.network.at is None else parse_bandwidth(s.network.at, "network.at")
     n = s.network.points
     grid = [low * (high / low) ** (i / (n - 1)) for i in range(n)] if n > 1 else [high]
-    results = []
+    results, models = [], {}
     for name in s.methods:
-        cfg, p, compute_s, flops = method_plan(s, name, profile)
+        cfg, p, compute_s, flops = method_plan(s, name, profile, models)
         cache: dict[float, object] = {}
 
         def priced(bandwidth: float, p: Plan = p, cache: dict = cache):
