@@ -278,3 +278,13 @@ def test_a_measured_runs_flops_rate_scales_to_the_scenario(tmp_path):
     _, _, compute_s, _ = method_plan(s, "ddp", net())
     achieved = 2e6 * 8 * 128 / 0.5
     assert compute_s == pytest.approx(1e6 * 2 * 128 / achieved, rel=1e-12)
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs/whatif").glob("*.yaml")))
+def test_shipped_scenarios_validate(path):
+    """Every shipped scenario loads and each of its methods is a valid run config."""
+    from bench.whatif.scenario import method_config
+
+    s = load_scenario(str(path))
+    for name in s.methods:
+        assert method_config(s, name).run.steps >= 1
