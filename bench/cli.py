@@ -54,7 +54,6 @@ def _cmd_run(args) -> int:
     """`commbench run`: a new run, `--run-dir DIR`, or `--resume DIR` (what each promises:
     bench/launch.py's docstring and the README's "Resume and run directories")."""
     from bench.config import check_output_dir, load_config, preflight
-    from bench.launch import Terminated
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -73,11 +72,7 @@ def _cmd_run(args) -> int:
     preflight(cfg)
     if run_dir is None:
         check_output_dir(cfg.run.output_dir)
-    try:
-        summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet,
-                                   resume=bool(args.resume))
-    except Terminated:  # recorded as interrupted; the conventional exit code of SIGTERM
-        return 143
+    summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
     _print_summary(summary)
     return 0 if summary["status"] == "ok" else 1
 
@@ -334,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"commbench: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # what was recorded so far is on disk; no traceback
-        return 130
+    except KeyboardInterrupt as stop:  # recorded so far is on disk; no traceback
+        # the conventional status of the signal: 130 Ctrl-C, 143 SIGTERM (bench.launch.Stopped)
+        return 128 + getattr(stop, "signum", 2)
 
 
 if __name__ == "__main__":
