@@ -2,6 +2,7 @@
 
     commbench run configs/ddp-tiny.yaml --set run.steps=50
     commbench sweep configs/quickstart.yaml [--dry-run] [--output-dir DIR] [--set K=V]
+    commbench sweep configs/quickstart.yaml --status    # each run's state; starts nothing
     commbench eval RUN_DIR --suite smoke
     commbench report results/quickstart -o reports/quickstart
     commbench compare results/before results/after --tolerance 0
@@ -101,8 +102,12 @@ def _cmd_config_show(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from bench.sweep import run_sweep
+    from bench.sweep import run_sweep, sweep_status
 
+    if args.status:
+        sweep_status(args.spec, executor=args.executor, output_dir=args.output_dir,
+                     overrides=args.set)
+        return 0
     result = run_sweep(args.spec, dry_run=args.dry_run, retry_failed=args.retry_failed,
                        executor=args.executor, max_parallel=args.max_parallel,
                        report=not args.no_report, output_dir=args.output_dir,
@@ -213,9 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="run a sweep of runs, then report")
     sweep.add_argument("spec", help="sweep spec YAML")
     sweep.add_argument("--resume", action="store_true",
-                       help="skip runs already recorded ok (always on; kept for clarity)")
+                       help="skip runs already recorded ok and continue stopped ones from "
+                       "their checkpoints (always on; kept for clarity)")
     sweep.add_argument("--retry-failed", action="store_true",
-                       help="re-run failed runs (their old records are kept aside)")
+                       help="re-run failed runs: from their checkpoint, else from step 0 "
+                       "(their old records kept aside)")
+    sweep.add_argument("--status", action="store_true",
+                       help="list every run's state (recorded, running, queued with its "
+                       "Slurm job id, stopped, not started), attempts and last step; "
+                       "starts nothing")
     sweep.add_argument("--executor", choices=["local", "slurm"], help="override the spec")
     sweep.add_argument("--max-parallel", type=int, help="concurrent local runs")
     sweep.add_argument("--output-dir", metavar="DIR",

@@ -11,15 +11,15 @@ harness does not import `eval`. Before torchrun starts, this process checks the 
 GPU per rank (CUDA runs) and tokenises the corpus into the cache, so no rank waits in a
 barrier, past `parallel.timeout_s`, for another to tokenise.
 
-Stopping (bench/stop.py). While torchrun runs, the first stop signal (Ctrl-C, SIGTERM from
-Slurm or `kill`, SIGHUP from a closed terminal, SIGUSR1/2 from Slurm's `--signal` before a
-time limit) is relayed to the ranks, which checkpoint at the next step boundary and stop;
-a second SIGINT, SIGTERM or SIGHUP stops them at once (losing the steps since the last
-checkpoint). Either way the run is recorded failed with `interrupted: true` (partial:
-`--resume` and the next sweep continue it) and `run_config` raises `Stopped`
-(`Terminated` for SIGTERM), a KeyboardInterrupt. torchrun itself ignores these signals and
-dies with this process (bench/torchrun.py), and the ranks with torchrun: a killed launcher
-leaves no rank training into a record that a later sweep resumes.
+Stopping (bench/stop.py holds both sides). While torchrun runs, the first stop signal
+(Ctrl-C, SIGTERM from Slurm or `kill`, SIGHUP from a closed terminal, SIGUSR1/2 from
+Slurm's `--signal` before a time limit) is relayed to the ranks, which checkpoint at the
+next step boundary and stop; a second SIGINT, SIGTERM or SIGHUP stops them at once
+(losing the steps since the last checkpoint). Either way the run is recorded failed with
+`interrupted: true` (partial: `--resume` and the next sweep continue it) and `run_config`
+raises `Stopped` (`Terminated` for SIGTERM), a KeyboardInterrupt. torchrun itself ignores
+these signals and dies with this process (bench/torchrun.py), and the ranks with torchrun:
+a killed launcher leaves no rank training into a record that a later sweep resumes.
 
 Each launch is one attempt, appended to summary.json `attempts` ({job_id, host, start,
 end, reason}: a Slurm job id, or null); a resume keeps the earlier ones. `wall_s` counts
@@ -49,13 +49,11 @@ run: its record stays as rank 0 wrote it, with the failure under `teardown_error
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -73,20 +71,8 @@ from bench.config import (
 from bench.data import cached_corpus
 from bench.failure import error_text
 from bench.records import DONE_STATUSES, RunDir, status_of, write_text
-from bench.stop import STOP_SIGNALS
+from bench.stop import Stopped, Terminated, relaying, stop_received, stop_signals
 from bench.summary import running_header
-
-
-class Stopped(KeyboardInterrupt):
-    """A stop signal ended the run (module docstring); `signum` is the launcher's first."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class Terminated(Stopped):
-    """SIGTERM (a scheduler's stop): the conventional exit status is 143."""
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -297,74 +283,6 @@ def resume_hint(run: RunDir, world_size: int) -> str:
             "restart it from step 0")
 
 
-# ------------------------------------------------------------------- stop signals
-# Process-wide: a sweep may run several launches at once, in threads, and only the main
-# thread receives signals. The torchruns this process runs, and the stop signals received.
-_running: dict[subprocess.Popen, RunDir] = {}
-_stops: list[int] = []
-
-
-def stop_received() -> int | None:
-    """The first stop signal this process received inside `stop_signals`, or None."""
-    return _stops[0] if _stops else None
-
-
-@contextlib.contextmanager
-def stop_signals():
-    """Inside, STOP_SIGNALS stop the torchruns of this process (module docstring): the
-    first is relayed to their ranks; a second SIGINT, SIGTERM or SIGHUP, or any while no
-    torchrun runs, raises `Stopped` at once. Main thread only (elsewhere it does
-    nothing); nested uses share the outermost's."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is _on_stop_signal):
-        yield
-        return
-    previous = {signum: signal.signal(signum, _on_stop_signal) for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _stops.clear()
-
-
-def _on_stop_signal(signum, frame):
-    first = not _stops
-    _stops.append(signum)
-    running = list(_running.items())
-    if running and (first or signum in (signal.SIGUSR1, signal.SIGUSR2)):
-        for proc, run in running:
-            _ask_ranks_to_stop(proc, run, signum)
-        return
-    for proc, _ in running:  # a second stop: at once (their ranks die with them)
-        proc.kill()
-    for signum_ in STOP_SIGNALS:  # one stop at once; let the recording finish
-        signal.signal(signum_, signal.SIG_IGN)
-    raise (Terminated if signum == signal.SIGTERM else Stopped)(signum)
-
-
-def _ask_ranks_to_stop(proc: subprocess.Popen, run: RunDir, signum: int) -> None:
-    """Relay a stop to a torchrun's ranks: the mark first (a rank that starts later reads it,
-    bench/train.py), then the signal to each rank already started."""
-    write_text(run.stop_request, signal.Signals(signum).name)
-    for pid in _children(proc.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc; none elsewhere)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == pid:
-            children.append(int(stat.parent.name))
-    return children
-
-
 def _recorded_config(run: RunDir, flag: str) -> Config:
     try:
         return load_config(run.config)
@@ -400,27 +318,24 @@ def _run_torchrun(cmd: list[str], env: dict, run: RunDir, progress: bool):
         log.write(" ".join(cmd) + "\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                 text=True, bufsize=1)
-        _running[proc] = run
-        if _stops:  # a stop that came while it started
-            _ask_ranks_to_stop(proc, run, _stops[0])
         try:
-            for line in proc.stdout:
-                log.write(line)
-                if line.startswith("PROGRESS "):
-                    if progress:
-                        text = line[len("PROGRESS "):].rstrip()
-                        print(f"\r{text}\033[K" if interactive else text, end="" if interactive
-                              else "\n", file=sys.stderr, flush=True)
-                else:
-                    tail.append(line.rstrip())
-            rc = proc.wait()
+            with relaying(proc, run):  # stop signals go to its ranks (bench/stop.py)
+                for line in proc.stdout:
+                    log.write(line)
+                    if line.startswith("PROGRESS "):
+                        if progress:
+                            text = line[len("PROGRESS "):].rstrip()
+                            print(f"\r{text}\033[K" if interactive else text,
+                                  end="" if interactive else "\n", file=sys.stderr, flush=True)
+                    else:
+                        tail.append(line.rstrip())
+                rc = proc.wait()
         except KeyboardInterrupt as stop:  # stop at once: torchrun ignores the stop signals
             proc.kill()  # its ranks die with it (bench/torchrun.py)
             proc.wait()
             log.write(f"stopped at once ({stop!r})\n")
             raise
         finally:
-            del _running[proc]
             if interactive:
                 print(file=sys.stderr)
     return rc, list(tail)

@@ -3,6 +3,9 @@
     commbench run configs/ddp-tiny.yaml        # Ctrl-C, kill -TERM, a closed ssh session...
     commbench run --resume RUN_DIR             # ...then this continues from that step
 
+Two sides. The launcher's (`stop_signals`, `relaying`, `Stopped`: bench/launch.py and the
+sweep executors use them) and the ranks' (`StopRequest`, `handle_signals`: bench/train.py).
+
 `STOP_SIGNALS` (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) all mean "stop soon, losing
 nothing": every rank finishes its step, the ranks agree on one step, save their state there
 (bench/checkpoint.py) and the run ends recorded `interrupted` (partial: `--resume` or the
@@ -23,17 +26,119 @@ blocked by their ranks' steps), at most `checkpoint.timeout_s`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
+import subprocess
 import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
+from bench.records import RunDir, write_text
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 """Signals that stop a run at the next step boundary, with a checkpoint."""
+
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal ended the run; `signum` is the launcher's first (bench/launch.py)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Terminated(Stopped):
+    """SIGTERM (a scheduler's stop): the conventional exit status is 143."""
+
+
+# ------------------------------------------------------------------ the launcher's side
+# Process-wide: a sweep may run several launches at once, in threads, and only the main
+# thread receives signals. The torchruns this process runs, and the stop signals received.
+_running: dict[subprocess.Popen, RunDir] = {}
+_stops: list[int] = []
+
+
+def stop_received() -> int | None:
+    """The first stop signal this process received inside `stop_signals`, or None."""
+    return _stops[0] if _stops else None
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Inside, STOP_SIGNALS stop the torchruns of this process that are `relaying`: the
+    first is relayed to their ranks; a second SIGINT, SIGTERM or SIGHUP kills them, and it
+    or any signal while no torchrun runs raises `Stopped` at once. Main thread only
+    (elsewhere it does nothing); nested uses share the outermost's."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is _on_stop_signal):
+        yield
+        return
+    previous = {signum: signal.signal(signum, _on_stop_signal) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _stops.clear()
+
+
+@contextlib.contextmanager
+def relaying(proc: subprocess.Popen, run: RunDir):
+    """While inside, stop signals received by this process go to `proc`'s ranks (proc: a
+    torchrun training `run`), including one received just before."""
+    _running[proc] = run
+    try:
+        if _stops:
+            _ask_ranks_to_stop(proc, run, _stops[0])
+        yield
+    finally:
+        del _running[proc]
+
+
+def _on_stop_signal(signum, frame):
+    first = not _stops
+    _stops.append(signum)
+    running = list(_running.items())
+    if running and (first or signum in (signal.SIGUSR1, signal.SIGUSR2)):
+        for proc, run in running:
+            _ask_ranks_to_stop(proc, run, signum)
+        return
+    for proc, _ in running:  # a second stop: at once (their ranks die with them)
+        proc.kill()
+    for signum_ in STOP_SIGNALS:  # one stop at once; let the recording finish
+        signal.signal(signum_, signal.SIG_IGN)
+    raise (Terminated if signum == signal.SIGTERM else Stopped)(signum)
+
+
+def _ask_ranks_to_stop(proc: subprocess.Popen, run: RunDir, signum: int) -> None:
+    """Relay a stop to a torchrun's ranks: the mark first (a rank that starts later reads
+    it, bench/train.py), then the signal to each rank already started."""
+    write_text(run.stop_request, signal.Signals(signum).name)
+    for pid in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc; none elsewhere)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+# ---------------------------------------------------------------------- the ranks' side
 
 _FOREVER = timedelta(days=3650)
 _serial = itertools.count()  # one namespace per StopRequest, the same sequence on every rank

@@ -424,8 +424,10 @@ def test_ctrl_c_reaches_the_runs_in_flight_of_a_parallel_sweep(tmp_path, env):
     assert result.ok and result.num_launched == 3
 
 
-def test_ctrl_c_in_the_real_launcher_stops_torchrun_and_records_the_run(tmp_path, env,
-                                                                        monkeypatch):
+def test_a_second_ctrl_c_in_the_real_launcher_stops_torchrun_at_once(tmp_path, env,
+                                                                      monkeypatch):
+    """The first Ctrl-C asks the ranks to checkpoint and stop (bench/stop.py); the second
+    kills torchrun (and its ranks) at once, and the run is recorded interrupted."""
     # bench.launch.run_config, with torchrun replaced by a child that only waits
     marker = tmp_path / "child.pid"
     child = [sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + '.tmp', 'w')"
@@ -438,6 +440,8 @@ def test_ctrl_c_in_the_real_launcher_stops_torchrun_and_records_the_run(tmp_path
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)
         if marker.exists():
+            os.kill(os.getpid(), signal.SIGINT)  # relayed to the (absent) ranks
+            time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGINT)
 
     path = write_spec(tmp_path, {"name": "rc"})
@@ -513,13 +517,13 @@ def test_a_registered_executor_gets_the_runs_to_train(tmp_path, env, monkeypatch
     seen = {}
 
     class Recording(executors.Executor):
-        def prepare(self, runs):
-            seen["prepared"] = [r.run_id for r in runs]
+        def prepare(self, tasks):
+            seen["prepared"] = [t.run_id for t in tasks]
             return set()
 
-        def run(self, todo, runner, progress):
-            seen["ran"] = [r.run_id for r, _ in todo]
-            return {r.run_id: fake_runner(r.config, d) for r, d in todo}
+        def run(self, tasks, runner, progress):
+            seen["ran"] = [t.run_id for t in tasks]
+            return {t.run_id: fake_runner(t.config, t.run_dir) for t in tasks}
 
     monkeypatch.setitem(executors.EXECUTORS, "local", Recording)
     result = run_sweep(write_spec(tmp_path, {"seeds": [0, 1]}), report=False)
