@@ -168,8 +168,8 @@ def save_periodic(run: RunDir, rank: int, step: int, strategy: Strategy, ledger:
 
 def save_at_stop(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
                  loop_state: dict, group=None) -> None:
-    """`save_state` at the step a stop request agreed on (bench/stop.py), whatever
-    `checkpoint.every` says; a strategy that cannot save stops without one (a resume then
+    """`save_state` at the step a stop request agreed on (bench/stop.py), off the
+    `checkpoint.every` grid; a strategy that cannot save stops without one (a resume then
     restarts at step 0, and says so)."""
     try:
         save_state(run, rank, step, strategy, ledger, loop_state, group)

@@ -212,7 +212,7 @@ class Trainer:
         state.advance(clock.settle())  # every rank has passed its last boundary
         self.stop.close()
         if stopped:
-            if saved_step != state.step:
+            if saved_step != state.step and cfg.checkpoint.every != 0:
                 checkpoint.save_at_stop(self.records, rank, state.step, self.strategy,
                                         self.ledger, self.loop_state(state, window),
                                         self.checkpoint_group)

@@ -135,7 +135,7 @@ def straight_stopped_resumed(rank, world_size, config, overrides, base):
     receives, at step 5; then resumed. Returns what the test compares."""
     from bench.stop import handle_signals
 
-    overrides = [*overrides, "checkpoint.every=0"]  # the stop's checkpoint is the only one
+    overrides = [*overrides, "checkpoint.every=100"]  # the stop's checkpoint is the only one
     straight = make_trainer(world_size, config, overrides, f"{base}/straight")
     straight.run()
     straight.strategy.close()
@@ -150,10 +150,12 @@ def straight_stopped_resumed(rank, world_size, config, overrides, base):
     os.environ["COMMBENCH_RESUME"] = "1"
     try:
         resumed = make_trainer(world_size, config, overrides, f"{base}/cut")
+        saved = torch.load(resumed.records.state_checkpoint(rank), weights_only=False)["step"]
         resumed.run()
     finally:
         del os.environ["COMMBENCH_RESUME"]
-    return {"summary": summary, "straight": params_of(own_model(straight.strategy)),
+    return {"summary": summary, "checkpoint_step": saved,
+            "straight": params_of(own_model(straight.strategy)),
             "resumed": params_of(own_model(resumed.strategy)),
             "straight_eval": params_of(straight.strategy.eval_model()),
             "resumed_eval": params_of(resumed.strategy.eval_model())}
@@ -177,6 +179,7 @@ def test_a_stop_signal_checkpoints_where_all_ranks_agree_and_resumes_bit_exact(t
     (step,) = steps
     assert 5 < step < 8  # off the rows' grid: the checkpoint carries an open window
     for r in results:
+        assert r["checkpoint_step"] == step  # saved at the stop, and resumed from there
         assert r["summary"]["interrupted"] is True and r["summary"]["stopped_by"] == "SIGTERM"
         assert r["summary"]["status"] == "failed"
         assert_same_params(r["resumed"], r["straight"], atol=0, rtol=0)

@@ -137,6 +137,8 @@ try:
     print("returned", summary["status"])
 except launch.Terminated:
     print("terminated")
+except launch.Stopped as stop:
+    print("stopped", stop)
 """
 
 
@@ -157,6 +159,18 @@ def test_sigterm_is_recorded_like_ctrl_c(tmp_path):
     assert summary["status"] == "failed" and summary["interrupted"] is True
     assert summary["error"] == "terminated (SIGTERM)"
     assert "no checkpoint was saved yet" in proc.stderr  # nothing to resume: no promise
+
+
+def test_sighup_is_recorded_like_ctrl_c(tmp_path):
+    """Issue 29: SIGHUP (a closed terminal or ssh session) left summary.json `running`."""
+    proc = fake_launch(tmp_path, "os.kill(os.getpid(), signal.SIGHUP); time.sleep(30)\n"
+                                 "    return 0, []")
+    assert proc.returncode == 0 and proc.stdout.strip() == "stopped SIGHUP", proc.stderr
+    summary = RunDir(tmp_path / "run").read_summary()
+    assert summary["status"] == "failed" and summary["interrupted"] is True
+    assert summary["error"] == "stopped by SIGHUP"
+    (attempt,) = summary["attempts"]
+    assert attempt["reason"] == "stopped by SIGHUP" and attempt["end"] >= attempt["start"]
 
 
 def test_a_node_without_rank_0_succeeds_on_exit_code_0(tmp_path):

@@ -369,6 +369,71 @@ def test_resume_after_a_killed_sweep_completes_only_the_missing_runs(tmp_path, e
     assert (killed / "config.yaml").exists()  # moved aside, never deleted
 
 
+resumed: list[tuple[str, bool, str]] = []
+
+
+def resuming_runner(cfg, run_dir, progress=True, resume=False) -> dict:
+    """fake_runner, noting (run name, resume, run dir): what the sweep asked for."""
+    resumed.append((cfg.run.name, resume, str(run_dir)))
+    return fake_runner(cfg, run_dir, progress)
+
+
+def _stop(run_dir: Path, checkpoint_step: int | None, world_size: int = 2) -> None:
+    """Leave a run as a stop leaves it: interrupted, with every rank's state at a step."""
+
+    run = RunDir(run_dir)
+    run.update_summary({"status": "failed", "interrupted": True, "error": "stopped by SIGTERM",
+                        "steps": checkpoint_step, "attempts": [{"job_id": None}]})
+    for stale in run.state_files():
+        stale.unlink()
+    for rank in range(world_size if checkpoint_step else 0):
+        run.save_torch({"step": checkpoint_step}, run.state_checkpoint(rank))
+
+
+def test_a_stopped_run_continues_from_its_checkpoint_in_its_own_directory(tmp_path, env,
+                                                                        capsys):
+    """Issue 25: a stopped run with every rank's checkpoint is resumed in place (the
+    runner gets resume=True, as `commbench run --resume`); one without is trained from step
+    0 after its record is moved aside, and the sweep says why; --status shows both."""
+    from bench.sweep import sweep_status
+
+    path = write_spec(tmp_path, {"name": "s", "variants": {"a": {"optim.lr": 1e-3},
+                                                           "b": {"optim.lr": 2e-3},
+                                                           "c": {"optim.lr": 3e-3}}})
+    first = run_sweep(path, runner=fake_runner, report=False)
+    dirs = {o.run.variant: o.run_dir for o in first.outcomes}
+    _stop(dirs["a"], 20)
+    _stop(dirs["b"], None)
+    capsys.readouterr()
+    rows = {r["variant"]: r for r in sweep_status(path)}
+    assert rows["a"]["state"] == "stopped, resumes from step 20"
+    assert rows["b"]["state"] == "stopped, no checkpoint" and rows["c"]["state"] == "ok"
+    assert rows["a"]["attempts"] == 1 and rows["a"]["last_step"] == 20
+    assert "resumes from step 20" in capsys.readouterr().out
+    assert not _trained(env)[3:]  # --status started nothing
+
+    resumed.clear()
+    again = run_sweep(path, runner=resuming_runner, report=False)
+    assert again.ok and again.num_launched == 2
+    assert sorted(resumed) == [("a", True, str(dirs["a"])), ("b", False, str(dirs["b"]))]
+    (retired,) = (tmp_path / "results" / "s" / "_retired").iterdir()
+    assert retired.name.startswith(dirs["b"].name)  # only b's record was moved aside
+    err = capsys.readouterr().err
+    assert "no checkpoint was saved; trains from step 0" in err and "resuming ->" in err
+    assert {r["state"] for r in sweep_status(path)} == {"ok"}
+
+
+def test_retry_failed_resumes_a_failed_run_from_its_checkpoint(tmp_path, env):
+    path = write_spec(tmp_path, {"name": "f"})
+    (outcome,) = run_sweep(path, runner=fake_runner, report=False).outcomes
+    _stop(outcome.run_dir, 30)
+    RunDir(outcome.run_dir).update_summary({"interrupted": False})  # failed, not stopped
+    resumed.clear()
+    assert run_sweep(path, runner=resuming_runner, report=False).num_launched == 0
+    assert run_sweep(path, runner=resuming_runner, report=False, retry_failed=True).ok
+    assert resumed == [("base", True, str(outcome.run_dir))]
+
+
 def wait_for_ctrl_c(run_dir: Path, press=lambda: False) -> None:
     """Block like a training run (after a Ctrl-C to this process if `press()`); on Ctrl-C,
     do what bench.launch.run_config does: record the run as interrupted, re-raise."""
