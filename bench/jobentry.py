@@ -16,14 +16,18 @@ holds only `bench.jobentry.run_job` (this module's promise: that name stays) and
 data: the config as a dict, the run directory as a string, the runner as a dotted name
 imported when the job starts, and the requeue settings.
 
-Inside the job (bench/launch.py does the stopping): Slurm's warning signal before the time
-limit (sbatch `--signal`, executor.signal) or its SIGTERM (preemption, `scontrol
-requeue`) stops the ranks at the next step boundary with a checkpoint; the job then
-requeues itself (`scontrol requeue`, while the job is still RUNNING: never a cancelled
-one) until it has been restarted `executor.max_requeues` times, and leaves without a
-result, so the sweep waits on. A restarted job continues from the checkpoint; a job whose
-run is already recorded finished returns that record. Past max_requeues the run stays
-recorded interrupted (partial): the next `commbench sweep` resumes it. A multi-node run
+Inside the job (bench/stop.py does the stopping): Slurm's warning signal before the time
+limit (sbatch `--signal`, executor.signal) or its SIGTERM (preemption; a requeue; a
+cancel) stops the ranks at the next step boundary with a checkpoint. Then, as `scontrol
+show job` says: a job that Slurm already requeues (its Restarts went up: `scontrol
+requeue`, preemption in PreemptMode=REQUEUE) leaves without a result; a job still RUNNING
+after the warning or a SIGTERM (preemption that cancels, `scancel --signal=TERM`)
+requeues itself (`scontrol requeue`) until it has been restarted `executor.max_requeues`
+times, and leaves without a result; a cancelled job (COMPLETING) is never requeued. No
+result: Slurm runs the job again and the sweep keeps waiting for it. A restarted job
+continues from the checkpoint; a job whose run is already recorded finished returns that
+record. Otherwise the run stays recorded interrupted (partial): the next `commbench
+sweep` resumes it. A multi-node run
 (launch.nnodes > 1) runs one task per node, each starting torchrun, with the rendezvous
 on the job's first node (`launch.rdzv_endpoint` when null: FIRST_NODE:PORT, PORT from
 the job id, `with_rendezvous`).
@@ -136,38 +140,57 @@ def run_job(config_data: dict, run_dir: str, runner: str = DEFAULT_RUNNER,
         with stop_signals():
             return execute_run(cfg, run.path, resolve(runner), resume=resume)
     except Stopped as stop:
+        job, first_task = slurm_job_id(), os.environ.get("SLURM_PROCID", "0") == "0"
         summary = _read(run)
-        if status_of(summary) != "partial" or not _requeueable(stop.signum, warning_signal):
-            return summary  # done, or stopped by hand: the next sweep resumes it
-        if restarts >= max_requeues:
-            print(f"not requeued: restarted {restarts} times (executor.max_requeues "
-                  f"{max_requeues}); the next `commbench sweep` resumes the run", file=sys.stderr)
-            return summary
-        job = slurm_job_id()
-        if os.environ.get("SLURM_PROCID", "0") == "0":  # one task requeues the job
-            requeued = requeue(job)
-            if requeued is not None:
-                print(f"not requeued: {requeued}", file=sys.stderr)
+        if summary.get("status") == "running" and first_task:  # stopped outside the training
+            summary = run.update_summary({"status": "failed", "interrupted": True,
+                                          "error": f"stopped by {stop} (job {job})"})
+        if status_of(summary) != "partial":
+            return summary  # the run ended before the stop
+        state, restarted = job_state(job)
+        if restarted == restarts:  # Slurm does not requeue it: requeue it, or say why not
+            why_not = _why_not_requeue(state, stop.signum, warning_signal, restarts,
+                                       max_requeues)
+            if why_not is None and first_task:
+                why_not = requeue(job)
+            if why_not is not None:
+                print(f"job {job} not requeued: {why_not}; the run stays interrupted and the "
+                      "next `commbench sweep` resumes it", file=sys.stderr)
                 return summary
-            if summary.get("attempts"):
-                end_attempt(run, summary["attempts"][-1].get("reason") or str(stop),
-                            requeued=True)
-        raise SystemExit(f"job {job} requeued after {stop}") from None  # no result: Slurm runs
-        # the job again and the sweep keeps waiting
+        if first_task and summary.get("attempts"):
+            end_attempt(run, summary["attempts"][-1].get("reason") or str(stop), requeued=True)
+        # no result: Slurm runs the job again and the sweep keeps waiting for it
+        raise SystemExit(f"job {job} requeued after {stop}") from None
 
 
-def _requeueable(signum: int, warning_signal: str) -> bool:
-    """A stop from Slurm: its warning before the time limit, or SIGTERM (preemption)."""
-    return signum in (signal.SIGTERM, getattr(signal, f"SIG{warning_signal}"))
+def _why_not_requeue(state: str, signum: int, warning_signal: str, restarts: int,
+                     max_requeues: int) -> str | None:
+    if state != "RUNNING":
+        return f"the job is {state or 'gone'}, not RUNNING (cancelled?)"
+    if signum not in (signal.SIGTERM, getattr(signal, f"SIG{warning_signal}")):
+        return (f"{signal.Signals(signum).name} is not Slurm's stop (SIGTERM, or the time "
+                f"limit's SIG{warning_signal}, executor.signal)")
+    if restarts >= max_requeues:
+        return f"restarted {restarts} times already (executor.max_requeues {max_requeues})"
+    return None
+
+
+def job_state(job_id: str | None) -> tuple[str, int]:
+    """(JobState, Restarts) of a Slurm job now (`scontrol show job`); ("", 0) if unknown.
+    A requeue by Slurm or by hand raises Restarts at once, while the job still runs."""
+    if job_id is None:
+        return "", 0
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "", 0
+    fields = dict(w.split("=", 1) for w in out.split() if "=" in w)
+    return fields.get("JobState", ""), int(fields.get("Restarts", "0") or 0)
 
 
 def requeue(job_id: str) -> str | None:
-    """`scontrol requeue JOB` while the job is RUNNING; None when done, else why not (a
-    cancelled job is COMPLETING: requeuing it would undo the cancel)."""
-    state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
-                           text=True, timeout=60).stdout.strip()
-    if state != "RUNNING":
-        return f"job {job_id} is {state or 'gone'}, not RUNNING (cancelled?)"
+    """`scontrol requeue JOB`; None when done, else why not."""
     done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
                           timeout=60)
     return None if done.returncode == 0 else f"scontrol requeue {job_id}: {done.stderr.strip()}"
