@@ -287,10 +287,6 @@ def _run_local(tasks: list[Task], runner: Runner | None, max_parallel: int,
 # ------------------------------------------------------------------------------- slurm
 
 
-_ACTIVE_SLURM_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING",
-                        "SUSPENDED", "RESIZING")
-
-
 class SlurmExecutor(Executor):
     """One job per run, or one job array, through submitit; waits for them, polling."""
 
@@ -344,7 +340,8 @@ class SlurmExecutor(Executor):
         except (OSError, subprocess.TimeoutExpired):
             return {}
         states = dict(line.split(maxsplit=1) for line in out.splitlines() if " " in line)
-        return {r: f"{states[j].lower()} (job {j})" for r, j in jobs.items() if j in states}
+        return {r: f"{states[j].lower()} (job {j})" for r, j in jobs.items()
+                if states.get(j, "COMPLETING") != "COMPLETING"}  # completing: its record says
 
 
 def _submitit_executor(ex: ExecutorSpec, name: str, folder: Path):
@@ -407,7 +404,9 @@ def _load_jobs(folder: Path) -> dict[str, str]:
 
 
 def _still_active_jobs(ex: ExecutorSpec, folder: Path, run_ids: set[str]) -> dict:
-    """Jobs of an earlier invocation still queued or running, by run id (real Slurm only)."""
+    """Jobs of an earlier invocation still queued or running, by run id (real Slurm only):
+    not done, as submitit sees it (no result yet, and a state that is not an end: a job
+    that returned its result while Slurm completes it is done)."""
     if ex.cluster != "slurm":
         return {}
     import submitit
@@ -417,7 +416,7 @@ def _still_active_jobs(ex: ExecutorSpec, folder: Path, run_ids: set[str]) -> dic
         if run_id not in run_ids:
             continue
         job = submitit.SlurmJob(folder=str(folder / "%j"), job_id=str(job_id))
-        if job.state.split()[0] in _ACTIVE_SLURM_STATES:
+        if not job.done(force_check=True):
             active[run_id] = job
     return active
 

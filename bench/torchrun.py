@@ -13,7 +13,6 @@ a killed sweep leaves nothing training into a record that the next sweep resumes
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -23,11 +22,10 @@ from bench.stop import STOP_SIGNALS, die_with_parent
 def main(argv: list[str]) -> None:
     for signum in STOP_SIGNALS:  # inherited by the ranks, which install their own handlers
         signal.signal(signum, signal.SIG_IGN)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"  # not one of ours
     die_with_parent()
     from torch.distributed.run import main as torchrun
 
-    torchrun(argv)
+    torchrun(["--signals-to-handle=SIGQUIT", *argv])  # not one of ours: torchrun's own
 
 
 if __name__ == "__main__":

@@ -451,3 +451,28 @@ def test_a_sweep_killed_mid_run_continues_the_run_from_its_checkpoint(tmp_path):
     assert [r["loss"] for r in run.read_metrics() if "loss" in r] == \
         [r["loss"] for r in a.read_metrics() if "loss" in r]
     assert not (sweep_dir / "_retired").exists()  # continued in place, nothing retrained
+
+
+def _lose_the_peer(rank, world_size, run_dir):
+    from tests.local_updates import make_trainer
+
+    trainer = make_trainer(world_size, "configs/ddp-tiny.yaml", ["network.emulate=nvlink"],
+                           run_dir)
+    for step in range(3):  # past DDP's bucket rebuild (a broadcast in its second forward)
+        trainer.timed_step(step)
+    if rank == 1:
+        return "left"  # its process exits: rank 0's next all-reduce loses its peer
+    try:
+        trainer.timed_step(3)
+    except RuntimeError as err:
+        return f"raised {err}"
+    return "finished"
+
+
+@pytest.mark.timeout(120)
+def test_an_emulated_ddp_step_whose_peer_is_lost_fails_instead_of_hanging(tmp_path):
+    """Issue 25 (a node killed mid-run): under network.emulate the DDP hook's future was
+    never completed when the bucket's all-reduce failed, and the rank waited forever."""
+    lost, left = run_distributed(_lose_the_peer, 2, str(tmp_path), timeout=90)
+    assert left == "left"
+    assert lost.startswith("raised") and "Connection closed by peer" in lost, lost

@@ -67,6 +67,13 @@ def job_id(path: Path, variant: str | None = None, timeout_s: float = 120,
     raise AssertionError(f"run {variant} was not submitted within {timeout_s}s")
 
 
+def run_dir_of(path: Path, variant: str | None = None) -> Path:
+    """Where a run of the sweep spec at `path` is recorded (the sweep's first attempt)."""
+    spec = load_spec(path)
+    run = next(r for r in expand(spec) if variant in (None, r.variant))
+    return spec.sweep_dir / run.dir_name
+
+
 def squeue_state(job: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
                           text=True).stdout.strip()
