@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
-from bench.model import GPT, GPTConfig
+from bench.model import CausalLM, build_model, config_from_dict
 from bench.records import RunDir
 from bench.tokenizers import get_tokenizer
 
@@ -50,7 +50,7 @@ def checkpoint_path(run_dir: str | Path) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, object, dict]:
+def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[CausalLM, object, dict]:
     """(model in eval mode on `device`, its tokenizer, the checkpoint's other fields)."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -59,9 +59,12 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, object,
     missing = [k for k in ("model", "gpt_config", "tokenizer") if k not in payload]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {missing}")
-    model = GPT(GPTConfig(**payload["gpt_config"]))
+    with torch.device("meta"):  # the checkpoint's values replace the init below
+        model = build_model(config_from_dict(payload["gpt_config"]))
+    model.to_empty(device="cpu")
     # A state dict saved from a torch.compile'd model prefixes every key.
     state = {k.removeprefix("_orig_mod."): v for k, v in payload["model"].items()}
+    model.tie_weights()  # to_empty gave the tied head its own tensor
     model.load_state_dict(state)
     info = {k: v for k, v in payload.items() if k != "model"}
     return model.to(device).eval(), get_tokenizer(payload["tokenizer"]), info
@@ -80,11 +83,12 @@ def score_windows(tokens: list[int], first: int, max_len: int) -> Iterator[Windo
 
 
 class CommbenchLM(TemplateLM):
-    """A commbench `GPT` and tokenizer as an lm-eval model (causal, fp32, greedy)."""
+    """A commbench model (GPT-2 or Llama) and tokenizer as an lm-eval model (causal, fp32,
+    greedy)."""
 
     def __init__(
         self,
-        model: GPT,
+        model: CausalLM,
         tokenizer,
         batch_size: int = 16,
         device: str = "cpu",
