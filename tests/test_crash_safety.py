@@ -469,6 +469,7 @@ def _lose_the_peer(rank, world_size, run_dir):
     return "finished"
 
 
+@pytest.mark.slow  # ~35 s on a loaded 2-core machine
 @pytest.mark.timeout(120)
 def test_an_emulated_ddp_step_whose_peer_is_lost_fails_instead_of_hanging(tmp_path):
     """Issue 25 (a node killed mid-run): under network.emulate the DDP hook's future was

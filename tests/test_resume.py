@@ -164,7 +164,9 @@ def straight_stopped_resumed(rank, world_size, config, overrides, base):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("family", STOPS)
+@pytest.mark.parametrize("family", [  # ~30 s each: one family in the default tests
+    family if family == "data-parallel" else pytest.param(family, marks=pytest.mark.slow)
+    for family in STOPS])
 def test_a_stop_signal_checkpoints_where_all_ranks_agree_and_resumes_bit_exact(tmp_path,
                                                                              family):
     """bench/stop.py: one rank's SIGTERM stops every rank at one step boundary (the first
