@@ -1,4 +1,4 @@
-"""Sweeps through the submitit executor on a real one-node Slurm (tools/slurm/start-cluster.sh).
+"""Sweeps through the submitit executor on a real Slurm (tools/slurm/start-cluster.sh).
 
     COMMBENCH_SLURM=1 tox -e slurm                 # starts the cluster, runs these tests
     sudo tools/slurm/start-cluster.sh && pytest tests/slurm -m slurm
