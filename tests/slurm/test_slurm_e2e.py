@@ -72,8 +72,10 @@ def test_two_run_sweep_cancel_and_retry(tmp_path, monkeypatch):
 def test_a_job_past_its_time_limit_without_requeues_is_left_to_resume(tmp_path, monkeypatch):
     """Slurm's warning before the time limit stops the run; with executor.max_requeues 0
     the job is not requeued and the run is recorded interrupted (the next sweep resumes
-    it), not failed."""
-    path = _spec(tmp_path, "late", {"late": {"optim.lr": 1e-3}}, timeout_min=1,
+    it), not failed. Slurm may send the warning up to 60 s early: a 2-minute limit keeps it
+    after the job's start-up (with 1 minute, it can come before the job's Python has a
+    handler, and kill it)."""
+    path = _spec(tmp_path, "late", {"late": {"optim.lr": 1e-3}}, timeout_min=2,
                  signal_delay_s=30, max_requeues=0)
     monkeypatch.setenv("COMMBENCH_TEST_HANG", "late")
     result = run_sweep(path, runner=hanging_runner, report=False)
