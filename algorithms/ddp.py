@@ -296,7 +296,11 @@ class DDPCommHook:
         result = device_future(device)
 
         def finish(fut):
-            reduced = fut.value()[0].div_(self.size)
+            try:
+                reduced = fut.value()[0].div_(self.size)
+            except Exception as err:  # a lost peer: fail the step (unset, DDP waits forever)
+                result.set_exception(err)
+                return
             stream = current_stream(device)  # the division's, ordered after NCCL's work
 
             def complete():

@@ -440,6 +440,16 @@ class MetricsWindow:
         self.losses, self.idle_s = 0, 0.0
         self.extras: dict[str, float] = {}
 
+    def state_dict(self) -> dict:
+        """The sums so far: a checkpoint between two rows carries them, so the row after a
+        resume averages the same steps, in the same order, as without the stop."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
+                if k != "culprit"}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
     def add(self, stats: StepStats, step_s: float, nbytes: int, step: int = 0) -> None:
         self.num_steps += 1
         if stats.loss is not None:  # a pipeline's non-last stages report none
