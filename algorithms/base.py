@@ -64,6 +64,15 @@ class StrategyConfig:
         optimizer state and one microbatch's activations (`facts.base_terms()`)."""
         return facts.base_terms()
 
+    def traffic(self, cfg, facts):
+        """What one rank sends in each step, described without training: an
+        `algorithms.traffic.Traffic` built from the run config `cfg` and the model's
+        `TrafficFacts` (bench/whatif/engine.py prices it for `commbench whatif`). It must say
+        what the strategy's own code records in the CommLedger (tests/test_whatif.py
+        holds each description against real runs' ledgers). Default: not described."""
+        raise ValueError(f"strategy.name={self.name!r} has no traffic description "
+                         "(StrategyConfig.traffic): commbench whatif cannot price it")
+
 
 def require_data_parallel(config: StrategyConfig, cfg) -> None:
     """The rule every data-parallel strategy shares: no pipeline stages."""

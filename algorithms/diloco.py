@@ -43,6 +43,14 @@ from algorithms.ddp import clock_for, make_ddp
 from algorithms.memory import HOST, fsdp_terms, require_shard_ranks
 from algorithms.outer import WIRE_BYTES, WIRE_DTYPES, OuterOptimizer, RoundStats, replica_groups
 from algorithms.streaming import Fragments, StreamingSchedule, fragment_indices
+from algorithms.traffic import (
+    Traffic,
+    Transfer,
+    local_update_traffic,
+    outer_all_reduce,
+    outer_notes,
+    replica_inner,
+)
 
 
 @dataclass
@@ -205,6 +213,32 @@ class DiLoCoConfig(StrategyConfig):
         if self.overlap_steps > 0:
             terms["outer: exchange in flight (Δ and its result)"] = 2 * largest
         return terms
+
+    def require_plain_outer(self) -> None:
+        """The traffic description covers DiLoCo's whole-model, uncompressed outer round
+        only: Streaming DiLoCo's fragments, overlap and compressed exchanges are refused
+        rather than priced as that round (which would over-state their bytes)."""
+        streaming = {"fragments": (self.fragments, 1), "overlap_steps": (self.overlap_steps, 0),
+                     "outer_compression": (self.outer_compression, "none")}
+        for key, (value, plain) in streaming.items():
+            if value != plain:
+                raise ValueError(f"strategy.{key}={value!r} has no traffic description yet "
+                                 "(DiLoCoConfig.traffic): commbench whatif cannot price "
+                                 f"it; {key}={plain!r} can be")
+
+    def traffic(self, cfg, facts) -> Traffic:
+        """Every step the replica's inner traffic (phase "inner"); a round's last step
+        adds `outer_transfers` (algorithms/traffic.py)."""
+        self.require_plain_outer()
+        return local_update_traffic(cfg, self.inner_steps,
+                                    replica_inner(cfg, facts, self.bucket_cap_mb),
+                                    lambda rank: self.outer_transfers(cfg, facts, rank),
+                                    notes=outer_notes(cfg))
+
+    def outer_transfers(self, cfg, facts, rank: int) -> list[Transfer]:
+        """What `rank` sends when a round closes: one all-reduce of its θ in the wire dtype
+        (the one place an outer step says what it sends, e.g. fragments, compression)."""
+        return outer_all_reduce(cfg, facts, rank, WIRE_BYTES[self.outer_grad_dtype])
 
 
 class DiLoCo(DataParallelStrategy):

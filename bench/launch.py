@@ -5,13 +5,25 @@ writes config.yaml, starts `torchrun ... -m bench.train RUN_DIR`, shows a live p
 line, and leaves summary.json with status ok, diverged or failed (with the error text).
 A rank that crashes makes torchrun stop the others; a rank stuck in a collective fails
 after `parallel.timeout_s`; either way the run ends with status failed, never a hang, and
-the error's headline names the culprit rank (bench/failure.py). Ctrl-C or SIGTERM (what
-Slurm sends) stops torchrun, records the run failed with `interrupted: true` (partial: a
-sweep trains it again) and re-raises the KeyboardInterrupt (`Terminated` for SIGTERM).
-Self-evaluation (`eval.suite`) is the command line's job (bench/cli.py), after
-`run_config` returns: the harness does not import `eval`. Before torchrun starts, this
-process checks the node has a GPU per rank (CUDA runs) and tokenises the corpus into the
-cache, so no rank waits in a barrier, past `parallel.timeout_s`, for another to tokenise.
+the error's headline names the culprit rank (bench/failure.py). Self-evaluation
+(`eval.suite`) is the command line's job (bench/cli.py), after `run_config` returns: the
+harness does not import `eval`. Before torchrun starts, this process checks the node has a
+GPU per rank (CUDA runs) and tokenises the corpus into the cache, so no rank waits in a
+barrier, past `parallel.timeout_s`, for another to tokenise.
+
+Stopping (bench/stop.py holds both sides). While torchrun runs, the first stop signal
+(Ctrl-C, SIGTERM from Slurm or `kill`, SIGHUP from a closed terminal, SIGUSR1/2 from
+Slurm's `--signal` before a time limit) is relayed to the ranks, which checkpoint at the
+next step boundary and stop; a second SIGINT, SIGTERM or SIGHUP stops them at once
+(losing the steps since the last checkpoint). Either way the run is recorded failed with
+`interrupted: true` (partial: `--resume` and the next sweep continue it) and `run_config`
+raises `Stopped` (`Terminated` for SIGTERM), a KeyboardInterrupt. torchrun itself ignores
+these signals and dies with this process (bench/torchrun.py), and the ranks with torchrun:
+a killed launcher leaves no rank training into a record that a later sweep resumes.
+
+Each launch is one attempt, appended to summary.json `attempts` ({job_id, host, start,
+end, reason}: a Slurm job id, or null); a resume keeps the earlier ones. `wall_s` counts
+training time only (steps redone after a resume once), never the time between attempts.
 
 What a run directory accepts (checked before anything in it changes):
 - `--run-dir DIR`: a new or empty directory, or one holding the same config (same hash)
@@ -24,8 +36,10 @@ What a run directory accepts (checked before anything in it changes):
 A resumed run that finishes has a clean summary (status ok, no stale error).
 
 Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
-`commbench run CONFIG --run-dir SHARED_DIR` once per node; torchrun's c10d rendezvous
-assigns node ranks. The run directory must be on a shared filesystem. Rank 0's node
+`commbench run CONFIG --run-dir SHARED_DIR` once per node (a Slurm sweep does it for you,
+bench/jobentry.py); torchrun's c10d rendezvous assigns node ranks. The run directory must
+be on a shared filesystem. The first node (Slurm's node 0, else the host named in
+`launch.rdzv_endpoint`) writes config.yaml, the header and the attempts; rank 0's node
 writes summary.json; on the other nodes success is torchrun's exit code 0.
 
 A rank that dies after every rank finished the run (each writes logs/finished-rankN
@@ -35,12 +49,11 @@ run: its record stays as rank 0 wrote it, with the failure under `teardown_error
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -58,11 +71,8 @@ from bench.config import (
 from bench.data import cached_corpus
 from bench.failure import error_text
 from bench.records import DONE_STATUSES, RunDir, status_of, write_text
+from bench.stop import Stopped, Terminated, relaying, stop_received, stop_signals
 from bench.summary import running_header
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop) during a run: handled like Ctrl-C."""
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -78,7 +88,7 @@ def new_run_dir(cfg: Config) -> Path:
 
 def torchrun_command(cfg: Config, run_dir: Path) -> list[str]:
     nnodes = cfg.launch.nnodes
-    cmd = [sys.executable, "-m", "torch.distributed.run",
+    cmd = [sys.executable, "-m", "bench.torchrun",  # torchrun, minus its signal handling
            f"--nproc-per-node={cfg.parallel.world_size // nnodes}"]
     if nnodes == 1 and cfg.launch.rdzv_endpoint is None:
         cmd.append("--standalone")
@@ -96,7 +106,7 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
                resume: bool = False) -> dict:
     """Train one run into `run_dir` (a new directory when None); returns summary.json
     with `run_dir` added. Raises ValueError, before changing anything, when the directory
-    cannot take this run (module docstring)."""
+    cannot take this run, and `Stopped` after recording a stopped run (module docstring)."""
     run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
     header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
     check_gpus(cfg)  # on this node, where torchrun starts its ranks (a Slurm job's too)
@@ -104,50 +114,107 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
     # others wait in a barrier times them out (parallel.timeout_s) on a large corpus
     cached_corpus(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
                   cfg.data.val_fraction)
-    run.prepare()
-    if header.get("resumed_from_step"):
-        checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
-    write_text(run.config, to_yaml(cfg))
-    run.write_summary(running_header(
-        cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,
-        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **header))
-    env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if cfg.launch.cuda_visible_devices:
-        env["CUDA_VISIBLE_DEVICES"] = cfg.launch.cuda_visible_devices
-    if header.get("resumed_from_step"):
-        env["COMMBENCH_RESUME"] = "1"
-    started = time.perf_counter()
-    try:
-        with sigterm_as_interrupt():
-            rc, tail = _run_torchrun(torchrun_command(cfg, run.path), env, run.torchrun_log,
-                                     progress)
-    except KeyboardInterrupt as stop:  # torchrun is stopped: record the run, let the caller stop
-        what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted by the user"
-        run.update_summary({"status": "failed", "error": what, "interrupted": True,
-                            "launcher_wall_s": time.perf_counter() - started})
-        print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
-        raise
+    first = first_node(cfg)
+    with stop_signals():
+        run.prepare()
+        if header.get("resumed_from_step"):
+            checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
+        if first:  # one writer of the header and the attempts per run
+            write_text(run.config, to_yaml(cfg))
+            run.write_summary(running_header(
+                cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,
+                started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **{**header, "attempts": [*header.get("attempts", []), new_attempt()]}))
+        env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.launch.cuda_visible_devices:
+            env["CUDA_VISIBLE_DEVICES"] = cfg.launch.cuda_visible_devices
+        if header.get("resumed_from_step"):
+            env["COMMBENCH_RESUME"] = "1"
+        started = time.perf_counter()
+        try:
+            rc, tail = _run_torchrun(torchrun_command(cfg, run.path), env, run, progress)
+        except Stopped as stop:  # at once: torchrun and the ranks are killed
+            what = {signal.SIGINT: "interrupted by the user",
+                    signal.SIGTERM: "terminated (SIGTERM)"}.get(stop.signum, f"stopped by {stop}")
+            summary = run.update_summary({"status": "failed", "error": what, "interrupted": True,
+                                          "launcher_wall_s": time.perf_counter() - started})
+            if first:
+                end_attempt(run, what)
+            print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
+            raise
+        summary = _record_outcome(cfg, run, rc, tail, time.perf_counter() - started)
+        if first:
+            end_attempt(run, f"stopped by {summary['stopped_by']}" if summary.get("stopped_by")
+                        else summary["status"])
+        if stop_received() is not None:  # the ranks stopped (or finished) as asked
+            if status_of(summary) == "partial":
+                print(f"\n{summary.get('error')}; {resume_hint(run, cfg.parallel.world_size)}",
+                      file=sys.stderr)
+            signum = stop_received()
+            raise (Terminated if signum == signal.SIGTERM else Stopped)(signum)
+    return {**summary, "run_dir": str(run.path)}
+
+
+def _record_outcome(cfg: Config, run: RunDir, rc: int, tail: list[str], wall: float) -> dict:
+    """summary.json once torchrun has exited: rank 0's record, or a failure naming the
+    culprit (bench/failure.py), or this node's success on a multi-node run."""
     summary = run.read_summary() or {}
     if rc == 0 and cfg.launch.nnodes > 1 and summary.get("status") == "running":
         # rank 0 is on another node and writes the record; this node's ranks succeeded
-        return {**summary, "status": "ok", "run_dir": str(run.path),
+        return {**summary, "status": "ok",
                 "note": "this node's ranks finished; rank 0's node writes summary.json"}
     if rc != 0 or summary.get("status") == "running":
         error = error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s)
-        wall = time.perf_counter() - started
         if summary.get("status") in DONE_STATUSES and run.all_finished(cfg.parallel.world_size):
             # every rank finished the run and rank 0 wrote its record; a rank died at exit
             summary = run.update_summary({"teardown_error": error, "launcher_wall_s": wall})
             print(f"warning: every rank finished the run, then torchrun exited with {rc}: "
                   f"{error.splitlines()[0]} (kept as {summary['status']}; summary.json "
                   "teardown_error)", file=sys.stderr)
-        else:
-            summary = run.update_summary({"status": "failed", "error": error,
-                                          "launcher_wall_s": wall})
-    elif cfg.launch.nnodes == 1:  # several nodes: only rank 0 writes (no lost update)
-        summary = run.update_summary({"launcher_wall_s": time.perf_counter() - started})
-    return {**summary, "run_dir": str(run.path)}
+            return summary
+        updates = {"status": "failed", "error": error, "launcher_wall_s": wall}
+        if stop_received() is not None:  # the ranks failed while stopping: still resumable
+            updates["interrupted"] = True
+        return run.update_summary(updates)
+    if cfg.launch.nnodes == 1:  # several nodes: only rank 0 writes (no lost update)
+        return run.update_summary({"launcher_wall_s": wall})
+    return summary
+
+
+def first_node(cfg: Config) -> bool:
+    """Whether this launcher writes the run's config, header and attempts: always on one
+    node; on several, Slurm's node 0, else the host that launch.rdzv_endpoint names."""
+    if cfg.launch.nnodes == 1:
+        return True
+    if "SLURM_NODEID" in os.environ:
+        return os.environ["SLURM_NODEID"] == "0"
+    host = (cfg.launch.rdzv_endpoint or "").rsplit(":", 1)[0]
+    return host in ("localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn())
+
+
+def slurm_job_id() -> str | None:
+    """This Slurm job's id as scontrol takes it (an array task: ARRAYID_TASK), or None."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def new_attempt() -> dict:
+    """An entry of summary.json `attempts`: this launch, its end still open."""
+    return {"job_id": slurm_job_id(), "host": socket.gethostname(), "start": _now(),
+            "end": None, "reason": None}
+
+
+def end_attempt(run: RunDir, reason: str, **more) -> None:
+    """Close the last attempt of summary.json `attempts` with why it ended."""
+    summary = _read_summary(run)
+    attempts = list(summary.get("attempts") or [new_attempt()])
+    attempts[-1] = {**attempts[-1], "end": _now(), "reason": reason, **more}
+    run.update_summary({"attempts": attempts})
 
 
 def check_run_dir(cfg: Config, run: RunDir) -> dict:
@@ -197,7 +264,7 @@ def check_resume(cfg: Config, run: RunDir) -> dict:
         print(f"--resume {run.path}: no checkpoint was saved (checkpoint.every); the run "
               "restarts at step 0 and its metrics rows are replaced", file=sys.stderr)
     summary = _read_summary(run)
-    header = {"resumed_from_step": step or 0}
+    header = {"resumed_from_step": step or 0, "attempts": list(summary.get("attempts") or [])}
     if extended:
         header["steps_extended_from"] = [*summary.get("steps_extended_from", []),
                                          old.run.steps]
@@ -214,24 +281,6 @@ def resume_hint(run: RunDir, world_size: int) -> str:
         return f"continue from step {step} with: commbench run --resume {run.path}"
     return (f"no checkpoint was saved yet: `commbench run --resume {run.path}` would "
             "restart it from step 0")
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """Inside the block SIGTERM raises `Terminated` (in the main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop; let the cleanup finish
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _recorded_config(run: RunDir, flag: str) -> Config:
@@ -262,31 +311,29 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
+def _run_torchrun(cmd: list[str], env: dict, run: RunDir, progress: bool):
     tail: deque[str] = deque(maxlen=400)  # torchrun's failure summary is at the end
     interactive = progress and sys.stderr.isatty()
-    with open(log_path, "a") as log:
+    with open(run.torchrun_log, "a") as log:
         log.write(" ".join(cmd) + "\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                 text=True, bufsize=1)
         try:
-            for line in proc.stdout:
-                log.write(line)
-                if line.startswith("PROGRESS "):
-                    if progress:
-                        text = line[len("PROGRESS "):].rstrip()
-                        print(f"\r{text}\033[K" if interactive else text, end="" if interactive
-                              else "\n", file=sys.stderr, flush=True)
-                else:
-                    tail.append(line.rstrip())
-            rc = proc.wait()
-        except KeyboardInterrupt:  # stop the ranks; run_config records the run
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.write("interrupted by the user (KeyboardInterrupt)\n")
+            with relaying(proc, run):  # stop signals go to its ranks (bench/stop.py)
+                for line in proc.stdout:
+                    log.write(line)
+                    if line.startswith("PROGRESS "):
+                        if progress:
+                            text = line[len("PROGRESS "):].rstrip()
+                            print(f"\r{text}\033[K" if interactive else text,
+                                  end="" if interactive else "\n", file=sys.stderr, flush=True)
+                    else:
+                        tail.append(line.rstrip())
+                rc = proc.wait()
+        except KeyboardInterrupt as stop:  # stop at once: torchrun ignores the stop signals
+            proc.kill()  # its ranks die with it (bench/torchrun.py)
+            proc.wait()
+            log.write(f"stopped at once ({stop!r})\n")
             raise
         finally:
             if interactive:

@@ -257,3 +257,15 @@ def test_peak_leaves_out_the_closing_step_unless_it_is_the_only_sync():
 ])
 def test_bad_streaming_config_fails_before_launch(override, message):
     assert_bad_config(STREAMING_TINY, override, message)
+
+
+def test_whatif_refuses_streaming_options_rather_than_pricing_them_as_diloco():
+    """commbench whatif's traffic description is DiLoCo's whole-model fp32 round: a streaming
+    or compressed config is refused (pricing it as DiLoCo would over-state its bytes)."""
+    from algorithms.pier import PierConfig
+
+    for config in (DiLoCoConfig, PierConfig):
+        for key, value in (("fragments", 2), ("overlap_steps", 1),
+                           ("outer_compression", "int8")):
+            with pytest.raises(ValueError, match=f"strategy.{key}=.* has no traffic desc"):
+                config(inner_steps=4, **{key: value}).traffic(None, None)

@@ -1,10 +1,11 @@
-"""The sweep's record store: which runs are recorded, moving old records aside, the lock,
-and NAME/sweep.json (run id -> variant, seed, grid point), which the report reads.
+"""The sweep's record store: which runs are recorded, which can continue from a
+checkpoint, moving old records aside, the lock, and NAME/sweep.json (run id -> variant,
+seed, grid point), which the report reads.
 
-    commbench sweep configs/quickstart.yaml    # skips runs recorded here, retires partial ones
+    commbench sweep configs/quickstart.yaml    # skips runs recorded here, resumes stopped ones
 
 A run's record is OUTPUT_DIR/NAME/RUN_NAME-ID/ (see bench/sweep/__init__.py); records are
-never deleted: a record that is trained again moves to NAME/_retired/ first.
+never deleted: a record that is trained again from step 0 moves to NAME/_retired/ first.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench import records
+from bench import checkpoint, records
+from bench.records import RunDir
 
 if TYPE_CHECKING:
     from bench.sweep.spec import SweepRun, SweepSpec
@@ -25,13 +27,30 @@ if TYPE_CHECKING:
 def record_state(run_dir: Path) -> str:
     """`new` when nothing is recorded at run_dir, else records.status_of its summary
     (a torn summary.json, from a run killed while writing it, reads as partial)."""
-    if not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists():
+    run = RunDir(run_dir)
+    if not run.config.exists() and not run.summary.exists():
         return "new"
+    return records.status_of(read_summary(run_dir))
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    """summary.json, or None when it is missing or torn."""
     try:
-        summary = records.read_summary(run_dir)
+        return RunDir(run_dir).read_summary()
     except ValueError:
-        summary = None
-    return records.status_of(summary)
+        return None
+
+
+def resumable(run_dir: Path, world_size: int) -> tuple[int | None, str]:
+    """(the step a stopped run continues from, or None; why not, in words): the run's
+    checkpoints, every rank's, loaded and at one step (bench/checkpoint.py)."""
+    try:
+        step = checkpoint.verify_states(RunDir(run_dir), world_size)
+    except ValueError as err:
+        return None, str(err)
+    if not step:
+        return None, "no checkpoint was saved"
+    return step, ""
 
 
 def find_run_dir(sweep_dir: Path, run: SweepRun) -> Path:
@@ -61,20 +80,30 @@ def sweep_lock(sweep_dir: Path):
     """One sweep process per sweep directory: a second one would retire the first's runs."""
     path = sweep_dir / ".sweep.lock"
     me = f"{socket.gethostname()} {os.getpid()}"
-    try:
-        host, pid = path.read_text().split()
-    except (OSError, ValueError):
-        host, pid = None, "0"
-    if host is not None and (host != socket.gethostname() or _alive(int(pid))):
-        raise ValueError(f"sweep directory {str(sweep_dir)!r} is in use by process {pid} on "
-                         f"{host} (another `commbench sweep` of this spec). Wait for it, or "
-                         f"delete {path} if that process is gone.")
+    holder = lock_holder(sweep_dir)
+    if holder is not None:
+        raise ValueError(f"sweep directory {str(sweep_dir)!r} is in use by process "
+                         f"{holder[1]} on {holder[0]} (another `commbench sweep` of this spec). "
+                         f"Wait for it, or delete {path} if that process is gone.")
     records.write_text(path, me)
     try:
         yield
     finally:
         if path.exists() and path.read_text() == me:
             path.unlink()
+
+
+def lock_holder(sweep_dir: Path) -> tuple[str, int] | None:
+    """(host, pid) of the sweep process that holds the lock, or None (a process of this
+    host that is gone holds nothing)."""
+    try:
+        host, pid = (sweep_dir / ".sweep.lock").read_text().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return None
+    if host == socket.gethostname() and not _alive(pid):
+        return None
+    return host, pid
 
 
 def _alive(pid: int) -> bool:
