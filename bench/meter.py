@@ -159,6 +159,10 @@ class LoopState:
     robust_stretches: dict = field(default_factory=dict)
     """The run's stretches between coupled steps, by content (`Settled.stretches`) ->
     how many: what the robust projection prices with each rank's median compute."""
+    robust_dropped: bool = False
+    """The distinct stretches outgrew ROBUST_RECORD_LIMIT (a long run on many ranks: every
+    rank holds and checkpoints them all): the record was dropped and the run has no
+    `projected_robust`, rather than a memory that grows with every step."""
 
     def advance(self, settled: Settled, warmup_steps: int = 0) -> None:
         """Move the clock, tokens and projected clocks on by what the ranks did together;
@@ -188,8 +192,13 @@ class LoopState:
             else:
                 self.bytes_series.append([step, 1, *sent])
             step += 1
+        if self.robust_dropped:
+            return
         for stretch, count in settled.stretches.items():
             self.robust_stretches[stretch] = self.robust_stretches.get(stretch, 0) + count
+        if self.robust_stretches and len(self.robust_stretches) * _stretch_size(
+                next(iter(self.robust_stretches))) > ROBUST_RECORD_LIMIT:
+            self.robust_stretches, self.robust_dropped = {}, True
 
     def add_one_off(self, seconds: float) -> None:
         """One-off seconds outside any step (communicator creation), on the clock as warm-up
@@ -200,6 +209,19 @@ class LoopState:
     def steady(self) -> tuple[int, float]:
         """(tokens, seconds) of the steady state: the clock without its one-off costs."""
         return self.tokens - self.warmup_tokens, self.elapsed_s - self.warmup_s
+
+
+ROBUST_RECORD_LIMIT = 2_000_000
+"""Numbers the robust projection's stretch record may hold (`LoopState.robust_stretches`;
+~64 MB of Python tuples, on every rank and in every checkpoint). A stretch holds about
+2 x projection columns numbers per rank, and with measured overlap nearly every step is a
+new stretch: on 2 ranks the record reaches the limit after ~50,000 distinct stretches, on
+64 ranks after ~1,700."""
+
+
+def _stretch_size(stretch: tuple) -> int:
+    """Numbers in one stretch's content (`stretches`): per rank its kinds, taus, others."""
+    return sum(2 * len(kinds) + len(taus) + len(others) for kinds, taus, others in stretch)
 
 
 @dataclass

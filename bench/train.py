@@ -360,7 +360,7 @@ class Trainer:
         per_kind = {kind: {key: [rank.get(kind, {}).get(key) for rank in stats]
                            for key in ("steps", "median_s", "p10_s", "p90_s", "mean_s")}
                     for kind in kinds}
-        if not state.robust_stretches:
+        if not state.robust_stretches:  # none, or dropped (meter.py ROBUST_RECORD_LIMIT)
             return {"compute_per_step": per_kind or None}
         medians = [{k: v["median_s"] for k, v in rank.items()} for rank in stats]
         names = list(self.profiles)
