@@ -82,6 +82,23 @@ def _task_records(results: dict) -> dict[str, dict]:
     return records
 
 
+@contextlib.contextmanager
+def _serial_bootstrap():
+    """lm-eval's bootstrapped standard errors in this process (its `DISABLE_MULTIPROC`):
+    otherwise it forks a pool from a process whose torch threads may hold a lock at the
+    fork, and a forked worker can wait on it for ever (seen: a quickstart sweep hung in
+    "bootstrapping for stddev: perplexity"). Serial resampling costs seconds here."""
+    before = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DISABLE_MULTIPROC"]
+        else:
+            os.environ["DISABLE_MULTIPROC"] = before
+
+
 def evaluate_run(
     run_dir: str | Path,
     suite: str = "smoke",
@@ -112,16 +129,17 @@ def evaluate_run(
     manager, task_objects = load_tasks(spec, names, config.get("data") or {})
 
     start = time.perf_counter()
-    results = simple_evaluate(
-        model=lm,
-        tasks=task_objects,
-        task_manager=manager,
-        limit=limit,
-        batch_size=batch_size,
-        device=device,
-        bootstrap_iters=spec.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,
-        log_samples=False,
-    )
+    with _serial_bootstrap():
+        results = simple_evaluate(
+            model=lm,
+            tasks=task_objects,
+            task_manager=manager,
+            limit=limit,
+            batch_size=batch_size,
+            device=device,
+            bootstrap_iters=spec.bootstrap_iters if bootstrap_iters is None else bootstrap_iters,
+            log_samples=False,
+        )
     seconds = time.perf_counter() - start
 
     version = metadata.version("lm_eval")
