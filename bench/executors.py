@@ -247,14 +247,15 @@ def _run_local(tasks: list[Task], runner: Runner | None, max_parallel: int,
 
     def work(task: Task) -> dict:
         block = free.get() if free is not None else None
-        cfg = task.config
-        if block is not None and cfg.launch.cuda_visible_devices is None:
-            cfg = dataclasses.replace(cfg, launch=dataclasses.replace(
-                cfg.launch, cuda_visible_devices=block))
-        in_flight[task.run_id] = task.run_dir
-        progress.start(task)
-        try:
-            summary = execute_run(cfg, task.run_dir, runner, progress=False, resume=task.resume)
+        try:  # the block goes back whatever happens: the other runs wait for it
+            cfg = task.config
+            if block is not None and cfg.launch.cuda_visible_devices is None:
+                cfg = dataclasses.replace(cfg, launch=dataclasses.replace(
+                    cfg.launch, cuda_visible_devices=block))
+            in_flight[task.run_id] = task.run_dir
+            progress.start(task)
+            summary = execute_run(cfg, task.run_dir, runner, progress=False,
+                                  resume=task.resume)
         finally:
             if block is not None:
                 free.put(block)

@@ -916,13 +916,14 @@ def test_gloo_on_a_gpu_machine_with_device_auto_is_refused(monkeypatch):
         check_device(load_config("configs/ddp-tiny.yaml", ["parallel.backend=gloo"]))
 
 
+@pytest.mark.timeout(60)
 def test_parallel_local_runs_get_disjoint_gpus(monkeypatch):
     """Concurrent local runs each started torchrun on GPUs 0..n-1: all on the same GPUs."""
     import threading
     import time
 
     from bench.config import load_config
-    from bench.executors import _run_local, gpu_blocks
+    from bench.executors import Task, _run_local, gpu_blocks
 
     fake_cuda(monkeypatch, 5)
     configs = [load_config("configs/ddp-tiny.yaml", ["parallel.world_size=2",
@@ -950,19 +951,26 @@ def test_parallel_local_runs_get_disjoint_gpus(monkeypatch):
     class Quiet:
         live = False
 
-        def start(self, run, run_dir):
+        def start(self, task, note=""):
             pass
 
-        def finish(self, run, summary):
+        def finish(self, task, summary):
             pass
 
-    class Run:
-        def __init__(self, cfg):
-            self.config, self.run_id = cfg, str(cfg.run.seed)
-
-    todo = [(Run(c), Path(f"/nonexistent/{i}")) for i, c in enumerate(configs)]
+    todo = [Task(str(c.run.seed), c, Path(f"/nonexistent/{i}"), str(i))
+            for i, c in enumerate(configs)]
     summaries = _run_local(todo, runner, 3, Quiet(), ["4,5", "6,7"])
     assert len(summaries) == 4 and sorted(set(seen)) == ["4,5", "6,7"]
+
+    # A run that fails before training gives its GPUs back, so the sweep ends with its
+    # error (a block lost to an exception left the run beside it waiting for ever).
+    class Broken(Quiet):
+        def start(self, task, note=""):
+            if task.run_id in ("0", "1"):  # both blocks: the next run waits for one
+                raise OSError("the terminal went away")
+
+    with pytest.raises(OSError, match="terminal"):
+        _run_local(todo, runner, 2, Broken(), ["4,5", "6,7"])
 
 
 def test_data_prepare_without_output_fills_the_runs_cache(tmp_path, monkeypatch, capsys):
