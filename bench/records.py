@@ -10,6 +10,7 @@ A run directory (`commbench run` prints its path) holds:
                     (its schema: bench/summary.py)
     eval.json       lm-eval results (after `commbench eval`)
     tracking.json   what each tracking sink already holds (bench/tracking/sync.py)
+    .lock           held by the process writing the run (`RunDir.lock`); names it
     checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
                     state at the last `checkpoint.every` step; .pt.next while saving)
     logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log
@@ -21,9 +22,17 @@ last line. Nothing outside this module spells a file name of the run directory.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import socket
+import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +141,134 @@ def read_jsonl(path: str | os.PathLike, skipped: list[str] | None = None) -> lis
     return rows
 
 
+# ------------------------------------------------------------------------------ locks
+
+
+class Busy(ValueError):
+    """Another process holds a lock (`hold`): the message names it (what, pid, host, since).
+    A ValueError: the command line prints it and exits 2, having changed nothing."""
+
+    def __init__(self, what: str, holder: dict | None):
+        self.holder = holder
+        super().__init__(f"{what} is in use by {describe_holder(holder)}; wait for it to "
+                         "end, or stop it (two writers would mix their records)")
+
+
+def describe_holder(holder: dict | None) -> str:
+    """`commbench run --resume (pid 123 on host h, since 2026-...)`, from a lock's content."""
+    if not holder:
+        return "another process (it has not said which yet)"
+    return (f"{holder.get('purpose', 'another process')} (pid {holder.get('pid')} on host "
+            f"{holder.get('host')}, since {holder.get('since')})")
+
+
+_HELD: dict[tuple[str, int], list] = {}  # (lock path, thread) -> [fd, depth]
+_HELD_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def hold(path: str | os.PathLike, purpose: str, what: str, shared: str | None = None
+         ) -> Iterator[None]:
+    """Hold the lock file `path` (created if absent) while the block runs; `Busy` (naming
+    the holder: `purpose`, pid, host, since) when another process holds it.
+
+    An advisory `flock` (released by the kernel when the holder dies, so a killed process
+    never leaves a stale lock; NFS v4 carries it between hosts). The holder's description
+    is the file's content. Re-entrant in one thread (the same process and thread may nest
+    `hold`s of one path); another thread or process is refused. `shared`: a key; holders
+    passing the same key hold the lock together (the nodes of one multi-node run), any
+    other holder is refused. `what` names the locked thing in the message."""
+    path = Path(path)
+    key = (os.path.realpath(path), threading.get_ident())
+    with _HELD_GUARD:
+        if key in _HELD:
+            _HELD[key][1] += 1
+            nested = True
+        else:
+            nested = False
+    if nested:
+        try:
+            yield
+        finally:
+            with _HELD_GUARD:
+                _HELD[key][1] -= 1
+        return
+    fd = _open_lock(path, what)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Busy(what, _lock_content(fd)) from None
+        holder = {"purpose": purpose, "pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shared": shared,
+                  "command": " ".join(sys.argv)}
+        present = _lock_content(fd) if shared else None
+        if present and present.get("shared") != shared:
+            raise Busy(what, present)
+        if not present:
+            _set_lock_content(fd, holder)
+        with _HELD_GUARD:
+            _HELD[key] = [fd, 1]
+        try:
+            yield
+        finally:
+            with _HELD_GUARD:
+                del _HELD[key]
+            if not shared:  # a shared holder cannot know whether it is the last one
+                _set_lock_content(fd, None)
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def holder_of(path: str | os.PathLike) -> dict | None:
+    """Who holds the lock file `path` now (its description), or None when nobody does.
+    Creates nothing; a lock held by this very thread reads as held."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a directory or unreadable: not a lock anyone holds
+        return None
+    try:  # any lock on another open file (this process's too) refuses this one
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return _lock_content(fd) or {}
+    finally:
+        os.close(fd)
+
+
+def _open_lock(path: Path, what: str) -> int:
+    try:  # never through a symlink: a received directory's lock may point anywhere
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~_UMASK)
+    except IsADirectoryError:
+        raise ValueError(f"{what}: its lock {path} is a directory; remove it (a lock is a "
+                         "file that commbench creates)") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ValueError(f"{what}: its lock {path} is a symbolic link; remove it (a "
+                             "lock is a file that commbench creates)") from None
+        raise ValueError(f"{what}: cannot create its lock {path} ({err.strerror}); the "
+                         "directory must be writable") from None
+
+
+def _lock_content(fd: int) -> dict | None:
+    try:
+        data = os.pread(fd, 4096, 0)
+        return json.loads(data) if data.strip() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _set_lock_content(fd: int, holder: dict | None) -> None:
+    try:
+        os.ftruncate(fd, 0)
+        if holder is not None:
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+    except OSError as err:  # a full disk: the lock holds; only its description is lost
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
 
 
 class RunDir:
@@ -166,6 +303,7 @@ class RunDir:
     tracking = property(lambda self: self.path / "tracking.json")
     checkpoints = property(lambda self: self.path / "checkpoints")
     final_checkpoint = property(lambda self: self.path / RunDir.FINAL_CHECKPOINT)
+    lock_file = property(lambda self: self.path / ".lock")
     logs = property(lambda self: self.path / "logs")
     torchrun_log = property(lambda self: self.logs / "torchrun.log")
     eval_log = property(lambda self: self.logs / "eval.log")
@@ -198,6 +336,20 @@ class RunDir:
     def error_logs(self) -> list[Path]:
         """Every rank's error text, first written first (the first is usually the cause)."""
         return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
+
+    # ------------------------------------------------------------------------ lock
+
+    def lock(self, purpose: str, shared: str | None = None):
+        """Hold this run directory while writing it (a context manager): every writer of a
+        run's records (`commbench run`, `--resume`, `eval`, `track`, a sweep moving it
+        aside) holds it, so a second one fails at once with `Busy` (a ValueError naming the
+        holder) instead of mixing records. The directory must exist. Re-entrant in one
+        thread; `shared`: a key the nodes of one multi-node run share (`records.hold`)."""
+        return hold(self.lock_file, purpose, f"run directory {self.path}", shared)
+
+    def holder(self) -> dict | None:
+        """Who holds this run directory now (purpose, pid, host, since), or None."""
+        return holder_of(self.lock_file)
 
     # ----------------------------------------------------------------------- writes
 

@@ -12,12 +12,14 @@ no duplicate or corrupt record; a straggler (`run.straggler`) slows the measured
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,7 @@ import pytest
 import torch
 
 from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
-from bench import checkpoint
+from bench import checkpoint, records
 from bench.config import load_config
 from bench.failure import error_text
 from bench.records import RunDir, status_of
@@ -380,3 +382,89 @@ def _summary(path: Path) -> dict | None:
         return json.loads((path / "summary.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+# ------------------------------------------------------------- the run directory's lock
+
+HOLD = """\
+import sys, time
+from bench.records import RunDir
+with RunDir(sys.argv[1]).lock(sys.argv[2], shared=sys.argv[3] or None):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+@contextlib.contextmanager
+def held_by_another_process(path: Path, purpose: str, shared: str = ""):
+    """A process holding RunDir(path).lock(purpose) while the block runs."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), purpose, shared],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_run_directory_lock_refuses_a_second_writer_naming_the_holder(tmp_path):
+    """Issue 29: two `--resume` of one directory both trained, and a sweep moved a directory
+    aside while a hand `--resume` trained it. Every writer holds RunDir.lock."""
+    run = RunDir(tmp_path)
+    with held_by_another_process(tmp_path, "commbench run --resume") as proc:
+        holder = run.holder()
+        assert (holder["purpose"], holder["pid"]) == ("commbench run --resume", proc.pid)
+        with pytest.raises(records.Busy, match=f"run directory {tmp_path} is in use by "
+                           rf"commbench run --resume \(pid {proc.pid} on host"):
+            with run.lock("commbench run"):
+                pass
+    assert run.holder() is None  # the kernel releases a dead holder's lock: never stale
+    with run.lock("commbench eval"):
+        assert run.holder()["purpose"] == "commbench eval"
+        with run.lock("nested, same thread"):  # re-entrant in one thread
+            pass
+        errors = []
+
+        def other_thread():
+            try:
+                with run.lock("another thread"):
+                    pass
+            except records.Busy as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        assert len(errors) == 1
+    assert run.holder() is None
+
+
+def test_the_nodes_of_one_multi_node_run_share_the_lock(tmp_path):
+    run = RunDir(tmp_path)
+    with held_by_another_process(tmp_path, "commbench run (node)", shared="abc@host:29500"):
+        with run.lock("commbench run (node)", shared="abc@host:29500"):
+            pass
+        with pytest.raises(records.Busy, match="commbench run \\(node\\)"):
+            with run.lock("commbench run (node)", shared="other@host:29500"):
+                pass
+        with pytest.raises(records.Busy):
+            with run.lock("commbench run --resume"):
+                pass
+
+
+def test_a_lock_that_is_a_directory_or_a_symlink_is_refused(tmp_path):
+    run = RunDir(tmp_path / "r")
+    run.lock_file.mkdir(parents=True)
+    with pytest.raises(ValueError, match="is a directory"):
+        with run.lock("commbench run"):
+            pass
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    run = RunDir(tmp_path / "s")
+    run.path.mkdir()
+    run.lock_file.symlink_to(outside)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        with run.lock("commbench run"):
+            pass
+    assert outside.read_text() == "precious"
