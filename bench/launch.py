@@ -22,6 +22,9 @@ What a run directory accepts (checked before anything in it changes):
   A finished run is refused unless its steps grow. Every rank's checkpoint must load and
   hold the same step; without checkpoints the run restarts at step 0, and says so.
 A resumed run that finishes has a clean summary (status ok, no stale error).
+From its check to its record the launcher holds the directory (`RunDir.lock`, which every
+writer of a run's records honours): a second `--resume` of it, a sweep moving it aside or
+`commbench eval` of it meanwhile is refused, naming this process.
 
 Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
 `commbench run CONFIG --run-dir SHARED_DIR` once per node; torchrun's c10d rendezvous
@@ -96,10 +99,24 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
                resume: bool = False) -> dict:
     """Train one run into `run_dir` (a new directory when None); returns summary.json
     with `run_dir` added. Raises ValueError, before changing anything, when the directory
-    cannot take this run (module docstring)."""
+    cannot take this run (module docstring), `records.Busy` when another process holds it."""
     run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
-    header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
+    check = check_resume if resume else check_run_dir
+    check(cfg, run)  # before anything changes (a refused directory is left as it was)
     check_gpus(cfg)  # on this node, where torchrun starts its ranks (a Slurm job's too)
+    run.path.mkdir(parents=True, exist_ok=True)
+    shared = (f"{config_hash(cfg)}@{cfg.launch.rdzv_endpoint}" if cfg.launch.nnodes > 1
+              else None)  # the nodes of one multi-node run hold it together
+    with run.lock("commbench run --resume" if resume else "commbench run", shared=shared):
+        header = check(cfg, run)  # again, now that no other writer can change it
+        return _train(cfg, run, header, progress)
+
+
+def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
+    """run_config's work once the run directory is checked and held."""
+    if "resumed_from_step" in header and not header["resumed_from_step"]:
+        print(f"--resume {run.path}: no checkpoint was saved (checkpoint.every); the run "
+              "restarts at step 0 and its metrics rows are replaced", file=sys.stderr)
     # tokenise here, in one process, before the ranks start: tokenising in rank 0 while the
     # others wait in a barrier times them out (parallel.timeout_s) on a large corpus
     cached_corpus(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
@@ -193,9 +210,6 @@ def check_resume(cfg: Config, run: RunDir) -> dict:
             "resume" + ("" if status == "diverged" else
                         f". To train it longer: --set run.steps=N with N > {old.run.steps}"))
     step = checkpoint.verify_states(run, cfg.parallel.world_size)
-    if step is None:
-        print(f"--resume {run.path}: no checkpoint was saved (checkpoint.every); the run "
-              "restarts at step 0 and its metrics rows are replaced", file=sys.stderr)
     summary = _read_summary(run)
     header = {"resumed_from_step": step or 0}
     if extended:

@@ -208,9 +208,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"export: {str(out_dir)!r} already exists and is not an empty directory")
-    checkpoint = checkpoint_path(run_dir)
+    model, tokenizer, info = load_checkpoint(checkpoint_path(run_dir))  # refused: nothing
     _import_transformers()
-    model, tokenizer, info = load_checkpoint(checkpoint)
     hf_model = to_hf_model(model, tokenizer.eot_token)
     hf_tok = hf_tokenizer(tokenizer.name, model.cfg.seq_len)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ token, as lm-eval's perplexity tasks expect. `generate_until` decodes greedily.
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
+from bench.checkpoint import load_payload
 from bench.model import GPT, GPTConfig
 from bench.records import RunDir
 from bench.tokenizers import get_tokenizer
@@ -53,18 +55,42 @@ def checkpoint_path(run_dir: str | Path) -> Path:
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, object, dict]:
     """(model in eval mode on `device`, its tokenizer, the checkpoint's other fields)."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = load_payload(path, map_location="cpu")  # tensors and plain data only
+    except pickle.UnpicklingError:
+        raise ValueError(f"checkpoint {str(path)!r} holds objects other than tensors and "
+                         "plain data (not loaded: loading them could run code); it was not "
+                         "written by commbench") from None
     except Exception as err:
         raise ValueError(f"cannot read checkpoint {str(path)!r}: {err}") from err
+    if not isinstance(payload, dict):
+        raise ValueError(f"checkpoint {str(path)!r} is not a commbench evaluation model")
     missing = [k for k in ("model", "gpt_config", "tokenizer") if k not in payload]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {missing}")
-    model = GPT(GPTConfig(**payload["gpt_config"]))
     # A state dict saved from a torch.compile'd model prefixes every key.
     state = {k.removeprefix("_orig_mod."): v for k, v in payload["model"].items()}
+    model = GPT(_checked_config(path, payload["gpt_config"], state))
     model.load_state_dict(state)
     info = {k: v for k, v in payload.items() if k != "model"}
     return model.to(device).eval(), get_tokenizer(payload["tokenizer"]), info
+
+
+def _checked_config(path, gpt_config, state: dict) -> GPTConfig:
+    """The checkpoint's GPT config, once a weightless (meta-device) model built from it has
+    the saved weights' names and shapes: a config that does not describe them (a crafted
+    or damaged file) fails here, before a model of its size is allocated."""
+    try:
+        cfg = GPTConfig(**gpt_config)
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint {str(path)!r}: gpt_config {gpt_config!r} does not "
+                         f"describe a GPT ({err})") from None
+    saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if saved != expected or len(saved) != len(state):
+        raise ValueError(f"checkpoint {str(path)!r}: its weights do not match its gpt_config "
+                         f"{gpt_config!r} (names or shapes differ)")
+    return cfg
 
 
 def score_windows(tokens: list[int], first: int, max_len: int) -> Iterator[Window]:

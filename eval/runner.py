@@ -106,6 +106,13 @@ def evaluate_run(
     names = select_tasks(spec, tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"eval.limit must be an integer >= 1 or null, got {limit!r}")
+    with RunDir(run_dir).lock("commbench eval"):  # the run's other writers wait for it
+        return _evaluate(run_dir, checkpoint, config, spec, suite, names, limit, batch_size,
+                         device, bootstrap_iters, simple_evaluate)
+
+
+def _evaluate(run_dir, checkpoint, config, spec, suite, names, limit, batch_size, device,
+              bootstrap_iters, simple_evaluate) -> dict:
     eval_path = RunDir(run_dir).eval
     previous = read_json(eval_path) if eval_path.exists() else {}
     lm = CommbenchLM.from_run(run_dir, batch_size=batch_size, device=device)

@@ -468,3 +468,22 @@ def test_a_lock_that_is_a_directory_or_a_symlink_is_refused(tmp_path):
         with run.lock("commbench run"):
             pass
     assert outside.read_text() == "precious"
+
+
+def test_a_second_resume_of_a_held_run_directory_is_refused_and_changes_nothing(
+        tmp_path, capsys):
+    from bench.cli import main
+    from tests.test_bad_input import _snapshot, recorded_run
+
+    for name, text in recorded_run().items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text.replace("{tmp}", str(tmp_path)))
+    run_dir = tmp_path / "r"
+    with held_by_another_process(run_dir, "commbench run --resume") as proc:
+        before = _snapshot(tmp_path)
+        code = main(["run", "--resume", str(run_dir), "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert f"run directory {run_dir} is in use by commbench run --resume (pid " \
+               f"{proc.pid}" in err
+        assert _snapshot(tmp_path) == before
