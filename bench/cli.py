@@ -145,28 +145,20 @@ def _cmd_export(args) -> int:
     return 0
 
 
-def _check_new_dir(path: str, key: str) -> None:
-    """Fail naming `key` when `path` cannot become a directory (a file in the way)."""
-    p = Path(path).expanduser().absolute()
-    for ancestor in (p, *p.parents):
-        if ancestor.exists():
-            if not ancestor.is_dir():
-                raise ValueError(f"{key} {path!r}: {str(ancestor)!r} is a file, not a directory "
-                                 "(give a directory path)")
-            return
-
-
 def _cmd_report(args) -> int:
-    _check_new_dir(args.output, "report -o")
-    from bench.report import build_report
+    from bench.records import check_report_dir
 
+    check_report_dir(args.output, "report -o")
+    from bench.report import build_report
 
     print(build_report(args.results_dir, args.output, target_loss=args.target_loss))
     return 0
 
 
 def _cmd_compare(args) -> int:
-    _check_new_dir(args.output, "compare -o")
+    from bench.records import check_report_dir
+
+    check_report_dir(args.output, "compare -o")
     from bench.compare import compare
 
     return compare(args.runs, args.output, tolerance=args.tolerance)

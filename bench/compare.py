@@ -39,7 +39,7 @@ import pandas as pd
 
 from bench import records
 from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
-from bench.report import render
+from bench.report import figures, render
 from bench.report.load import load_results
 from bench.report.stats import mean_interval, ratio_interval
 from bench.tracking.sinks import flatten
@@ -258,7 +258,7 @@ def compare(args: list[str], out_dir: str | os.PathLike | None = None,
                                                       p.differences for p in pairs}})
     out = Path(out_dir or "reports/compare")
     out.mkdir(parents=True, exist_ok=True)
-    overlay(sides).savefig(out / "compare.png")
+    figures.save(overlay(sides), out / "compare.png")
     report["tolerance"], report["exceeded"] = tolerance, failures
     records.write_json(out / "compare.json", report)
     print(f"\nfigure: {out / 'compare.png'}")

@@ -59,19 +59,52 @@ os.umask(_UMASK)
 
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write a file atomically: a reader sees the old content or the new, never a part."""
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """`write_text` for bytes. The new file replaces `path` itself: a symbolic link there
+    is replaced, never followed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are ordinary files
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_report_dir(path: str | os.PathLike, flag: str) -> Path:
+    """Where a command writes pages or figures (`report -o`, `compare -o`, `claims
+    --report-dir`): ValueError naming `flag` when a file stands in the way, when it is (or
+    is inside) a run directory, whose records a report would mix with, or when it already
+    holds a symbolic link or special file (a received directory: a link would make the
+    report write outside it). Creates nothing."""
+    p = Path(path).expanduser().absolute()
+    for ancestor in (p, *p.parents):
+        if not ancestor.exists():
+            continue
+        if not ancestor.is_dir():
+            raise ValueError(f"{flag} {str(path)!r}: {str(ancestor)!r} is a file, not a "
+                             "directory (give a directory path)")
+        if (ancestor / "config.yaml").is_file() or (ancestor / "summary.json").is_file():
+            raise ValueError(f"{flag} {str(path)!r}: {str(ancestor)!r} is a run directory "
+                             "(it holds config.yaml or summary.json); write the report "
+                             "elsewhere, e.g. reports/NAME")
+    if p.is_dir():
+        for dirpath, dirnames, filenames in os.walk(p):
+            for name in dirnames + filenames:
+                entry = Path(dirpath) / name
+                if entry.is_symlink() or not (entry.is_dir() or entry.is_file()):
+                    raise ValueError(f"{flag} {str(path)!r}: {entry} is a symbolic link or "
+                                     "special file; give a new or plain directory")
+    return p
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -339,13 +372,33 @@ class RunDir:
 
     # ------------------------------------------------------------------------ lock
 
-    def lock(self, purpose: str, shared: str | None = None):
+    @contextlib.contextmanager
+    def lock(self, purpose: str, shared: str | None = None) -> Iterator[None]:
         """Hold this run directory while writing it (a context manager): every writer of a
         run's records (`commbench run`, `--resume`, `eval`, `track`, a sweep moving it
         aside) holds it, so a second one fails at once with `Busy` (a ValueError naming the
-        holder) instead of mixing records. The directory must exist. Re-entrant in one
-        thread; `shared`: a key the nodes of one multi-node run share (`records.hold`)."""
-        return hold(self.lock_file, purpose, f"run directory {self.path}", shared)
+        holder) instead of mixing records. The directory must exist, and hold only
+        directories and regular files (`check_contained`). Re-entrant in one thread;
+        `shared`: a key the nodes of one multi-node run share (`records.hold`)."""
+        with hold(self.lock_file, purpose, f"run directory {self.path}", shared):
+            self.check_contained()
+            yield
+
+    def check_contained(self) -> None:
+        """ValueError naming the first entry under the directory that is a symbolic link
+        or not a regular file: run directories travel (tarballs, shared filesystems), and
+        a link would make a writer of this run write outside it (a FIFO would hang it)."""
+        for dirpath, dirnames, filenames in os.walk(self.path):
+            for name in sorted(dirnames + filenames):
+                path = Path(dirpath) / name
+                if path.is_symlink():
+                    raise ValueError(
+                        f"run directory {self.path}: {path} is a symbolic link (to "
+                        f"{os.readlink(path)}); commbench writes a run's records only inside "
+                        "its directory: replace the link by what it points to (cp -rL)")
+                if not (path.is_dir() or path.is_file()):
+                    raise ValueError(f"run directory {self.path}: {path} is not a regular "
+                                     "file or directory; remove it")
 
     def holder(self) -> dict | None:
         """Who holds this run directory now (purpose, pid, host, since), or None."""

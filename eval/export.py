@@ -224,9 +224,21 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
             "activation_function": hf_model.config.activation_function,
         }
         (work / "commbench_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above); os.rename needs the name free
-        os.rename(work, out_dir)
+        publish(work, out_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out_dir
+
+
+def publish(work: Path, out_dir: Path) -> None:
+    """Rename the finished export `work` to `out_dir` (absent or empty), atomically; a
+    ValueError when another process filled `out_dir` meanwhile (two exports into one
+    directory: the first one wins, the other leaves nothing)."""
+    try:
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked before the export); os.rename needs the name
+        os.rename(work, out_dir)
+    except OSError as err:
+        raise ValueError(f"export: {str(out_dir)!r} was written by another process meanwhile "
+                         f"(another export into it?); this export kept nothing "
+                         f"({err.strerror})") from None

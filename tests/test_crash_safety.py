@@ -487,3 +487,18 @@ def test_a_second_resume_of_a_held_run_directory_is_refused_and_changes_nothing(
         assert f"run directory {run_dir} is in use by commbench run --resume (pid " \
                f"{proc.pid}" in err
         assert _snapshot(tmp_path) == before
+
+
+def test_two_exports_into_one_directory_the_second_fails_cleanly(tmp_path):
+    """Issue 29: two concurrent `export --hf OUT` into one OUT: the second one's rename
+    raised OSError (a traceback). Here the first has just published OUT."""
+    from eval.export import publish
+
+    first, second, out = tmp_path / ".out.a.tmp", tmp_path / ".out.b.tmp", tmp_path / "out"
+    for work in (first, second):
+        work.mkdir()
+        (work / "config.json").write_text(work.name)
+    publish(first, out)
+    with pytest.raises(ValueError, match="written by another process meanwhile"):
+        publish(second, out)
+    assert (out / "config.json").read_text() == ".out.a.tmp"

@@ -225,3 +225,115 @@ def test_an_eval_checkpoint_whose_config_does_not_match_its_weights_is_refused(t
                 "gpt_config": {"vocab_size": 256, "layers": 3}}, path)
     with pytest.raises(ValueError, match="does not describe a GPT"):
         load_checkpoint(path)
+
+
+# -------------------------------------------------------------------------------- paths
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every path under root, links as their targets (what a write outside would change);
+    the tokeniser cache is not a record."""
+    return {p.relative_to(root).as_posix(): (f"-> {p.readlink()}" if p.is_symlink() else
+                                             p.read_text(errors="replace") if p.is_file()
+                                             else "dir")
+            for p in sorted(root.rglob("*")) if p.relative_to(root).parts[0] != "cache"}
+
+
+def test_resume_refuses_a_run_directory_with_a_link_out_of_it(tmp_path, capsys):
+    """A received run whose logs/ is a link: the launcher appended torchrun.log (and the
+    ranks their error texts) wherever it pointed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("precious")
+    write_files(tmp_path, recorded_run())
+    (tmp_path / "r" / "logs").symlink_to(outside)
+    before = tree(tmp_path)
+    code = main(["run", "--resume", str(tmp_path / "r"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"run directory {tmp_path}/r: {tmp_path}/r/logs is a symbolic link (to {outside})" \
+        in err
+    assert tree(tmp_path) == {**before, "r/.lock": ""}  # the lock file, empty once released
+
+
+def test_eval_refuses_a_run_directory_with_a_link_out_of_it(tmp_path, capsys):
+    run = crafted_eval_run(tmp_path, tmp_path / "unused")
+    (tmp_path / "elsewhere.json").write_text("{}")
+    (run / "eval.json").symlink_to(tmp_path / "elsewhere.json")
+    code = main(["eval", str(run), "--suite", "smoke", "--limit", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{run}/eval.json is a symbolic link" in err, err
+    assert (tmp_path / "elsewhere.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("record", ["tracking.json", "sweep.json"])
+def test_track_never_writes_outside_the_sinks_directory(tmp_path, record, capsys):
+    """A record naming `..`: the TensorBoard run tracking.json names (its handle), or the
+    sweep's name, made TensorBoard write outside its directory."""
+    pytest.importorskip("tensorboard")
+    from bench.records import write_json
+    from bench.tracking.sync import track
+    from tests.test_tracking import fake_sweep
+
+    (run, _) = fake_sweep(tmp_path / "results")
+    tb, escape = tmp_path / "tb", tmp_path / "escaped"
+    if record == "tracking.json":
+        write_json(run.tracking, {f"tensorboard:{tb}": {"handle": "../escaped/x",
+                                                         "attempt": run.read_summary()[
+                                                             "started"]}})
+    else:
+        sweep = json.loads((run.path.parent / "sweep.json").read_text())
+        write_json(run.path.parent / "sweep.json", {**sweep, "name": "../escaped"})
+    assert track(tmp_path / "results", "tensorboard", [f"dir={tb}"]) >= 1
+    assert "not a path inside" in capsys.readouterr().err
+    assert not escape.exists()
+
+
+def test_track_takes_no_destination_outside_from_a_record(tmp_path, capsys):
+    from bench.tracking.sync import track
+    from tests.test_tracking import fake_run
+
+    run = fake_run(tmp_path / "results" / "r")
+    config = yaml.safe_load(run.config.read_text())
+    config["tracking"] = {"tensorboard": {"dir": str(tmp_path / "elsewhere")}}
+    run.config.write_text(yaml.safe_dump(config))
+    code = main(["track", str(tmp_path / "results"), "--to", "tensorboard"])
+    err = capsys.readouterr().err
+    assert code == 2 and "tracking.tensorboard.dir" in err and "--set dir=" in err, err
+    assert not (tmp_path / "elsewhere").exists()
+    with pytest.raises(ValueError, match="comes from the run's record"):
+        track(tmp_path / "results", "tensorboard")
+
+
+def test_track_skips_a_run_another_process_holds(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from bench.tracking.sync import track
+    from tests.test_crash_safety import held_by_another_process
+    from tests.test_tracking import fake_run
+
+    run = fake_run(tmp_path / "results" / "r")
+    with held_by_another_process(run.path, "commbench run --resume"):
+        assert track(tmp_path / "results", "tensorboard", [f"dir={tmp_path / 'tb'}"]) == 1
+    assert "r: not sent: run directory" in capsys.readouterr().err
+    assert not run.tracking.exists()
+
+
+def test_a_report_never_writes_through_a_link_in_its_directory(tmp_path, capsys):
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+    _save(sweep_dir, sweep)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "figures").symlink_to(outside)
+    code = main(["report", str(tmp_path / "results"), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{out}/figures is a symbolic link" in err, err
+    assert list(outside.iterdir()) == []
+    # the library's own writes replace a link, never follow it
+    (out / "figures").unlink()
+    (out / "report.md").symlink_to(outside / "victim.md")
+    build_report(sweep_dir, out)
+    assert list(outside.iterdir()) == [] and not (out / "report.md").is_symlink()

@@ -106,13 +106,13 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     comm = analysis.communication(runs, profiles)
     evals = analysis.downstream(runs)
 
-    runs.to_csv(out_dir / "runs.csv", index=False)
-    res.steps.to_csv(out_dir / "steps.csv", index=False)
-    speedup.to_csv(out_dir / "speedup.csv", index=False)
-    convergence.to_csv(out_dir / "convergence.csv", index=False)
-    comm.to_csv(out_dir / "communication.csv", index=False)
+    figures.write_csv(runs, out_dir / "runs.csv")
+    figures.write_csv(res.steps, out_dir / "steps.csv")
+    figures.write_csv(speedup, out_dir / "speedup.csv")
+    figures.write_csv(convergence, out_dir / "convergence.csv")
+    figures.write_csv(comm, out_dir / "communication.csv")
     if not evals.empty:
-        evals.to_csv(out_dir / "downstream.csv", index=False)
+        figures.write_csv(evals, out_dir / "downstream.csv")
 
     drawn = {}
     for name, fig in (("throughput", figures.throughput(comm, profiles)),
@@ -143,9 +143,7 @@ class _OneSet:
 
 
 def _save(fig, out_dir: Path, name: str) -> Path:
-    path = out_dir / "figures" / f"{name}.png"
-    fig.savefig(path)
-    return path
+    return figures.save(fig, out_dir / "figures" / f"{name}.png")
 
 
 def _compare_on_one_set(name: str, part: Results, out_dir: Path, target_loss: float | None,

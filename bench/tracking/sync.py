@@ -391,9 +391,30 @@ def sink_config(run_dir: Path, name: str, overrides: list[str] = ()):
     if run.config.exists():
         recorded = (_yaml(run.config.read_text()).get("tracking") or {}).get(name)
         data = dict(recorded) if isinstance(recorded, dict) else {}
+    for key in _DESTINATIONS:
+        if isinstance(data.get(key), str):
+            _check_recorded_destination(run, name, key, data[key])
     for assignment in overrides:
         set_override(data, assignment)
     return from_mapping(SINK_CONFIGS[name], data, f"tracking.{name}")
+
+
+_DESTINATIONS = ("dir", "tracking_uri")
+"""Sink settings that say where files are written."""
+
+
+def _check_recorded_destination(run: RunDir, name: str, key: str, value: str) -> None:
+    """A destination read from a run's record (not given by the user) must be a relative
+    path below the current directory: results directories travel, and a crafted config
+    must not make `commbench track` write anywhere else. Anything else: give it with --set."""
+    path = Path(value.removeprefix("file:")) if "://" not in value else None
+    if path is not None and not path.is_absolute() and ".." not in path.parts \
+            and not value.startswith("~"):
+        return
+    raise ValueError(
+        f"{run.config}: tracking.{name}.{key} {value!r} comes from the run's record, and "
+        "commbench track sends records only to a destination below the current directory "
+        f"unless you name it: give it with --set {key}=... (e.g. --set {key}={value})")
 
 
 def track(results_dir: str | os.PathLike, to: str, overrides: list[str] = ()) -> int:
@@ -413,9 +434,15 @@ def track(results_dir: str | os.PathLike, to: str, overrides: list[str] = ()) ->
     specs = {run_dir: sink_config(run_dir, to, overrides) for run_dir in run_dirs}  # all
     failures = 0                                                # checked before sending any
     for run_dir, spec in specs.items():
-        lines, failed = sync_run(run_dir, [make_sink(to, spec)])
-        failures += bool(failed)
         name = run_dir.name if run_dir == root else str(run_dir.relative_to(root))
+        try:
+            with RunDir(run_dir).lock("commbench track"):  # tracking.json has one writer
+                lines, failed = sync_run(run_dir, [make_sink(to, spec)])
+        except ValueError as err:  # held (a live run's launcher sends it), or not plain
+            print(f"{name}: not sent: {err}", file=sys.stderr)
+            failures += 1
+            continue
+        failures += bool(failed)
         for line in lines or ([] if failed else [f"{to}: up to date"]):
             print(f"{name}: {line}")
     return failures
