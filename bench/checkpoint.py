@@ -55,8 +55,9 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
 
     Reads each file (memory-mapped: cheap for large states) and changes nothing. A rank
     may hold two files, its saved state and one being saved (a stop in the middle of a
-    save): the latest step that every rank holds wins. A missing, unreadable or
-    truncated file, or ranks with no step in common, raise ValueError naming the file."""
+    save): the latest step that every rank holds wins; the files of a first save that not
+    every rank finished (a full disk) count as none. A missing, unreadable or truncated
+    file, or ranks with no step in common, raise ValueError naming the file."""
     per_rank: list[dict[int, Path]] = []
     problems, seen = [], False
     for rank in range(world_size):
@@ -80,6 +81,8 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
     common = set.intersection(*(set(held) for held in per_rank))
     if common:
         return max(common)
+    if not problems and not any(run.state_checkpoint(r).exists() for r in range(world_size)):
+        return None  # the first save did not finish on every rank (a full disk): none saved
     where = f"--resume {run.path}"
     if problems:
         raise ValueError(f"{where}: {problems[0]}; delete the run's checkpoints/state-rank* "

@@ -13,7 +13,9 @@
 
 Heavy imports (torch, lm-eval, pandas) happen inside the command that needs them, so
 `--help` and input errors are fast. Any ValueError from validation exits with status 2
-and its message, before anything is launched.
+and its message, before anything is launched; an OSError (a full disk, a read-only
+target) exits with status 1 and names the file (every file is written atomically, so
+what was written is whole).
 """
 
 from __future__ import annotations
@@ -326,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"commbench: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a read-only or vanished target: what and where
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"commbench: error: {where}{err.strerror or err} (nothing more was written; "
+              "what was written is whole)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # what was recorded so far is on disk; no traceback
         return 130
 

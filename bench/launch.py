@@ -60,7 +60,7 @@ from bench.config import (
 )
 from bench.data import cached_corpus
 from bench.failure import error_text
-from bench.records import DONE_STATUSES, RunDir, status_of, write_text
+from bench.records import DONE_STATUSES, NO_SPACE, RunDir, status_of, write_text
 from bench.summary import running_header
 
 
@@ -137,8 +137,8 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
     started = time.perf_counter()
     try:
         with sigterm_as_interrupt():
-            rc, tail = _run_torchrun(torchrun_command(cfg, run.path), env, run.torchrun_log,
-                                     progress)
+            rc, tail, log_error = _run_torchrun(torchrun_command(cfg, run.path), env,
+                                                run.torchrun_log, progress)
     except KeyboardInterrupt as stop:  # torchrun is stopped: record the run, let the caller stop
         what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted by the user"
         run.update_summary({"status": "failed", "error": what, "interrupted": True,
@@ -152,6 +152,8 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
                 "note": "this node's ranks finished; rank 0's node writes summary.json"}
     if rc != 0 or summary.get("status") == "running":
         error = error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s)
+        if log_error is not None or any(f"[Errno {e}]" in error for e in NO_SPACE):
+            error = _no_space(error, log_error, run, cfg.parallel.world_size)
         wall = time.perf_counter() - started
         if summary.get("status") in DONE_STATUSES and run.all_finished(cfg.parallel.world_size):
             # every rank finished the run and rank 0 wrote its record; a rank died at exit
@@ -230,6 +232,21 @@ def resume_hint(run: RunDir, world_size: int) -> str:
             "restart it from step 0")
 
 
+def _no_space(error: str, log_error: OSError | None, run: RunDir, world_size: int) -> str:
+    """The failure's text with what a full disk (or a lost log) means for the user: the
+    line after the headline says what to do."""
+    headline, _, rest = error.partition("\n")
+    try:
+        step = checkpoint.verify_states(run, world_size)
+    except ValueError:
+        step = None
+    lost = f"logs/torchrun.log stopped: {log_error}; " if log_error is not None else ""
+    note = (f"{lost}free space on the filesystem of {run.path}, then run `commbench run "
+            f"--resume {run.path}` " + (f"(it continues from step {step})" if step else
+                                        "(no checkpoint was saved: it restarts at step 0)"))
+    return f"{headline}\n{note}\n{rest}".rstrip("\n")
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Inside the block SIGTERM raises `Terminated` (in the main thread only)."""
@@ -277,32 +294,64 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
+    """(torchrun's exit code, the last lines of its output, the OSError that stopped the
+    log file, if any: a full disk must not stop the launcher, which records the run)."""
     tail: deque[str] = deque(maxlen=400)  # torchrun's failure summary is at the end
     interactive = progress and sys.stderr.isatty()
-    with open(log_path, "a") as log:
-        log.write(" ".join(cmd) + "\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                text=True, bufsize=1)
+    log = _Log(log_path)
+    log.write(" ".join(cmd) + "\n")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            text=True, bufsize=1)
+    try:
+        for line in proc.stdout:
+            log.write(line)
+            if line.startswith("PROGRESS "):
+                if progress:
+                    text = line[len("PROGRESS "):].rstrip()
+                    print(f"\r{text}\033[K" if interactive else text, end="" if interactive
+                          else "\n", file=sys.stderr, flush=True)
+            else:
+                tail.append(line.rstrip())
+        rc = proc.wait()
+    except KeyboardInterrupt:  # stop the ranks; run_config records the run
+        proc.terminate()
         try:
-            for line in proc.stdout:
-                log.write(line)
-                if line.startswith("PROGRESS "):
-                    if progress:
-                        text = line[len("PROGRESS "):].rstrip()
-                        print(f"\r{text}\033[K" if interactive else text, end="" if interactive
-                              else "\n", file=sys.stderr, flush=True)
-                else:
-                    tail.append(line.rstrip())
-            rc = proc.wait()
-        except KeyboardInterrupt:  # stop the ranks; run_config records the run
-            proc.terminate()
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.write("interrupted by the user (KeyboardInterrupt)\n")
+        raise
+    finally:
+        log.close()
+        if interactive:
+            print(file=sys.stderr)
+    return rc, list(tail), log.error
+
+
+class _Log:
+    """logs/torchrun.log, appended line by line; after a failed write (a full disk) it
+    writes no more and keeps the error (`error`)."""
+
+    def __init__(self, path: Path):
+        self.error: OSError | None = None
+        try:
+            self.file = open(path, "a", buffering=1)  # line-buffered: errors surface here
+        except OSError as err:
+            self.file, self.error = None, err
+
+    def write(self, text: str) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(text)
+        except OSError as err:
+            self.error = err
+            self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            file, self.file = self.file, None
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.write("interrupted by the user (KeyboardInterrupt)\n")
-            raise
-        finally:
-            if interactive:
-                print(file=sys.stderr)
-    return rc, list(tail)
+                file.close()
+            except OSError as err:
+                self.error = self.error or err

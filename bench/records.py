@@ -40,6 +40,9 @@ ENDED_STATUSES = ("ok", "failed", "diverged")
 """How a run ended, as summary.json records it."""
 DONE_STATUSES = ("ok", "diverged")
 """Statuses of a finished run that a re-run keeps (a diverged run is a result)."""
+SUMMARY_ESSENTIALS = ("status", "error", "interrupted", "run_name", "config_hash", "strategy",
+                      "world_size", "started", "resumed_from_step", "steps_extended_from")
+"""What summary.json keeps when nothing else fits on a full disk (RunDir.update_summary)."""
 
 
 def status_of(summary: dict | None) -> str:
@@ -64,20 +67,74 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """`write_text` for bytes. The new file replaces `path` itself: a symbolic link there
-    is replaced, never followed."""
+    is replaced, never followed. A full disk raises OSError naming `path` and leaves the
+    old file as it was."""
     path = Path(path)
+    with _atomic(path) as f:
+        f.write(data)
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+"""A full filesystem, or the user's quota on it."""
+
+
+class _Writes:
+    """A binary file that remembers the first OSError of its writes (torch.save's zip
+    writer reports a failed write as a RuntimeError about a position, not as the disk
+    being full)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@contextlib.contextmanager
+def _atomic(path: Path) -> Iterator[_Writes]:
+    """A temporary file beside `path`, renamed over it when the block ends (fsync'd first);
+    on any failure removed, the write's OSError raised naming `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are ordinary files
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            writes = _Writes(f)
+            try:
+                yield writes
+                f.flush()
+                os.fsync(f.fileno())
+            except Exception as err:
+                cause = writes.error or (err if isinstance(err, OSError) else None)
+                if cause is None:
+                    raise
+                raise OSError(cause.errno, cause.strerror, str(path)) from err
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def overwrite(path: Path, data: bytes) -> None:
+    """Rewrite `path` in place (truncate, then write): not atomic, but it frees the old
+    content's blocks first, so on a full disk it stores what fits in them. The last resort
+    of a record that must say why the run failed (`RunDir.update_summary`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~_UMASK)
+    try:
+        os.ftruncate(fd, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def check_report_dir(path: str | os.PathLike, flag: str) -> Path:
@@ -143,9 +200,22 @@ def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
 
 
 def append_jsonl(path: str | os.PathLike, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=_jsonable) + "\n")
-        f.flush()
+    """Append one row, whole or not at all: a write cut short (a full disk) is truncated
+    away and raises OSError naming `path`, so the file never holds a torn row."""
+    data = (json.dumps(row, default=_jsonable) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                 0o666 & ~_UMASK)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):  # the rest would fail: a full disk
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        except OSError as err:
+            os.ftruncate(fd, size)
+            raise OSError(err.errno, err.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: str | os.PathLike, skipped: list[str] | None = None) -> list[dict]:
@@ -421,11 +491,34 @@ class RunDir:
         write_json(self.summary, summary)
 
     def update_summary(self, updates: dict) -> dict:
-        """Merge `updates` into summary.json atomically; returns the new summary."""
+        """Merge `updates` into summary.json atomically; returns the new summary.
+
+        On a full disk (no room for the new file beside the old) the summary is rewritten
+        in place, and if it does not fit there either, cut to the run's identity, status
+        and error (`SUMMARY_ESSENTIALS`, the error shortened): a run that failed because
+        the disk is full still says so."""
         summary = self.read_summary() or {}
         summary.update(updates)
-        write_json(self.summary, summary)
+        try:
+            write_json(self.summary, summary)
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            self._summary_in_place(summary)
         return summary
+
+    def _summary_in_place(self, summary: dict) -> None:
+        text = json.dumps(summary, indent=2, default=_jsonable) + "\n"
+        try:
+            overwrite(self.summary, text.encode())
+            return
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+        essentials = {k: summary[k] for k in SUMMARY_ESSENTIALS if k in summary}
+        if isinstance(essentials.get("error"), str):
+            essentials["error"] = essentials["error"][:1000]
+        overwrite(self.summary, (json.dumps(essentials) + "\n").encode())
 
     def append_metrics(self, row: dict) -> None:
         append_jsonl(self.metrics, row)
@@ -441,18 +534,8 @@ class RunDir:
         """`torch.save` atomically: a crash mid-write leaves the previous file intact."""
         import torch
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o666 & ~_UMASK)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with _atomic(path) as f:
+            torch.save(obj, f)
 
     # --------------------------------------------------------------------- fixtures
 

@@ -21,6 +21,7 @@ torch.distributed, never into the ledger, which holds only algorithm traffic.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -323,9 +324,8 @@ def main(run_dir: str) -> int:
             os.abort()
         return 0
     except Exception:
-        log = run.error_log(rank)
-        log.parent.mkdir(exist_ok=True)
-        log.write_text(traceback.format_exc())
+        with contextlib.suppress(OSError):  # a full disk: torchrun's output has it too
+            write_text(run.error_log(rank), traceback.format_exc())
         raise
     finally:
         if dist.is_initialized():

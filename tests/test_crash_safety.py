@@ -502,3 +502,100 @@ def test_two_exports_into_one_directory_the_second_fails_cleanly(tmp_path):
     with pytest.raises(ValueError, match="written by another process meanwhile"):
         publish(second, out)
     assert (out / "config.json").read_text() == ".out.a.tmp"
+
+
+# ------------------------------------------------------------------------- a full disk
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` while the block runs (root only: else skip)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(path: Path) -> None:
+    """Fill the filesystem of `path` to the last byte."""
+    with open(path / "filler", "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0")
+
+
+def test_a_full_disk_keeps_metrics_rows_whole_and_the_summary_says_why(tmp_path):
+    """Issue 29: a full disk cut metrics.jsonl mid-row and left summary.json `running`.
+    A row is appended whole or not at all; a summary that no longer fits beside the old
+    one is rewritten in place, cut to its essentials if need be."""
+    from bench.summary import running_header
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        run = RunDir(disk / "run")
+        run.path.mkdir()
+        run.write_summary(running_header("ddp-tiny", "abc", "ddp", 2, started="now"))
+        run.append_metrics({"step": 2, "loss": 5.0, "note": "x" * 3000})
+        fill(disk)
+        before = run.metrics.read_bytes()
+        with pytest.raises(OSError, match="No space left on device") as err:
+            run.append_metrics({"step": 4, "loss": 4.0, "note": "y" * 3000})
+        assert err.value.filename == str(run.metrics)
+        assert run.metrics.read_bytes() == before  # no torn row
+        skipped = []
+        assert [r["step"] for r in run.read_metrics(skipped)] == [2] and skipped == []
+
+        error = "rank 1: OSError: [Errno 28] No space left on device\n" + "trace\n" * 500
+        run.update_summary({"status": "failed", "error": error})
+        summary = run.read_summary()
+        assert (summary["status"], summary["run_name"]) == ("failed", "ddp-tiny")
+        assert summary["error"].startswith("rank 1: OSError: [Errno 28] No space left")
+
+
+def test_the_launcher_survives_a_log_it_cannot_write(tmp_path):
+    """A full disk under logs/torchrun.log stopped the launcher with a traceback before it
+    recorded the run; now the log stops, the launcher goes on and says why."""
+    from bench import launch
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        fill(disk)
+        rc, tail, error = launch._run_torchrun(
+            [sys.executable, "-c", "print('x' * 9000); print('last')"], dict(os.environ),
+            disk / "torchrun.log", False)
+    assert (rc, tail[-1], error.errno) == (0, "last", 28)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_that_fills_its_disk_fails_readably_and_resumes_once_there_is_room(tmp_path):
+    """A real run on a 2 MB filesystem: the first checkpoint (1.5 MB per rank) does not
+    fit. The run is recorded failed, its headline says the disk is full and the next line
+    what to do, every metrics row is whole; with room made, --resume finishes it."""
+    out = tmp_path / "out"
+    with tmpfs(out, "2m"):
+        proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set", "checkpoint.every=4",
+                         "--set", f"run.output_dir={out}", "--set",
+                         f"data.cache_dir={tmp_path / 'cache'}", "--quiet")
+        assert proc.returncode == 1, proc.stderr
+        run = only_run(out)
+        summary = run.read_summary()
+        headline, note = summary["error"].splitlines()[:2]
+        assert summary["status"] == "failed"
+        assert "OSError: [Errno 28] No space left on device" in headline, headline
+        assert note == (f"free space on the filesystem of {run.path}, then run `commbench run "
+                        f"--resume {run.path}` (no checkpoint was saved: it restarts at step "
+                        "0)"), note
+        skipped = []
+        assert steps_of(run) == [2, 4] and not run.read_metrics(skipped) == [] and not skipped
+        subprocess.run(["mount", "-o", "remount,size=64m", str(out)], check=True)
+        resumed = commbench("run", "--resume", str(run.path), "--quiet")
+        assert resumed.returncode == 0, resumed.stderr
+        assert run.read_summary()["status"] == "ok"
+        assert steps_of(run) == list(range(2, 13, 2))
