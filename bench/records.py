@@ -103,19 +103,22 @@ def _atomic(path: Path) -> Iterator[_Writes]:
     on any failure removed, the write's OSError raised naming `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    f = os.fdopen(fd, "wb")
     try:
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are ordinary files
-        with os.fdopen(fd, "wb") as f:
-            writes = _Writes(f)
-            try:
-                yield writes
-                f.flush()
-                os.fsync(f.fileno())
-            except Exception as err:
-                cause = writes.error or (err if isinstance(err, OSError) else None)
-                if cause is None:
-                    raise
-                raise OSError(cause.errno, cause.strerror, str(path)) from err
+        writes = _Writes(f)
+        try:
+            yield writes
+            f.flush()
+            os.fsync(f.fileno())
+        except Exception as err:
+            cause = writes.error or (err if isinstance(err, OSError) else None)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from err
+        finally:
+            with contextlib.suppress(OSError):  # flushed above, or failing: the file goes
+                f.close()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

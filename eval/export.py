@@ -215,8 +215,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        hf_model.save_pretrained(work)
-        hf_tok.save_pretrained(work)
+        _save_pretrained(hf_model, hf_tok, work, out_dir)
         provenance = {
             "run_dir": str(Path(run_dir).resolve()),
             "step": info.get("step"),
@@ -228,6 +227,15 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out_dir
+
+
+def _save_pretrained(hf_model, hf_tok, work: Path, out_dir: Path) -> None:
+    """The model and tokenizer into `work`; an OSError (a full disk) names `out_dir`."""
+    try:
+        hf_model.save_pretrained(work)
+        hf_tok.save_pretrained(work)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(out_dir)) from err
 
 
 def publish(work: Path, out_dir: Path) -> None:

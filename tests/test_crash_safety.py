@@ -599,3 +599,68 @@ def test_a_run_that_fills_its_disk_fails_readably_and_resumes_once_there_is_room
         assert resumed.returncode == 0, resumed.stderr
         assert run.read_summary()["status"] == "ok"
         assert steps_of(run) == list(range(2, 13, 2))
+
+
+def _report_argv(tmp_path: Path, target: Path) -> list[str]:
+    from tests.test_report import DDP_VAL, _save, _sweep, write_run
+
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+    _save(sweep_dir, sweep)
+    return ["report", str(tmp_path / "results"), "-o", str(target / "report")]
+
+
+def _claims_argv(tmp_path: Path, target: Path) -> list[str]:
+    return ["claims", "diloco-matches-ddp", "--dry-run", "--claims-dir",
+            str(Path(__file__).resolve().parent.parent / "configs/claims"),
+            "--output-dir", str(tmp_path / "results"), "--report-dir", str(target / "claims")]
+
+
+def _export_argv(tmp_path: Path, target: Path, monkeypatch) -> list[str]:
+    """`export` of a real final.pt, the transformers conversion replaced by objects that
+    write 200 kB each (transformers is optional; the writes are what is tested)."""
+    from eval import export
+    from tests.test_security import crafted_eval_run
+
+    run = crafted_eval_run(tmp_path, tmp_path / "unused")
+    model = torch.load(run / "checkpoints/final.pt", weights_only=False)  # our own file
+    model.pop("planted")
+    torch.save(model, run / "checkpoints/final.pt")
+
+    class Saves:
+        config = type("Config", (), {"activation_function": "gelu"})()
+
+        def save_pretrained(self, where):
+            Path(where).mkdir(parents=True, exist_ok=True)
+            (Path(where) / f"part-{id(self)}.bin").write_bytes(b"\0" * 200_000)
+
+    monkeypatch.setattr(export, "_import_transformers", lambda: None)
+    monkeypatch.setattr(export, "to_hf_model", lambda model, eot: Saves())
+    monkeypatch.setattr(export, "hf_tokenizer", lambda name, length: Saves())
+    return ["export", str(run), "--hf", str(target / "hf")]
+
+
+@pytest.mark.parametrize("command", ["report", "export", "claims"])
+@pytest.mark.parametrize("target", ["full", "read-only"])
+def test_a_full_or_read_only_target_is_one_clear_error(tmp_path, command, target, capsys,
+                                                        monkeypatch):
+    """Issue 29: `report`, `export` and `claims --dry-run` into a full or read-only
+    filesystem ended in a traceback."""
+    from bench.cli import main
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        if target == "full":
+            fill(disk)
+        else:
+            subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        argv = (_report_argv(tmp_path, disk) if command == "report" else
+                _claims_argv(tmp_path, disk) if command == "claims" else
+                _export_argv(tmp_path, disk, monkeypatch))
+        code = main(argv)
+        err = capsys.readouterr().err
+        reason = "No space left on device" if target == "full" else "Read-only file system"
+        assert code == 1, err
+        assert err.startswith(f"commbench: error: {disk}/") and reason in err, err
+        assert "Traceback" not in err
+        assert not [p for p in disk.rglob("*") if p.is_file() and p.name != "filler"]
