@@ -97,7 +97,8 @@ class ModelConfig:
 class DataConfig:
     corpus: str = "embedded"
     """embedded (ships with the install), openwebtext, a .txt file, a directory of .txt
-    files, or a directory prepared by `commbench data prepare`."""
+    files, or a directory prepared by `commbench data prepare` (a relative path is made
+    absolute when the config is read; the run records its text's sha256)."""
     tokenizer: Literal["byte", "gpt2"] = "byte"
     """byte (vocab 256) or gpt2 (GPT-2 BPE, offline)."""
     batch_size: int = 8
@@ -291,7 +292,7 @@ def _in_range(path: str, value: float, low: float, high: float, closed: str = "[
 
 def validate(cfg: Config) -> None:
     """Checks that need more than one field's type: ranges, tables, cross-section rules."""
-    from bench.data import check_corpus_path
+    from bench.data import expand_path, resolve_corpus
     from bench.model import PRESETS, gpt_config
     from bench.network import PROFILES, get_profile, is_profile_path
 
@@ -359,7 +360,8 @@ def validate(cfg: Config) -> None:
         raise _fail("eval.suite", cfg.eval.suite, "null, 'smoke' or 'paper'")
     if cfg.eval.tasks and cfg.eval.suite is None:
         raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
-    check_corpus_path(cfg.data.corpus)
+    cfg.data.corpus = resolve_corpus(cfg.data.corpus)  # relative: from here, at config time
+    expand_path(cfg.data.cache_dir, "data.cache_dir")
     check_tracking(cfg.tracking)
     check_straggler(cfg.run.straggler, cfg.parallel.world_size)
     cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)

@@ -58,7 +58,7 @@ from bench.config import (
     load_config,
     to_yaml,
 )
-from bench.data import cached_corpus
+from bench.data import cached_corpus, corpus_identity, same_data
 from bench.failure import error_text
 from bench.records import DONE_STATUSES, NO_SPACE, RunDir, status_of, write_text
 from bench.summary import running_header
@@ -101,26 +101,31 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
     with `run_dir` added. Raises ValueError, before changing anything, when the directory
     cannot take this run (module docstring), `records.Busy` when another process holds it."""
     run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
-    check = check_resume if resume else check_run_dir
-    check(cfg, run)  # before anything changes (a refused directory is left as it was)
+    def check() -> dict:  # changes nothing: a refused directory is left as it was
+        header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
+        if resume:
+            check_same_data(cfg, run, data)
+        return {**header, "data": data}
+
+    # tokenise here, in one process, before the ranks start: tokenising in rank 0 while the
+    # others wait in a barrier times them out (parallel.timeout_s) on a large corpus
+    data = corpus_identity(cached_corpus(cfg.data.corpus, cfg.data.tokenizer,
+                                         cfg.data.cache_dir, cfg.data.val_fraction))
+    check()
     check_gpus(cfg)  # on this node, where torchrun starts its ranks (a Slurm job's too)
     run.path.mkdir(parents=True, exist_ok=True)
     shared = (f"{config_hash(cfg)}@{cfg.launch.rdzv_endpoint}" if cfg.launch.nnodes > 1
               else None)  # the nodes of one multi-node run hold it together
     with run.lock("commbench run --resume" if resume else "commbench run", shared=shared):
-        header = check(cfg, run)  # again, now that no other writer can change it
-        return _train(cfg, run, header, progress)
+        return _train(cfg, run, check(), progress)  # checked again: now nobody else writes
 
 
 def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
-    """run_config's work once the run directory is checked and held."""
+    """run_config's work once the run directory is checked and held (nothing in it has
+    changed yet)."""
     if "resumed_from_step" in header and not header["resumed_from_step"]:
         print(f"--resume {run.path}: no checkpoint was saved (checkpoint.every); the run "
               "restarts at step 0 and its metrics rows are replaced", file=sys.stderr)
-    # tokenise here, in one process, before the ranks start: tokenising in rank 0 while the
-    # others wait in a barrier times them out (parallel.timeout_s) on a large corpus
-    cached_corpus(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
-                  cfg.data.val_fraction)
     run.prepare()
     if header.get("resumed_from_step"):
         checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
@@ -218,6 +223,24 @@ def check_resume(cfg: Config, run: RunDir) -> dict:
         header["steps_extended_from"] = [*summary.get("steps_extended_from", []),
                                          old.run.steps]
     return header
+
+
+def check_same_data(cfg: Config, run: RunDir, data: dict) -> None:
+    """ValueError when the data a resume would train on are not the run's (summary.json
+    `data`, recorded from the run's start): the same data.corpus may name other text, e.g.
+    a relative path read from another directory, or a file changed since."""
+    recorded = _read_summary(run).get("data")
+    if not isinstance(recorded, dict) or not recorded.get("sha256") or same_data(recorded,
+                                                                                  data):
+        return  # a record from before the data were recorded: nothing to compare with
+    def show(d):
+        return (f"{d.get('source')!r} (text sha256 {str(d.get('sha256'))[:12]}, "
+                f"{d.get('num_train_tokens')} training tokens)")
+
+    raise ValueError(
+        f"--resume {run.path}: its data differ from the run's: it trained on {show(recorded)}, "
+        f"data.corpus {cfg.data.corpus!r} now holds {show(data)}; a resume must train on the "
+        "same tokens (make data.corpus hold them again, or start a new run)")
 
 
 def resume_hint(run: RunDir, world_size: int) -> str:

@@ -65,10 +65,12 @@ RECORDED = to_yaml(load_config(REPO / "configs/ddp-tiny.yaml", [
 
 
 def recorded_run(status: str = "failed", interrupted: bool = True,
-                 checkpoints: dict[int, bytes] | None = None) -> dict[str, str | bytes]:
-    """Files of a run directory {tmp}/r: RECORDED's config, a summary, two metrics rows and
-    state checkpoints (rank -> file content)."""
-    summary = {"status": status, "run_name": "ddp-tiny", "steps": 2}
+                 checkpoints: dict[int, bytes] | None = None,
+                 data: dict | None = None) -> dict[str, str | bytes]:
+    """Files of a run directory {tmp}/r: RECORDED's config, a summary (`data`: its corpus
+    identity), two metrics rows and state checkpoints (rank -> file content)."""
+    summary = {"status": status, "run_name": "ddp-tiny", "steps": 2,
+               **({"data": data} if data else {})}
     if interrupted:
         summary.update(error="interrupted by the user", interrupted=True)
     files = {"r/config.yaml": RECORDED, "r/summary.json": json.dumps(summary),
@@ -177,6 +179,13 @@ CASES = [
     Case("missing-config", run_argv(config="{tmp}/nope.yaml"),
          ["config file not found", "{tmp}/nope.yaml"]),
     # ---- corpora
+    Case("corpus-empty-string", run_argv("data.corpus=''"),
+         ["data.corpus must name a corpus", "got ''", "embedded, shakespeare"],
+         files={"stray.txt": SMALL_TEXT * 40}),  # it trained on the working directory's
+    Case("cache-dir-unknown-user", run_argv("data.cache_dir=~nosuchuser29/cache"),
+         ["data.cache_dir", "'~nosuchuser29/cache'", "no such user", "an absolute path"]),
+    Case("report-into-run-dir", ["report", "{tmp}/r", "-o", "{tmp}/r/report"],
+         ["report -o", "{tmp}/r", "is a run directory", "elsewhere"], files=recorded_run()),
     Case("corpus-missing", run_argv("data.corpus={tmp}/none.txt"),
          ["data.corpus", "{tmp}/none.txt", "no such file", "a .txt file"]),
     Case("corpus-empty", run_argv("data.corpus={tmp}/empty.txt"),
@@ -229,6 +238,12 @@ CASES = [
     Case("resume-checkpoint-missing", RESUME,
          ["{tmp}/r/checkpoints/state-rank1.pt", "is missing", "parallel.world_size 2"],
          files=recorded_run(checkpoints={0: state_file(2)})),
+    Case("resume-other-data", RESUME,
+         ["--resume {tmp}/r: its data differ from the run's", "text sha256 0123456789ab",
+          "data.corpus 'embedded' now holds", "the same tokens"],
+         files=recorded_run(data={"source": "embedded", "sha256": "0123456789abcdef" * 4,
+                                  "tokenizer": "byte", "num_train_tokens": 1000,
+                                  "num_val_tokens": 50})),
     Case("resume-and-run-dir", RESUME + ["--run-dir", "{tmp}/x"],
          ["--resume", "--run-dir", "give one"], files=recorded_run()),
     Case("straggler-rank", run_argv("run.straggler.rank=7"),

@@ -664,3 +664,54 @@ def test_a_full_or_read_only_target_is_one_clear_error(tmp_path, command, target
         assert err.startswith(f"commbench: error: {disk}/") and reason in err, err
         assert "Traceback" not in err
         assert not [p for p in disk.rglob("*") if p.is_file() and p.name != "filler"]
+
+
+# --------------------------------------------------------------------- the run's data
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_a_relative_corpus_is_resolved_when_the_config_is_read(tmp_path, monkeypatch):
+    """Issue 29: a relative data.corpus was recorded as given, so a `--resume` from another
+    working directory read another file under the same config hash."""
+    from tests.test_bad_input import SMALL_TEXT
+
+    (tmp_path / "c.txt").write_text(SMALL_TEXT * 40)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(REPO / "configs/ddp-tiny.yaml", ["data.corpus=c.txt"])
+    assert cfg.data.corpus == str(tmp_path / "c.txt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resume_from_another_directory_trains_on_the_same_data_or_is_refused(tmp_path):
+    """The issue's case end to end: a run with data.corpus=c.txt (relative) made in a/,
+    extended with --resume from b/, which holds another c.txt. The recorded config names
+    a/c.txt, so the resume trains on it; once a/c.txt changed, the resume is refused."""
+    from tests.test_bad_input import SMALL_TEXT
+
+    for name, text in (("a", SMALL_TEXT * 40), ("b", SMALL_TEXT.upper() * 40)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "c.txt").write_text(text)
+
+    def cli(cwd: Path, *args: str):
+        return subprocess.run([sys.executable, "-m", "bench.cli", *args], capture_output=True,
+                              text=True, timeout=300, cwd=cwd,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    first = cli(tmp_path / "a", "run", str(REPO / "configs/ddp-tiny.yaml"), *SHORT,
+                "--set", "run.steps=4", "--set", "data.corpus=c.txt", "--set",
+                f"run.output_dir={tmp_path / 'out'}", "--set",
+                f"data.cache_dir={tmp_path / 'cache'}", "--quiet")
+    assert first.returncode == 0, first.stderr
+    run = only_run(tmp_path / "out")
+    data = run.read_summary()["data"]
+    longer = cli(tmp_path / "b", "run", "--resume", str(run.path), "--set", "run.steps=6",
+                 "--quiet")
+    assert longer.returncode == 0, longer.stderr
+    assert run.read_summary()["data"] == data  # a/c.txt, not b/c.txt
+    (tmp_path / "a" / "c.txt").write_text(SMALL_TEXT.lower() * 40)
+    refused = cli(tmp_path / "b", "run", "--resume", str(run.path), "--set", "run.steps=8",
+                  "--quiet")
+    assert refused.returncode == 2 and "its data differ from the run's" in refused.stderr
+    assert run.read_summary()["steps"] == 6
