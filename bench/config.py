@@ -177,8 +177,12 @@ class LaunchConfig:
     """Nodes for multi-node torchrun (each runs world_size / nnodes ranks)."""
     rdzv_endpoint: str | None = None
     """host:port of the c10d rendezvous for multi-node runs."""
+    rdzv_timeout_s: float = 600.0
+    """Seconds to wait for the rendezvous (every node joined; one node: torchrun's ranks
+    started) before the run fails saying so (bench/torchrun.py)."""
     torchrun_args: list[str] = field(default_factory=list)
-    """Extra arguments passed through to torchrun."""
+    """Extra arguments passed through to torchrun (not those commbench sets from the
+    config: --nproc-per-node, --nnodes, --standalone, --rdzv-*, --node-rank)."""
     cuda_visible_devices: str | None = None
     """GPUs this run's ranks use on each node (CUDA_VISIBLE_DEVICES, e.g. "2,3"); null =
     the environment's. A local sweep running several runs at once gives each its own."""
@@ -295,6 +299,7 @@ def validate(cfg: Config) -> None:
     from bench.data import expand_path, resolve_corpus
     from bench.model import PRESETS, gpt_config
     from bench.network import PROFILES, get_profile, is_profile_path
+    from bench.torchrun import check_extra_args
 
     if not NAME_RE.match(cfg.run.name):
         raise _fail("run.name", cfg.run.name, "letters, digits, '.', '_' or '-', not starting "
@@ -302,7 +307,7 @@ def validate(cfg: Config) -> None:
     for key in ("run.steps", "run.log_every", "run.val_sequences", "model.seq_len",
                 "data.batch_size", "parallel.world_size", "parallel.group_size",
                 "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",
-                "checkpoint.timeout_s",
+                "checkpoint.timeout_s", "launch.rdzv_timeout_s",
                 "launch.nnodes", "eval.batch_size", "eval.limit"):  # None passes
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name))
@@ -363,6 +368,7 @@ def validate(cfg: Config) -> None:
     cfg.data.corpus = resolve_corpus(cfg.data.corpus)  # relative: from here, at config time
     expand_path(cfg.data.cache_dir, "data.cache_dir")
     check_tracking(cfg.tracking)
+    check_extra_args(cfg.launch.torchrun_args)
     check_straggler(cfg.run.straggler, cfg.parallel.world_size)
     cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
     if cfg.optim.delay_correction != "none" and cfg.strategy.update_delay(cfg) == 0:

@@ -41,14 +41,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
 
-from bench import checkpoint
+from bench import checkpoint, torchrun
 from bench.config import (
     Config,
     check_gpus,
@@ -81,18 +80,12 @@ def new_run_dir(cfg: Config) -> Path:
 
 def torchrun_command(cfg: Config, run_dir: Path) -> list[str]:
     nnodes = cfg.launch.nnodes
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           f"--nproc-per-node={cfg.parallel.world_size // nnodes}"]
-    if nnodes == 1 and cfg.launch.rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        if cfg.launch.rdzv_endpoint is None:
-            raise ValueError("launch.rdzv_endpoint (host:port) is required when launch.nnodes > 1")
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={cfg.launch.rdzv_endpoint}",
-                f"--rdzv-id={config_hash(cfg)}"]
-    cmd += list(cfg.launch.torchrun_args)
-    return cmd + ["-m", "bench.train", str(run_dir)]
+    if nnodes > 1 and cfg.launch.rdzv_endpoint is None:
+        raise ValueError("launch.rdzv_endpoint (host:port) is required when launch.nnodes > 1")
+    return torchrun.command("bench.train", [str(run_dir)],
+                            cfg.parallel.world_size // nnodes, nnodes,
+                            cfg.launch.rdzv_endpoint, config_hash(cfg),
+                            cfg.launch.rdzv_timeout_s, cfg.launch.torchrun_args)
 
 
 def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
@@ -113,6 +106,8 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
                                          cfg.data.cache_dir, cfg.data.val_fraction))
     check()
     check_gpus(cfg)  # on this node, where torchrun starts its ranks (a Slurm job's too)
+    if cfg.launch.nnodes == 1 and cfg.launch.rdzv_endpoint is None:
+        torchrun.check_loopback()  # the standalone rendezvous: else torchrun retries mutely
     run.path.mkdir(parents=True, exist_ok=True)
     shared = (f"{config_hash(cfg)}@{cfg.launch.rdzv_endpoint}" if cfg.launch.nnodes > 1
               else None)  # the nodes of one multi-node run hold it together
@@ -140,10 +135,16 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
     if header.get("resumed_from_step"):
         env["COMMBENCH_RESUME"] = "1"
     started = time.perf_counter()
+    if cfg.launch.nnodes > 1:
+        print(f"waiting for the rendezvous of launch.nnodes={cfg.launch.nnodes} nodes at "
+              f"{cfg.launch.rdzv_endpoint} (at most launch.rdzv_timeout_s="
+              f"{cfg.launch.rdzv_timeout_s:g} s; start `commbench run` on every node)",
+              file=sys.stderr)
     try:
         with sigterm_as_interrupt():
             rc, tail, log_error = _run_torchrun(torchrun_command(cfg, run.path), env,
-                                                run.torchrun_log, progress)
+                                                run.torchrun_log, progress,
+                                                cfg.launch.rdzv_timeout_s)
     except KeyboardInterrupt as stop:  # torchrun is stopped: record the run, let the caller stop
         what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted by the user"
         run.update_summary({"status": "failed", "error": what, "interrupted": True,
@@ -156,7 +157,8 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
         return {**summary, "status": "ok", "run_dir": str(run.path),
                 "note": "this node's ranks finished; rank 0's node writes summary.json"}
     if rc != 0 or summary.get("status") == "running":
-        error = error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s)
+        error = (error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s)
+                 if tail is not None else not_started(cfg))
         if log_error is not None or any(f"[Errno {e}]" in error for e in NO_SPACE):
             error = _no_space(error, log_error, run, cfg.parallel.world_size)
         wall = time.perf_counter() - started
@@ -316,39 +318,47 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool):
-    """(torchrun's exit code, the last lines of its output, the OSError that stopped the
-    log file, if any: a full disk must not stop the launcher, which records the run)."""
+def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool,
+                  start_timeout_s: float):
+    """(torchrun's exit code, the last lines of its output or None when its ranks never
+    started within `start_timeout_s`, the OSError that stopped the log file, if any: a
+    full disk must not stop the launcher, which records the run)."""
     tail: deque[str] = deque(maxlen=400)  # torchrun's failure summary is at the end
     interactive = progress and sys.stderr.isatty()
     log = _Log(log_path)
     log.write(" ".join(cmd) + "\n")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            text=True, bufsize=1)
+
+    def on_line(line: str) -> None:
+        log.write(line)
+        if line.startswith("PROGRESS "):
+            if progress:
+                text = line[len("PROGRESS "):].rstrip()
+                print(f"\r{text}\033[K" if interactive else text, end="" if interactive
+                      else "\n", file=sys.stderr, flush=True)
+        else:
+            tail.append(line.rstrip())
+
     try:
-        for line in proc.stdout:
-            log.write(line)
-            if line.startswith("PROGRESS "):
-                if progress:
-                    text = line[len("PROGRESS "):].rstrip()
-                    print(f"\r{text}\033[K" if interactive else text, end="" if interactive
-                          else "\n", file=sys.stderr, flush=True)
-            else:
-                tail.append(line.rstrip())
-        rc = proc.wait()
-    except KeyboardInterrupt:  # stop the ranks; run_config records the run
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        rc, stopped = torchrun.run(cmd, env, on_line, start_timeout_s)
+    except KeyboardInterrupt:  # torchrun is stopped; run_config records the run
         log.write("interrupted by the user (KeyboardInterrupt)\n")
         raise
     finally:
         log.close()
         if interactive:
             print(file=sys.stderr)
-    return rc, list(tail), log.error
+    return rc, None if stopped == torchrun.NOT_STARTED else list(tail), log.error
+
+
+def not_started(cfg: Config) -> str:
+    """The error of a run whose ranks never started (torchrun stopped by the launcher)."""
+    bound = f"launch.rdzv_timeout_s={cfg.launch.rdzv_timeout_s:g} s"
+    if cfg.launch.nnodes > 1:
+        return (f"the rendezvous at {cfg.launch.rdzv_endpoint} did not complete within {bound}"
+                f": the endpoint did not answer, or not all launch.nnodes={cfg.launch.nnodes} "
+                "nodes started `commbench run` (raise launch.rdzv_timeout_s for slow queues)")
+    return (f"torchrun's ranks did not start within {bound} (its standalone rendezvous on "
+            "this machine did not complete; see logs/torchrun.log)")
 
 
 class _Log:

@@ -63,6 +63,7 @@ from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl, write_text
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
 from bench.tokenizers import get_tokenizer
+from bench.torchrun import announce_start
 
 __all__ = ["TRAIN_PHASES", "Trainer", "lr_at", "make_optimizer_factory", "main"]
 
@@ -302,6 +303,7 @@ class Trainer:
 
 
 def main(run_dir: str) -> int:
+    announce_start()  # the launcher's bound on torchrun's rendezvous ends here
     run = RunDir(run_dir)
     cfg = from_dict(load_raw(run.config))
     device, backend = resolve_device(cfg)

@@ -286,6 +286,28 @@ CASES = [
          ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
+    # ---- issue 29: torchrun and netprobe
+    Case("torchrun-args-world-size", run_argv("launch.torchrun_args=[--nproc-per-node=8]"),
+         ["launch.torchrun_args[0]", "'--nproc-per-node=8'", "parallel.world_size / "
+          "launch.nnodes", "valid: other torchrun options"]),
+    Case("torchrun-args-rdzv", run_argv("launch.torchrun_args=[--max-restarts=0, "
+                                        "--rdzv_endpoint=x:1]"),
+         ["launch.torchrun_args[1]", "--rdzv", "launch.rdzv_endpoint"]),
+    Case("rdzv-timeout-zero", run_argv("launch.rdzv_timeout_s=0"),
+         ["launch.rdzv_timeout_s", ">= 1", "got 0"]),
+    Case("netprobe-world-size-0", ["netprobe", "--world-size", "0", "--out", "{tmp}/p.yaml"],
+         ["netprobe --world-size must be >= 2", "got 0", "two ranks"]),
+    Case("netprobe-iters-0", ["netprobe", "--iters", "0", "--out", "{tmp}/p.yaml"],
+         ["netprobe --iters must be >= 1", "got 0"]),
+    Case("netprobe-nnodes-0", ["netprobe", "--nnodes", "0", "--out", "{tmp}/p.yaml"],
+         ["netprobe --nnodes must be >= 1", "got 0"]),
+    Case("netprobe-sizes-inf", ["netprobe", "--sizes", "inf", "--out", "{tmp}/p.yaml"],
+         ["netprobe --sizes", "'inf'", "a size like 4096"]),
+    Case("netprobe-sizes-below-an-element", ["netprobe", "--sizes", "2", "--out",
+                                             "{tmp}/p.yaml"],
+         ["netprobe --sizes '2' is 2 bytes", "less than one element", ">= 4 bytes"]),
+    Case("netprobe-timeout-nan", ["netprobe", "--timeout", "nan", "--out", "{tmp}/p.yaml"],
+         ["netprobe --timeout", "a finite number of seconds > 0", "nan"]),
     # ---- pipelines (2 stages x 2 replicas configs)
     Case("pipe-stages-not-dividing-world",
          run_argv("parallel.num_stages=3", "model.n_layer=3", config=TWO_BW),

@@ -715,3 +715,73 @@ def test_a_resume_from_another_directory_trains_on_the_same_data_or_is_refused(t
                   "--quiet")
     assert refused.returncode == 2 and "its data differ from the run's" in refused.stderr
     assert run.read_summary()["steps"] == 6
+
+
+# ------------------------------------------------------------------------------ hangs
+
+
+@contextlib.contextmanager
+def silent_endpoint():
+    """host:port of a TCP listener on this machine that accepts and never answers (a
+    rendezvous endpoint that does not answer)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
+RDZV_TIMEOUT_S = 8
+
+
+@pytest.mark.timeout(120)
+def test_a_rendezvous_that_does_not_answer_fails_in_bounded_time_saying_why(tmp_path):
+    """Issue 29: a multi-node run whose rendezvous endpoint does not answer waited silently
+    (torchrun's own join and read timeouts do not bound it: it waited for minutes)."""
+    with silent_endpoint() as endpoint:
+        start = time.monotonic()
+        proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set", "launch.nnodes=2",
+                         "--set", f"launch.rdzv_endpoint={endpoint}", "--set",
+                         f"launch.rdzv_timeout_s={RDZV_TIMEOUT_S}", "--set",
+                         f"run.output_dir={tmp_path}", "--quiet", timeout=100)
+        assert time.monotonic() - start < RDZV_TIMEOUT_S + 60
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(f"waiting for the rendezvous of launch.nnodes=2 nodes at "
+                                  f"{endpoint} (at most launch.rdzv_timeout_s=8 s")
+    summary = only_run(tmp_path).read_summary()
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith(f"the rendezvous at {endpoint} did not complete within "
+                                       "launch.rdzv_timeout_s=8 s")
+
+
+@pytest.mark.timeout(120)
+def test_netprobe_with_a_rendezvous_that_does_not_answer_fails_in_bounded_time(tmp_path):
+    with silent_endpoint() as endpoint:
+        proc = commbench("netprobe", "--world-size", "2", "--nnodes", "2", "--rdzv-endpoint",
+                         endpoint, "--rdzv-timeout", str(RDZV_TIMEOUT_S), "--out",
+                         str(tmp_path / "p.yaml"), timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(f"netprobe: waiting for the rendezvous of --nnodes 2 at "
+                                  f"{endpoint}")
+    assert f"did not start within --rdzv-timeout {RDZV_TIMEOUT_S} s" in proc.stderr
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def _without_loopback(*args: str):
+    """The command line in a new network namespace, whose loopback is down (root only)."""
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot create a network namespace here (needs root)")
+    return subprocess.run(["unshare", "-n", sys.executable, "-m", "bench.cli", *args],
+                          capture_output=True, text=True, timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_without_loopback_is_refused_before_it_starts(tmp_path):
+    """Issue 29: without loopback torchrun's standalone rendezvous retried for minutes."""
+    proc = _without_loopback("run", "configs/ddp-tiny.yaml", *SHORT, "--set",
+                             f"run.output_dir={tmp_path / 'out'}", "--set",
+                             f"data.cache_dir={tmp_path / 'cache'}", "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert "this machine's loopback (127.0.0.1) does not work" in proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    probe = _without_loopback("netprobe", "--out", str(tmp_path / "p.yaml"))
+    assert probe.returncode == 2 and "loopback (127.0.0.1) does not work" in probe.stderr
