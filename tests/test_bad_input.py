@@ -286,6 +286,13 @@ CASES = [
          ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
+    # ---- issue 29: numbers read from files, ranges
+    Case("emulate-absurd-latency", run_argv("network.emulate={tmp}/slow.yaml"),
+         ["slow.yaml.inter.latency", "from 0 to 10 s", "got 100000"],
+         files={"slow.yaml": "intra: nvlink\ninter: {latency: 100000, bandwidth: 1GB/s}\n"}),
+    Case("profile-nan-bandwidth", run_argv("network.profiles=[{tmp}/nan.yaml]"),
+         ["nan.yaml.inter.bandwidth", "got nan"],
+         files={"nan.yaml": "intra: nvlink\ninter: {latency: 1ms, bandwidth: .nan}\n"}),
     # ---- issue 29: torchrun and netprobe
     Case("torchrun-args-world-size", run_argv("launch.torchrun_args=[--nproc-per-node=8]"),
          ["launch.torchrun_args[0]", "'--nproc-per-node=8'", "parallel.world_size / "
