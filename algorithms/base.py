@@ -58,6 +58,12 @@ class StrategyConfig:
         itself (PipeDream-2BW). A delay correction (`optim.delay_correction`) needs >= 1."""
         return cfg.optim.delay
 
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """One rank's memory plan in bytes by term, before launch (bench/memory.py hands
+        the measured `algorithms.memory.MemoryFacts`). Default: parameters, gradients,
+        optimizer state and one microbatch's activations (`facts.base_terms()`)."""
+        return facts.base_terms()
+
 
 def require_data_parallel(config: StrategyConfig, cfg) -> None:
     """The rule every data-parallel strategy shares: no pipeline stages."""
@@ -101,7 +107,9 @@ class TrainSetup:
     """Everything the harness hands a strategy. Plain objects; no harness imports."""
 
     model: nn.Module
-    """The full model on this rank's device; `model(x, y)` returns (logits, loss)."""
+    """The full model; `model(x, y)` returns (logits, loss). The loop builds it on the meta
+    device: a strategy makes real what its rank keeps with `materialize` (the whole model,
+    one pipeline stage), on `comm.device`, with the values the whole model's init gives."""
     comm: Communicator
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     """Builds the inner optimizer for a module (param groups and hyper-parameters)."""
@@ -138,6 +146,9 @@ class TrainSetup:
     precision: str = "fp32"
     """`model.precision` (fp32 | bf16), for engines that set mixed precision up
     themselves (DeepSpeed); torch strategies use `autocast`."""
+    shard: str = "none"
+    """`parallel.shard`: none, or fsdp (each data-parallel replica sharded over its ranks
+    with FSDP2; algorithms/shard.py)."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -183,6 +194,14 @@ def begin_step(optimizer) -> None:
     begin = getattr(optimizer, "begin_step", None)
     if begin is not None:
         begin()
+
+
+def materialize(model: nn.Module, module: nn.Module, device: torch.device) -> None:
+    """Make `module` (`model` itself or a part of it) real on `device` when it was built
+    on the meta device, through the model's own `materialize` (bench/model/common.py: the
+    values the whole model's init gives that part); a no-op when it is real already."""
+    if any(p.is_meta for p in module.parameters()):
+        unwrap(model).materialize(module, device)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -317,11 +336,22 @@ class DataParallelStrategy(Strategy):
     `after_inner_step` (outer synchronisation, gossip), and may wrap the model in torch
     DDP (`self.train_model, self.comm_hook = make_ddp(...)`, algorithms/ddp.py) in
     `__init__`; gradient-sync skipping and exposed-communication timing then work for
-    every subclass.
+    every subclass. With `setup.shard == "fsdp"` the replica (`replica_group()`) is
+    sharded with FSDP2 instead (`self.sharded`, algorithms/shard.py): its collectives are
+    recorded, its gradient sync skipped the same way, clipping and evaluation go through it.
     """
 
     def __init__(self, config: StrategyConfig, setup: TrainSetup):
         super().__init__(config, setup)
+        group = self.replica_group()
+        self.sharded = None
+        """The ShardedReplica (algorithms/shard.py) under parallel.shard=fsdp, else None."""
+        if setup.shard == "fsdp":
+            from algorithms.shard import ShardedReplica  # FSDP2, only when asked for
+
+            self.sharded = ShardedReplica(setup.model, self.comm, group)
+        # every rank keeps the whole model, or its shards of it
+        materialize(setup.model, setup.model, setup.comm.device)
         self.model = setup.model
         self.train_model: nn.Module = setup.model
         self.optimizer = setup.make_optimizer(self.model)
@@ -366,6 +396,12 @@ class DataParallelStrategy(Strategy):
             hook.pending = []  # not training traffic
             self._zero_grads()
 
+    def replica_group(self):
+        """The ranks holding one replica of the model (algorithms.comm.Group; None = the
+        world): what FSDP shards over. Called once in `__init__`, on every rank (subclasses
+        create their groups here: group creation is collective)."""
+        return None
+
     def is_ddp_wrapped(self) -> bool:
         """Whether `train_model` is a torch DDP wrapper (gradients sync in backward)."""
         return self.comm_hook is not None
@@ -383,6 +419,8 @@ class DataParallelStrategy(Strategy):
 
     def no_sync(self):
         """Context that skips gradient communication for non-final microbatches."""
+        if self.sharded is not None:
+            return self.sharded.no_sync()
         if not self.is_ddp_wrapped():
             return contextlib.nullcontext()
         return self.train_model.no_sync()
@@ -410,8 +448,11 @@ class DataParallelStrategy(Strategy):
 
         With a DDP-wrapped model: the wait from the last gradient bucket being handed to
         the network until `backward()` returned, on the device's clock (method in
-        algorithms/ddp.py); the step's bucket records go to the ledger here.
+        algorithms/ddp.py); the step's bucket records go to the ledger here. Sharded: the
+        step's FSDP all-gathers and reduce-scatters (algorithms/shard.py says how timed).
         """
+        if self.sharded is not None:
+            return self.sharded.end_step()
         if not self.is_ddp_wrapped():
             return 0.0
         return self.comm_hook.end_step(self.backward_end)
@@ -432,7 +473,9 @@ class DataParallelStrategy(Strategy):
         return diagnostics() if diagnostics is not None else {}
 
     def clip_gradients(self) -> None:
-        if self.setup.grad_clip > 0:
+        if self.setup.grad_clip > 0 and self.sharded is not None:
+            self.sharded.clip(self.setup.grad_clip)  # the norm's all-reduce is recorded
+        elif self.setup.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.setup.grad_clip)
 
     def train_step(self, batch) -> StepStats:
@@ -448,6 +491,26 @@ class DataParallelStrategy(Strategy):
 
     def eval_model(self) -> nn.Module:
         return self.model
+
+    def eval_weights(self):
+        """Sharded runs: a context in which the replica holds the weights that count for
+        evaluation (FSDP modules are not copied; DiLoCo swaps its global θ in). Default:
+        the replica's own."""
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        if self.sharded is None:
+            return super().evaluate(batches)
+        with self.eval_weights():
+            return self.sharded.mean_loss(batches, self.setup.autocast)
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        if self.sharded is None:
+            return super().export_state()
+        with self.eval_weights():
+            state = self.sharded.full_state()  # a collective: every rank gathers
+        return state if self.comm.rank == 0 else {}
 
     def state_dict(self) -> dict:
         return {

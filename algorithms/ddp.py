@@ -57,6 +57,7 @@ from algorithms.base import (
     TrainSetup,
     require_data_parallel,
 )
+from algorithms.memory import fsdp_terms, require_shard_ranks, shard_terms
 
 
 @dataclass
@@ -83,6 +84,12 @@ class DDPConfig(StrategyConfig):
 
     def check(self, cfg) -> None:
         require_data_parallel(self, cfg)
+        if self.backend == "deepspeed" and cfg.parallel.shard != "none":
+            raise ValueError(f"parallel.shard={cfg.parallel.shard!r} shards with FSDP2 under "
+                             "strategy.backend=torch; DeepSpeed shards with its own ZeRO: use "
+                             "strategy.backend=torch, or parallel.shard=none with "
+                             "strategy.zero_stage")
+        require_shard_ranks(cfg, cfg.parallel.world_size, "parallel.world_size")
         if self.backend == "deepspeed":
             require_deepspeed(cfg, self.zero_stage)
 
@@ -115,6 +122,24 @@ def require_deepspeed(cfg, zero_stage: int = 0, engine: str = "the DeepSpeed eng
             f"{cfg.optim.name!r} with optim.delay={cfg.optim.delay} is not supported ({why}); "
             "use strategy.backend=torch, or optim.name adamw/sgd/lion/adan/nadamw (soap: "
             "ZeRO stage 0 only) with optim.delay=0")
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """torch DDP: + its gradient buckets (a second copy of the gradients). ZeRO-1:
+        optimizer state over the ranks (+ the flat fp32 partition); ZeRO-2: gradients too."""
+        n = cfg.parallel.world_size
+        if cfg.parallel.shard == "fsdp":  # FSDP2 over every rank
+            return {**facts.sharded(n).base_terms(), **fsdp_terms(facts)}
+        terms = facts.base_terms()
+        if self.backend == "torch":
+            if n > 1:
+                terms["DDP gradient buckets"] = facts.param_bytes
+            return terms
+        if self.zero_stage >= 1:
+            terms = shard_terms(terms, ("optimizer",), n)
+            terms["ZeRO: flat fp32 partition"] = facts.param_bytes // n
+        if self.zero_stage >= 2:
+            terms = shard_terms(terms, ("gradients",), n)
+        return terms
 
 
 # ---------------------------------------------------------------------------- clocks
@@ -299,7 +324,10 @@ class DDP(DataParallelStrategy):
     """Data parallelism with a gradient all-reduce every step (docs/algorithms.md, DDP).
 
     Identity (tested): over n ranks with local batch b it gives the same parameters, to
-    fp tolerance, as one process with batch n*b.
+    fp tolerance, as one process with batch n*b. `parallel.shard: fsdp` shards the model
+    over all ranks with FSDP2 instead of replicating it (algorithms/shard.py): the same
+    update, gradients reduce-scattered and parameters all-gathered (tested equal to torch
+    DDP).
     """
 
     Config = DDPConfig
@@ -313,7 +341,7 @@ class DDP(DataParallelStrategy):
 
             self.zero = ZeroEngine(config, setup, self.optimizer)
             self.optimizer = self.zero.optimizer
-        elif self.comm.world_size > 1:
+        elif self.comm.world_size > 1 and self.sharded is None:
             self.train_model, self.comm_hook = self.register_ddp(make_ddp(
                 self.model, self.comm, bucket_cap_mb=config.bucket_cap_mb))
 

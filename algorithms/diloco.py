@@ -9,14 +9,19 @@ every step with torch DDP (ledger phase "inner"); the `world_size / group_size` 
 talk only at outer steps, one all-reduce of |θ| in the wire dtype across the ranks with the
 same position in their groups (phase "outer"). The communicator records each op's tier,
 so the network model prices intra-group and cross-group traffic on their own links.
+With `parallel.shard: fsdp` a replica is one FSDP2 group instead of a DDP group
+(algorithms/shard.py): inner steps sharded inside it, and each rank's outer step on its
+own shards across the replicas, so a rank's outer all-reduce carries |θ| / group_size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 
 from algorithms.base import (
@@ -28,7 +33,8 @@ from algorithms.base import (
     unwrap,
 )
 from algorithms.ddp import make_ddp
-from algorithms.outer import OuterOptimizer, RoundStats, replica_groups
+from algorithms.memory import HOST, fsdp_terms, require_shard_ranks
+from algorithms.outer import WIRE_BYTES, OuterOptimizer, RoundStats, replica_groups
 
 
 @dataclass
@@ -69,6 +75,37 @@ class DiLoCoConfig(StrategyConfig):
     def check(self, cfg) -> None:
         # group_size dividing world_size is bench.config.validate's general rule
         require_data_parallel(self, cfg)
+        require_shard_ranks(cfg, cfg.parallel.group_size, "parallel.group_size")
+
+    def outer_states(self) -> int:
+        """Tensors of outer optimizer state per parameter (SGD momentum, Adam's two)."""
+        return 2 if self.outer_optimizer == "adam" else int(self.outer_momentum > 0)
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """+ the global θ and its outer state (on the CPU with offload_outer), the round's
+        pseudo-gradient in the wire dtype (and its fp32 copy as θ's gradient when the two
+        differ), the evaluation copy of θ, and intra-group DDP buckets. Sharded (FSDP2 in
+        each replica): the replica's shards and FSDP's gathered units, θ and its outer
+        state per shard (|θ| / group_size), θ swapped in for evaluation instead of a copy."""
+        sharded = cfg.parallel.shard == "fsdp"
+        if sharded:
+            facts = facts.sharded(cfg.parallel.group_size)
+        terms = facts.base_terms()
+        if sharded:
+            terms.update(fsdp_terms(facts))
+        theta = facts.param_bytes // facts.shard  # each rank steps its own shard of θ
+        host = HOST if self.offload_outer else ""
+        terms[f"{host}outer: global θ"] = theta
+        terms[f"{host}outer: optimizer state"] = self.outer_states() * theta
+        wire = WIRE_BYTES[self.outer_grad_dtype]
+        terms["outer: pseudo-gradient buffer"] = theta * wire // 4
+        if wire != 4 or self.offload_outer:
+            terms[f"{host}outer: θ's gradient (fp32 copy)"] = theta
+        terms["evaluation: the replica's shard kept while θ is swapped in" if sharded
+              else "evaluation copy of θ"] = theta
+        if cfg.parallel.group_size > 1 and not sharded:
+            terms["DDP gradient buckets (inside the replica)"] = facts.param_bytes
+        return terms
 
 
 class DiLoCo(DataParallelStrategy):
@@ -90,19 +127,25 @@ class DiLoCo(DataParallelStrategy):
 
     def __init__(self, config: DiLoCoConfig, setup: TrainSetup):
         super().__init__(config, setup)
-        self.group, self.cross_group, self.num_replicas = replica_groups(
-            self.comm, setup.group_size)
-        if setup.group_size > 1:
+        if setup.group_size > 1 and self.sharded is None:
             self.train_model, self.comm_hook = self.register_ddp(
                 make_ddp(self.model, self.comm, self.group, config.bucket_cap_mb))
+        # sharded: each rank's outer step works on its shards, |θ| / group_size
+        params = (self.model.parameters() if self.sharded is None
+                  else self.sharded.local_parameters())
         self.outer = OuterOptimizer(
-            self.model.parameters(), self.comm, self.cross_group, self.num_replicas,
+            params, self.comm, self.cross_group, self.num_replicas,
             kind=config.outer_optimizer, lr=config.outer_lr, momentum=config.outer_momentum,
             nesterov=config.nesterov, beta2=config.outer_beta2,
             wire_dtype=config.outer_grad_dtype, offload=config.offload_outer,
         )
         self.round = 0
         self._eval_copy: nn.Module | None = None
+
+    def replica_group(self):
+        self.group, self.cross_group, self.num_replicas = replica_groups(
+            self.comm, self.setup.group_size)
+        return self.group
 
     # ------------------------------------------------------------- inner steps
 
@@ -142,6 +185,22 @@ class DiLoCo(DataParallelStrategy):
         }
 
     # ------------------------------------------------------------- evaluation, state
+
+    @contextlib.contextmanager
+    def eval_weights(self):
+        """Sharded: the global θ swapped into the replica's shards for the evaluation (the
+        replica's own weights restored after), unless they are θ already."""
+        if self.in_sync():
+            yield
+            return
+        own = [p.clone() for p in self.outer.params]
+        self.outer.copy_global_to(self.outer.params)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(self.outer.params, own, strict=True):
+                    p.copy_(saved)
 
     def eval_model(self) -> nn.Module:
         """The global θ: the replica itself right after a round, else a copy holding θ."""

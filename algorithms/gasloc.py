@@ -87,6 +87,12 @@ class GossipConfig(StrategyConfig):
 
     def check(self, cfg) -> None:
         require_data_parallel(self, cfg)
+        if cfg.parallel.shard != "none":
+            raise ValueError(f"parallel.shard={cfg.parallel.shard!r} is not supported for "
+                             f"strategy {self.name!r}: its workers are one rank each "
+                             "(parallel.group_size 1), so there is no replica to shard; a "
+                             "sharded worker (gossip of each rank's shard across workers) is "
+                             "not implemented: use parallel.shard=none")
         world_size, group_size = cfg.parallel.world_size, cfg.parallel.group_size
         if group_size != 1:
             raise ValueError(
@@ -107,6 +113,22 @@ class GossipConfig(StrategyConfig):
                 f"valid: {[t for t in TOPOLOGIES if MIN_WORKERS[t] <= world_size]}"
             )
 
+    ROUND_BUFFERS = 2
+    """Flat |θ| buffers of a round besides the received ones: the point sent and the mix."""
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """+ the anchor θ_i, the two evaluation copies (average, worker 0), and a round's
+        flat buffers: the point, one per peer received, the mix (GASLoC: y, z, y_prev)."""
+        terms = facts.base_terms()
+        theta = facts.param_bytes
+        n = cfg.parallel.world_size
+        peers = {"complete": n - 1, "ring": min(2, n - 1), "random-matching": 1,
+                 "random-2peer": 2}[self.topology]
+        terms["gossip: anchor θ_i"] = theta
+        terms["evaluation copies (average, worker 0)"] = 2 * theta
+        terms["gossip: round buffers"] = (self.ROUND_BUFFERS + peers) * theta
+        return terms
+
 
 @dataclass
 class GASLoCConfig(GossipConfig):
@@ -116,6 +138,9 @@ class GASLoCConfig(GossipConfig):
     """Outer learning rate eta (y_i = theta_i + eta g_i)."""
     outer_momentum: float = 0.9
     """Outer momentum gamma (z_i = y_i + gamma (y_i - y_i_prev)), in [0, 1)."""
+
+    ROUND_BUFFERS = 5
+    """The current weights, y, z (sent), the mix, and y_prev kept between rounds."""
 
     def __post_init__(self):
         super().__post_init__()

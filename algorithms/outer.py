@@ -29,6 +29,7 @@ from algorithms.comm import Communicator, Group
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Pseudo-gradient dtypes on the wire (config value -> torch dtype)."""
+WIRE_BYTES = {name: dtype.itemsize for name, dtype in WIRE_DTYPES.items()}
 
 
 def replica_groups(comm: Communicator, group_size: int) -> tuple[Group | None, Group | None, int]:

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from algorithms.base import StepStats, TrainSetup
 from algorithms.ddp import make_ddp
 from algorithms.diloco import DiLoCo, DiLoCoConfig
@@ -103,6 +105,17 @@ class PierConfig(DiLoCoConfig):
             return max(self.step_momentum)
         return self.outer_momentum
 
+    def outer_states(self) -> int:
+        return int(self.peak_momentum() > 0)
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """DiLoCo's, + the lazy start's DDP over all ranks (its buckets beside the group's)."""
+        terms = super().memory_terms(cfg, facts)
+        replicas = cfg.parallel.world_size // cfg.parallel.group_size
+        if self.warmup_fraction > 0 and replicas > 1:
+            terms["Pier lazy start: all-rank DDP buckets"] = facts.param_bytes
+        return terms
+
     def decay_start(self) -> float:
         if self.momentum_decay_start is None:
             return self.warmup_fraction
@@ -153,6 +166,9 @@ class Pier(DiLoCo):
        `Δ = θ_ref − θ; m ← μ_max m + Δ; θ_ref ← θ`, locally (replicas are identical),
        with μ_max = `PierConfig.peak_momentum()` whatever the schedule says at that step
        (a long lazy start, or a decay starting inside it, must not shrink the fill).
+       Sharded replicas (`parallel.shard: fsdp`): FSDP averages the gradient shards in
+       the replica, then one all-reduce across the replicas (phase "inner") completes the
+       all-rank average.
     2. After it, DiLoCo over groups (DDP inside a group only) with the outer step
        `m ← μ_t m + Δ; θ ← θ_ref − η_t (Δ + μ_t m)` and `μ_t`, `η_t` from `pier_schedule`:
        cosine (μ 0.99 → 0.9 over 10%..100%; η linear 0 → 1.1 over the 10% after T_w, then
@@ -172,7 +188,7 @@ class Pier(DiLoCo):
         self.warmup_steps = round(config.warmup_fraction * setup.total_steps)
         self.group_model, self.group_hook = self.train_model, self.comm_hook
         self.world_model, self.world_hook = self.train_model, self.comm_hook
-        if self.warmup_steps > 0 and 1 < self.num_replicas:
+        if self.warmup_steps > 0 and 1 < self.num_replicas and self.sharded is None:
             self.world_model, self.world_hook = self.register_ddp(
                 make_ddp(self.model, self.comm, None, config.bucket_cap_mb))
 
@@ -189,6 +205,24 @@ class Pier(DiLoCo):
                 self.ddp_wrappers = [w for w in self.ddp_wrappers if w[0] is not self.world_model]
             self.world_model = self.world_hook = None
         return super().train_step(batch)
+
+    def after_backward(self) -> float:
+        """Sharded lazy start: FSDP averaged the gradient shards inside the replica; one
+        all-reduce of them across the replicas makes it the all-rank DDP average."""
+        seconds = super().after_backward()
+        if (self.sharded is None or self.step_index >= self.warmup_steps
+                or self.num_replicas == 1):
+            return seconds
+        grads = [g for g in self.sharded.local_gradients() if g is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        ledger = self.comm.ledger
+        first = len(ledger)
+        self.comm.all_reduce(flat, "avg", self.cross_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return seconds + ledger.totals(start=first)[1]
 
     def outer_hyperparameters(self) -> tuple[float, float]:
         if self.in_warmup():  # a momentum fill: no step (η 0), μ_max (docs/algorithms.md)

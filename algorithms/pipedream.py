@@ -76,6 +76,20 @@ class PipeDreamConfig(PipelineConfigBase):
     def update_delay(self, cfg) -> int:
         return self.delay
 
+    def in_flight(self, facts) -> float:
+        """delay 1: S - s (the warm-up microbatches stay in flight across steps)."""
+        if self.delay:
+            return facts.num_stages - facts.stage
+        return super().in_flight(facts)
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """delay 1: + the second weight version and its gradients."""
+        terms = super().memory_terms(cfg, facts)
+        if self.delay:
+            terms["2BW: second weight version"] = facts.param_bytes
+            terms["2BW: second version's gradients"] = facts.param_bytes
+        return terms
+
     def check(self, cfg) -> None:
         super().check(cfg)
         if getattr(cfg.optim, "delay", 0):

@@ -68,6 +68,26 @@ class PipelineConfig(PipelineConfigBase):
             raise ValueError(f"strategy.stages_per_rank must be 1 for schedule "
                              f"{self.schedule!r}, got {self.stages_per_rank!r}")
 
+    def in_flight(self, facts) -> float:
+        """gpipe: all M; 1f1b: min(S - s, M); interleaved (V chunks): torch's warm-up of
+        (V - 1) S + 2 (S - 1 - s) chunk-microbatches plus one, in units of V chunks."""
+        S, s, M, V = facts.num_stages, facts.stage, facts.num_microbatches, self.stages_per_rank
+        if self.schedule == "gpipe":
+            return M
+        if self.schedule == "interleaved-1f1b":
+            return min((V - 1) * S + 2 * (S - 1 - s) + 1, V * M) / V
+        return super().in_flight(facts)
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """+ the receive buffers torch's PipelineStage allocates for every microbatch
+        (activations in, gradients in; V chunks each)."""
+        terms = super().memory_terms(cfg, facts)
+        if self.backend == "torch":
+            ends = (facts.stage > 0) + (facts.stage < facts.num_stages - 1)
+            terms["receive buffers (all microbatches)"] = (
+                ends * facts.num_microbatches * self.stages_per_rank * facts.boundary_bytes)
+        return terms
+
     def check(self, cfg) -> None:
         super().check(cfg)
         if self.backend == "deepspeed":

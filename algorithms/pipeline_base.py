@@ -10,7 +10,8 @@ Process grid (docs/algorithms.md, Pipelines): `world_size = num_stages * num_rep
 global rank `r = replica * num_stages + stage`, so one replica's stages are neighbouring
 ranks. Each stage's gradients are averaged over the replicas (ledger phase `dp`); the
 tied token-embedding gradient is summed between the first and the last stage of a
-replica (phase `tied`); gradient clipping needs the global norm over the stages (phase
+replica when the model ties its head to the embedding (phase `tied`; an untied head
+has no partner); gradient clipping needs the global norm over the stages (phase
 `clip`). Point-to-point activation traffic is phase `train`.
 """
 
@@ -31,6 +32,7 @@ from algorithms.base import (
     StrategyConfig,
     TrainSetup,
     begin_step,
+    materialize,
     peak_memory_bytes,
     set_lr,
     unwrap,
@@ -52,6 +54,10 @@ class PipelineConfigBase(StrategyConfig):
     def check(self, cfg) -> None:
         """Cross-field rules on the whole run config; raises ValueError naming the key."""
         p = cfg.parallel
+        if getattr(p, "shard", "none") != "none":
+            raise ValueError(f"parallel.shard={p.shard!r} is for the data-parallel "
+                             f"strategies (ddp, diloco, pier); {self.name} keeps a stage per "
+                             "rank: use parallel.shard=none")
         if p.world_size % p.num_stages:
             raise ValueError(f"parallel.world_size ({p.world_size}) must be divisible by "
                              f"parallel.num_stages ({p.num_stages}) for {self.name}")
@@ -68,6 +74,23 @@ class PipelineConfigBase(StrategyConfig):
         # more stages than blocks: checked by the harness (bench/config.py), which knows
         # the model; split_layers also refuses it when the stages are built
 
+    def in_flight(self, facts) -> float:
+        """Microbatches whose activations stage `facts.stage` holds at once: 1F1B's
+        min(S - s, M) (a stage runs S - s forwards before its first backward)."""
+        return min(facts.num_stages - facts.stage, facts.num_microbatches)
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """The stage's parameters, gradients, optimizer state and the activations of the
+        microbatches in flight; + the stage outputs kept for backward and the replicas'
+        flat gradient buffer. The rest of the model is never allocated (stage-local)."""
+        in_flight = self.in_flight(facts)
+        terms = facts.base_terms(in_flight)
+        if facts.stage < facts.num_stages - 1:
+            terms["stage outputs kept for backward"] = int(in_flight * facts.boundary_bytes)
+        if facts.world_size > facts.num_stages:
+            terms["data-parallel gradient buffer"] = facts.param_bytes
+        return terms
+
 
 @dataclass(frozen=True)
 class PipelineGrid:
@@ -82,7 +105,8 @@ class PipelineGrid:
     dp: Group | None
     """This stage across the replicas; None with one replica."""
     tied: Group | None
-    """First and last stage of this replica; None with one stage or on a middle stage."""
+    """First and last stage of this replica; None with one stage, on a middle stage, or when
+    the head is untied."""
 
     @property
     def prev(self) -> int | None:
@@ -105,8 +129,9 @@ class PipelineGrid:
         return self.stage == self.num_stages - 1
 
 
-def make_grid(comm: Communicator, num_stages: int) -> PipelineGrid:
-    """Build the grid's groups. Collective: every rank calls it, in the same order."""
+def make_grid(comm: Communicator, num_stages: int, tied: bool = True) -> PipelineGrid:
+    """Build the grid's groups (`tied`: whether the model's head is its token embedding).
+    Collective: every rank calls it, in the same order."""
     world = comm.world_size
     if num_stages < 1 or world % num_stages:
         raise ValueError(f"parallel.world_size ({world}) must be divisible by "
@@ -118,13 +143,13 @@ def make_grid(comm: Communicator, num_stages: int) -> PipelineGrid:
     if replicas > 1:
         dp = comm.split([[r * num_stages + s for r in range(replicas)]
                          for s in range(num_stages)])
-    tied = None
-    if num_stages > 1:
+    tied_group = None
+    if num_stages > 1 and tied:
         for r in range(replicas):  # new_group is collective over the world
             group = comm.new_group([r * num_stages, r * num_stages + num_stages - 1])
             if comm.rank in group.ranks:
-                tied = group
-    return PipelineGrid(stage, replica, num_stages, replicas, pipe, dp, tied)
+                tied_group = group
+    return PipelineGrid(stage, replica, num_stages, replicas, pipe, dp, tied_group)
 
 
 class PipelineStrategy(Strategy):
@@ -137,9 +162,9 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, config: StrategyConfig, setup: TrainSetup):
         super().__init__(config, setup)
-        self.grid = make_grid(self.comm, setup.num_stages)
-        self.loss_fn = setup.loss_fn or default_loss
         gpt = unwrap(setup.model)
+        self.grid = make_grid(self.comm, setup.num_stages, _ties_embeddings(gpt))
+        self.loss_fn = setup.loss_fn or default_loss
         S, V = self.grid.num_stages, getattr(config, "stages_per_rank", 1)
         parts = split_layers(gpt.as_layers(), S * V, setup.partition)
         self.chunk_ids = [self.grid.stage + i * S for i in range(V)]
@@ -147,6 +172,8 @@ class PipelineStrategy(Strategy):
         self.num_chunks = S * V
         chunks = [nn.Sequential(*parts[c]) for c in self.chunk_ids]
         self.stage_module = chunks[0] if V == 1 else nn.ModuleList(chunks)
+        # only this rank's stages become real (the rest of a meta-built model never does)
+        materialize(setup.model, self.stage_module, self.comm.device)
         self.names = _parameter_names(gpt, self.stage_module)
         self.optimizer = setup.make_optimizer(self.stage_module)
         self.step_index = 0
@@ -174,9 +201,9 @@ class PipelineStrategy(Strategy):
     def export_state(self) -> dict[str, torch.Tensor]:
         """This stage's newest weights under the GPT's state_dict keys.
 
-        The union of the dicts of one replica's stages is the full GPT state_dict (the
-        tied embedding as `embed.wte.weight` from the first stage and `head.weight` from
-        the last, equal copies).
+        The union of the dicts of one replica's stages is the full GPT state_dict (a tied
+        embedding as `embed.wte.weight` from the first stage and `head.weight` from the
+        last, equal copies).
         """
         module = self.eval_model()
         return {self.names[k]: v.detach().clone()
@@ -365,14 +392,19 @@ def _parameter_names(gpt: nn.Module, stage: nn.Module) -> dict[str, str]:
     return names
 
 
+def _ties_embeddings(model: nn.Module) -> bool:
+    """Whether the model's head is its token embedding (bench/model: `cfg.tie_embeddings`)."""
+    return getattr(getattr(model, "cfg", None), "tie_embeddings", True)
+
+
 def _tied_parameter(module: nn.Module) -> nn.Parameter:
-    """The token-embedding weight: on the first stage the embedding's, on the last the head's."""
+    """This stage's copy of the tied token-embedding weight: on the first stage the
+    embedding's, on the last the head's (modules answering `tied_parameter()`, the model's
+    Embedding and Head)."""
     for m in module.modules():
-        if hasattr(m, "wte"):
-            return m.wte.weight
-    for m in module.modules():
-        if hasattr(m, "ln_f") and isinstance(getattr(m, "weight", None), nn.Parameter):
-            return m.weight
+        tied = getattr(m, "tied_parameter", None)
+        if tied is not None and tied() is not None:
+            return tied()
     raise ValueError("no tied token-embedding weight on this stage")
 
 

@@ -61,8 +61,12 @@ class BatchStream:
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._epoch, self._perm = epoch, rng.permutation(self.num_windows)
+            # Generator.permutation(n)'s order, shuffled in place at 4 bytes a window (not
+            # int64's 8): the one array a corpus larger than memory costs (bench/data.py)
+            order = np.arange(self.num_windows, dtype=np.uint32 if self.num_windows < 1 << 32
+                              else np.int64)
+            np.random.default_rng([self.seed, epoch]).shuffle(order)
+            self._epoch, self._perm = epoch, order
         return self._perm
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

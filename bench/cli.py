@@ -102,8 +102,11 @@ def _print_summary(summary: dict) -> None:
 
 def _cmd_config_show(args) -> int:
     from bench.config import describe, load_config
+    from bench.memory import describe as describe_memory
 
-    print(describe(load_config(args.config, args.set)), end="")
+    cfg = load_config(args.config, args.set)
+    print(describe(cfg), end="")
+    print(describe_memory(cfg), end="")
     return 0
 
 
@@ -204,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="inspect configs")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    show = config_sub.add_parser("show", help="print the resolved config with field docs")
+    show = config_sub.add_parser("show", help="print the resolved config with field docs "
+                                 "and each rank's memory plan")
     show.add_argument("config", nargs="?")
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(func=_cmd_config_show)

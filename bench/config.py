@@ -73,8 +73,13 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    """Architecture: gpt2 (LayerNorm, learned positions, GELU MLP, biases, tied head) or
+    llama (RMSNorm, rotary positions, SwiGLU MLP, no biases, grouped-query attention,
+    untied head)."""
     preset: str = "tiny"
-    """Model size: tiny, small (GPT-2 124M), medium (350M), xl (1.5B), 7b."""
+    """Model size: tiny, small (124M class), medium (350M class), xl (gpt2: 1.5B), 1b
+    (llama: Llama 3.2 1B's shape), 7b (LLaMA-7B's shape)."""
     seq_len: int = 128
     """Context length in tokens."""
     dropout: float = 0.0
@@ -85,6 +90,16 @@ class ModelConfig:
     """Override the preset's number of attention heads."""
     n_embd: int | None = None
     """Override the preset's hidden size."""
+    n_kv_head: int | None = None
+    """llama: key/value heads (grouped-query attention; must divide n_head); null = the
+    preset's."""
+    tie_embeddings: bool | None = None
+    """Whether the LM head is the token embedding's weight; null = the architecture's
+    convention (gpt2 tied, llama untied)."""
+    activation_checkpointing: Literal["none", "blocks"] = "none"
+    """none, or blocks: recompute each transformer block's activations in backward instead
+    of keeping them (every strategy and pipeline; same values, less memory, about a third
+    more compute)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 autocast around forward passes (GPU; works but is slow on CPU)."""
     compile: bool = False
@@ -121,6 +136,10 @@ class ParallelConfig:
     """Microbatches per step (gradient accumulation, or pipeline microbatches)."""
     partition: Literal["layers", "parameters"] = "layers"
     """How pipelines cut the model into stages: balanced by block or by parameter count."""
+    shard: Literal["none", "fsdp"] = "none"
+    """none (every rank holds its replica whole), or fsdp: each data-parallel replica (all
+    ranks for ddp, a parallel.group_size group for diloco and pier) sharded over its ranks
+    with FSDP2; outer steps then run on each rank's shard."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto = nccl on CUDA, gloo on CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -297,7 +316,7 @@ def _in_range(path: str, value: float, low: float, high: float, closed: str = "[
 def validate(cfg: Config) -> None:
     """Checks that need more than one field's type: ranges, tables, cross-section rules."""
     from bench.data import expand_path, resolve_corpus
-    from bench.model import PRESETS, gpt_config
+    from bench.model import config_of
     from bench.network import PROFILES, get_profile, is_profile_path
     from bench.torchrun import check_extra_args
 
@@ -322,11 +341,8 @@ def validate(cfg: Config) -> None:
         _in_range(f"optim.betas[{i}]", beta, 0, 1)
     _in_range("optim.momentum", cfg.optim.momentum, 0, 1)
     _in_range("data.val_fraction", cfg.data.val_fraction, 0, 1, "()")
-    if cfg.model.preset not in PRESETS:
-        raise _fail("model.preset", cfg.model.preset, f"one of {sorted(PRESETS)}")
-    m = cfg.model  # the shape checks (heads divide the width, dropout) live with the model
-    blocks = gpt_config(m.preset, 256, m.seq_len, m.dropout, m.n_layer, m.n_head,
-                        m.n_embd).n_layer
+    # the preset and shape checks (heads divide the width, dropout) live with the model
+    blocks = config_of(cfg.model, 256).n_layer
     if cfg.parallel.num_stages > blocks:
         raise ValueError(f"parallel.num_stages ({cfg.parallel.num_stages}) must be <= the "
                          f"model's number of blocks ({blocks})")
@@ -365,6 +381,8 @@ def validate(cfg: Config) -> None:
         raise _fail("eval.suite", cfg.eval.suite, "null, 'smoke' or 'paper'")
     if cfg.eval.tasks and cfg.eval.suite is None:
         raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
+    if cfg.parallel.shard == "fsdp":
+        _check_sharded(cfg)
     cfg.data.corpus = resolve_corpus(cfg.data.corpus)  # relative: from here, at config time
     expand_path(cfg.data.cache_dir, "data.cache_dir")
     check_tracking(cfg.tracking)
@@ -392,6 +410,28 @@ def runs_on_cuda(cfg: Config) -> bool:
 
     return cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto"
                                              and torch.cuda.is_available())
+
+
+SHARD_REFUSED_OPTIMIZERS = {
+    "muon": "Muon orthogonalises whole matrices: on FSDP shards DTensor would gather them "
+            "behind the ledger's back every step",
+    "soap": "SOAP's Kronecker preconditioners are per whole matrix (pytorch-optimizer's "
+            "SOAP mixes DTensor shards with plain tensors and fails)",
+    "adan": "pytorch-optimizer's Adan calls an operator DTensor has no sharding rule for "
+            "(aten._foreach_copy_)",
+}
+
+
+def _check_sharded(cfg: Config) -> None:
+    """What parallel.shard=fsdp cannot be combined with (strategies check their own)."""
+    reason = SHARD_REFUSED_OPTIMIZERS.get(cfg.optim.name)
+    if reason:
+        raise ValueError(f"optim.name={cfg.optim.name!r} with parallel.shard=fsdp: {reason}; "
+                         f"valid: adamw, sgd, lion, or parallel.shard=none")
+    if cfg.model.compile:
+        raise ValueError("model.compile=true with parallel.shard=fsdp is not supported (the "
+                         "model would be compiled before it is sharded): set model.compile "
+                         "to false, or parallel.shard=none")
 
 
 def check_device(cfg: Config) -> None:
@@ -435,12 +475,15 @@ def check_gpus(cfg: Config) -> None:
 
 def preflight(cfg: Config) -> None:
     """Checks against the machine that will train the run, before anything is launched:
-    the device and backend exist here, and the corpus has enough tokens for a window of
-    training data and for run.val_sequences windows of validation data (tokenising it
-    into the cache if needed)."""
+    the device and backend exist here, each rank's memory plan fits the device
+    (bench/memory.py), and the corpus has enough tokens for a window of training data and
+    for run.val_sequences windows of validation data (tokenising it into the cache if
+    needed)."""
     from bench.data import check_corpus_size
+    from bench.memory import check_fits
 
     check_device(cfg)
+    check_fits(cfg)
     check_corpus_size(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
                       cfg.data.val_fraction, cfg.model.seq_len, cfg.run.val_sequences)
 

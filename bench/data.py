@@ -14,9 +14,19 @@ A corpus (`data.corpus`) is one of:
 - `openwebtext`: through `datasets.load_dataset`, for machines with network.
 
 Every document is followed by the tokenizer's end-of-text token. The validation split is
-the last `val_fraction` of the tokens, shared by all ranks. Text corpora are tokenised once
-into `cache_dir/<name>-<tokenizer>-<sha256>/` (a prepared shard directory), written to a
-temporary directory and renamed into place, so several ranks starting together are safe.
+the last `val_fraction` of the tokens, shared by all ranks.
+
+Shards are flat arrays of token ids: uint16 while the vocabulary fits (<= 65,536 ids:
+byte, GPT-2), uint32 beyond (Llama 3's 128,256), written in `meta.json` as `dtype`
+(absent: uint16, shards prepared before). They are never loaded: `np.memmap` maps them
+and a batch reads only its windows' pages, so a corpus far larger than memory trains in
+the memory of its batches plus the sample order (4 bytes per window of `model.seq_len`
+tokens, bench/batches.py; e.g. 2 GB for 10^12 tokens at seq_len 2048). Touched pages
+count in the resident set as reclaimable page cache, not as allocations.
+
+Text corpora are tokenised once into `cache_dir/<name>-<tokenizer>-<sha256>/` (a prepared
+shard directory), written to a temporary directory and renamed into place, so several
+ranks starting together are safe.
 """
 
 from __future__ import annotations
@@ -216,7 +226,8 @@ def check_corpus_size(
 # ---------------------------------------------------------------------------- shards
 @dataclass
 class TokenSplits:
-    """Token ids of one corpus: `train` and `val` are uint16 arrays, `meta` is meta.json."""
+    """Token ids of one corpus: `train` and `val` are memory-mapped uint16 (or uint32)
+    arrays, `meta` is meta.json."""
 
     train: np.ndarray
     val: np.ndarray
@@ -246,11 +257,7 @@ def _write_shards(
     pieces: Pieces, out_dir: Path, tokenizer, source: str, val_fraction: float, progress: bool
 ) -> dict:
     """Tokenise `pieces` into out_dir/{train.bin,val.bin,meta.json}; meta.json goes last."""
-    if tokenizer.vocab_size > 1 << 16:
-        raise ValueError(
-            f"data.tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} "
-            "tokens, too many for uint16 shards (at most 65536)"
-        )
+    dtype = shard_dtype(tokenizer.vocab_size)
     if not 0 < val_fraction < 1:
         raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -268,24 +275,26 @@ def _write_shards(
                     digest.update(text.encode("utf-8") + (b"\0" if ends_document else b""))
                     num_documents += ends_document
                     ids = ids + [tokenizer.eot_token] if ends_document else ids
-                    np.asarray(ids, dtype=np.uint16).tofile(f)
+                    np.asarray(ids, dtype=dtype).tofile(f)
                 bar.update(len(batch))
         # Split without a second full copy: copy the tail to val.bin, then truncate.
-        num_tokens = os.path.getsize(tmp["train"]) // 2
+        itemsize = np.dtype(dtype).itemsize
+        num_tokens = os.path.getsize(tmp["train"]) // itemsize
         num_val = max(1, int(num_tokens * val_fraction))
         if num_tokens - num_val < 2:
             raise ValueError(f"data.corpus {source!r} has only {num_tokens} tokens (valid: a "
                              "corpus of at least a few windows of model.seq_len tokens)")
         num_train = num_tokens - num_val
-        all_tokens = np.memmap(tmp["train"], dtype=np.uint16, mode="r")
+        all_tokens = np.memmap(tmp["train"], dtype=dtype, mode="r")
         all_tokens[num_train:].tofile(tmp["val"])
         del all_tokens
-        os.truncate(tmp["train"], num_train * 2)
+        os.truncate(tmp["train"], num_train * itemsize)
         meta = dict(
             source=source,
             tokenizer=tokenizer.name,
             vocab_size=tokenizer.vocab_size,
             eot_token=tokenizer.eot_token,
+            dtype=np.dtype(dtype).name,
             num_train_tokens=num_train,
             num_val_tokens=num_val,
             num_documents=num_documents,
@@ -312,9 +321,23 @@ def _read_shards(shard_dir: Path, tokenizer_name: str) -> TokenSplits:
             f"data.corpus {str(shard_dir)!r} was prepared with tokenizer "
             f"{meta['tokenizer']!r}, but data.tokenizer is {tokenizer_name!r}"
         )
-    train = np.memmap(shard_dir / "train.bin", dtype=np.uint16, mode="r")
-    val = np.memmap(shard_dir / "val.bin", dtype=np.uint16, mode="r")
+    dtype = meta.get("dtype", "uint16")  # shards from before uint32 have no dtype
+    if dtype not in SHARD_DTYPES:
+        raise ValueError(f"data.corpus {str(shard_dir)!r}: meta.json dtype must be one of "
+                         f"{list(SHARD_DTYPES)}, got {dtype!r}")
+    train = np.memmap(shard_dir / "train.bin", dtype=dtype, mode="r")
+    val = np.memmap(shard_dir / "val.bin", dtype=dtype, mode="r")
     return TokenSplits(train, val, meta)
+
+
+SHARD_DTYPES = ("uint16", "uint32")
+
+
+def shard_dtype(vocab_size: int) -> type:
+    """uint16 while every id fits (vocab_size <= 65,536), else uint32."""
+    if vocab_size > 1 << 32:
+        raise ValueError(f"a vocabulary of {vocab_size} ids does not fit uint32 shards")
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
 def _describe(corpus: str) -> str:
@@ -330,9 +353,10 @@ def prepare(
     progress: bool = True,
     cache_dir: str | Path = "~/.cache/commbench",
 ) -> Path:
-    """Tokenise corpus `name` into out_dir (`train.bin`, `val.bin`: uint16; `meta.json`).
-    Without `out_dir`, into the cache (`cache_dir`), where a run with `data.corpus: NAME`,
-    this tokenizer and `data.val_fraction` finds it without tokenising again."""
+    """Tokenise corpus `name` into out_dir (`train.bin`, `val.bin`: uint16, or uint32 for a
+    vocabulary beyond 65,536 ids; `meta.json`). Without `out_dir`, into the cache
+    (`cache_dir`), where a run with `data.corpus: NAME`, this tokenizer and
+    `data.val_fraction` finds it without tokenising again."""
     if out_dir is None:
         return cached_corpus(name, tokenizer_name, cache_dir, val_fraction, progress)
     tokenizer = get_tokenizer(tokenizer_name)

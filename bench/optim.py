@@ -6,8 +6,9 @@
 `make_optimizer_factory(cfg)` returns `make(module) -> optimizer`, which every strategy
 calls on the module it trains (the whole model, or one pipeline stage). Parameters are
 classified by module type, never by name, so the same rule works on any slice of the GPT:
-- hidden matrices: the 2-D weights of `nn.Linear` modules inside transformer `Block`s
-  (attention qkv and projection, MLP fc and projection) -> Muon when `optim.name: muon`;
+- hidden matrices: the 2-D weights of `nn.Linear` modules inside `TransformerBlock`s, the
+  base of every architecture's block (GPT-2: attention qkv and projection, MLP fc and
+  projection; Llama: q, k, v, o and the SwiGLU gate, up, down) -> Muon when `optim.name: muon`;
 - everything else (token and position embeddings, the tied LM head, LayerNorms, biases) ->
   AdamW under Muon, and under the other optimizers the usual two groups: >= 2-D tensors
   decay, 1-D tensors (biases, norm gains) do not (nanoGPT's rule).
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from algorithms.delay import CORRECTIONS, DelayedOptimizer, rebind_parameters
-from bench.model import Block
+from bench.model import TransformerBlock
 
 if TYPE_CHECKING:
     from bench.config import Config
@@ -112,9 +113,9 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
-    """The 2-D weights of the `nn.Linear` modules inside transformer `Block`s, in
+    """The 2-D weights of the `nn.Linear` modules inside `TransformerBlock`s, in
     `module.parameters()` order: what Muon updates."""
-    inside = {id(m.weight) for block in module.modules() if isinstance(block, Block)
+    inside = {id(m.weight) for block in module.modules() if isinstance(block, TransformerBlock)
               for m in block.modules() if isinstance(m, nn.Linear) and m.weight.dim() == 2}
     return [p for p in module.parameters() if id(p) in inside and p.requires_grad]
 
@@ -187,7 +188,7 @@ def _muon(module: nn.Module, o: OptimConfig):
     if not hidden:
         raise ValueError(
             "optim.name='muon' needs 2-D hidden matrices (nn.Linear weights inside "
-            f"transformer Blocks), but this {type(module).__name__} has none; use "
+            f"TransformerBlocks), but this {type(module).__name__} has none; use "
             f"another optim.name (one of {list(OPTIMIZERS)})")
     muon = torch.optim.Muon(
         [{"params": hidden, "lr_scale": o.muon_lr / o.lr}], lr=o.muon_lr,

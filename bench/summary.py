@@ -119,7 +119,17 @@ class Summary:
     bubble_fraction_theory: float | None = None
     """A pipeline schedule's (S-1)/(M+S-1) (interleaved: (S-1)/(V*M+S-1); 2BW: 0)."""
     peak_memory_bytes: int | None = None
-    """Max over ranks of peak memory (CUDA max_memory_allocated; CPU: max RSS)."""
+    """Max over ranks of peak memory since the model's build began (CUDA
+    max_memory_allocated; CPU: peak RSS, the interpreter and torch included)."""
+    peak_memory_bytes_per_rank: list[int] | None = None
+    """Each rank's peak memory, as `peak_memory_bytes`."""
+    peak_memory_above_start_bytes_per_rank: list[int] | None = None
+    """Each rank's peak minus what it held before the model was built (CPU: without the
+    interpreter, torch and the data): what `memory_estimate_bytes_per_rank` estimates."""
+    memory_estimate_bytes_per_rank: list[int] | None = None
+    """Each rank's memory plan before launch (bench/memory.py)."""
+    memory_estimate_terms: dict[str, int] | None = None
+    """The plan's terms (bytes) of the rank with the largest estimate."""
     peak_memory_bytes_per_stage: list[int] | None = None
     """Pipelines: per stage, the max over replicas of peak memory."""
     activation_bytes_per_boundary: list[dict[str, int]] | None = None
@@ -155,6 +165,8 @@ _LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "num_params", "flops_per_token
                        "comm_wire_bytes_per_rank", "projection_model", "optim",
                        "bubble_fraction_measured", "bubble_fraction_theory",
                        "peak_memory_bytes", "peak_memory_bytes_per_stage",
+                       "peak_memory_bytes_per_rank", "peak_memory_above_start_bytes_per_rank",
+                       "memory_estimate_bytes_per_rank", "memory_estimate_terms",
                        "activation_bytes_per_boundary", "val_set")
 
 

@@ -49,6 +49,8 @@ from bench.env import (
     straggle,
     synchronize,
 )
+from bench.memory import plan as memory_plan
+from bench.memory import reset_peak
 from bench.meter import (
     TRAIN_PHASES,
     LoopState,
@@ -57,7 +59,7 @@ from bench.meter import (
     all_reduce_floats,
     run_totals,
 )
-from bench.model import GPT, autocast_context, gpt_config, lm_loss
+from bench.model import autocast_context, build_model, config_of, lm_loss
 from bench.network import delay_policy, get_profile
 from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl, write_text
@@ -89,11 +91,12 @@ class Trainer:
         if self.rank == 0:
             dist.barrier()
 
-        self.model_config = gpt_config(
-            cfg.model.preset, tokenizer.vocab_size, cfg.model.seq_len, cfg.model.dropout,
-            n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd,
-        )
-        model = GPT(self.model_config).to(device)
+        self.memory_plan = memory_plan(cfg, on_cuda=device.type == "cuda")
+        self.start_memory = reset_peak(device)  # the peak counts from the model's build
+        self.model_config = config_of(cfg.model, tokenizer.vocab_size)
+        with torch.device("meta"):  # nothing allocated: each strategy materialises its part
+            model = build_model(self.model_config)
+        model.enable_activation_checkpointing(cfg.model.activation_checkpointing == "blocks")
         self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
 
@@ -115,7 +118,7 @@ class Trainer:
             autocast=lambda: autocast_context(device.type, precision),
             num_stages=cfg.parallel.num_stages, partition=cfg.parallel.partition,
             loss_fn=lm_loss, delay_correction=cfg.optim.delay_correction,
-            ef_lambda=cfg.optim.ef_lambda,
+            ef_lambda=cfg.optim.ef_lambda, shard=cfg.parallel.shard,
             # the strategy compiles what it trains, after wrapping it (compile(DDP(model)))
             compile=torch.compile if cfg.model.compile else None, precision=precision,
         )
@@ -269,8 +272,8 @@ class Trainer:
             fields = self.strategy.summary_fields()
         busy_s, idle_s = all_reduce_floats([state.compute_s + state.comm_s, state.idle_s],
                                            self.device)
-        (peak_memory,) = all_reduce_floats([peak_memory_bytes(self.device)], self.device,
-                                           dist.ReduceOp.MAX)
+        peaks = self.per_rank(peak_memory_bytes(self.device))
+        estimate = self.memory_plan.per_rank(on_cpu=self.device.type == "cpu")
         peak = peak_flops(self.device, cfg.model.precision)
         steady_tokens, steady_s = state.steady()
         mfu = (self.flops_per_token * steady_tokens / steady_s / (peak * self.world)
@@ -298,8 +301,21 @@ class Trainer:
             device=self.device.type, backend=self.backend, data=self.data_meta, mfu=mfu,
             error=state.diverged,
             bubble_fraction_measured=idle_s / busy_s if busy_s > 0 else None,
-            peak_memory_bytes=int(peak_memory), **fields,
+            peak_memory_bytes=max(peaks), peak_memory_bytes_per_rank=peaks,
+            peak_memory_above_start_bytes_per_rank=self.per_rank(
+                peak_memory_bytes(self.device) - self.start_memory),
+            memory_estimate_bytes_per_rank=estimate,
+            memory_estimate_terms=self.memory_plan.ranks[
+                self.memory_plan.rank_roles[estimate.index(max(estimate))]].terms,
+            **fields,
         ).to_dict()
+
+
+    def per_rank(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order (a collective outside the ledger)."""
+        values = [0.0] * self.world
+        values[self.rank] = float(value)
+        return [int(v) for v in all_reduce_floats(values, self.device)]
 
 
 def main(run_dir: str) -> int:

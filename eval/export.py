@@ -1,14 +1,16 @@
-"""Export a run's evaluation model as a Hugging Face GPT-2 checkpoint.
+"""Export a run's evaluation model as a Hugging Face checkpoint (GPT-2 or Llama).
 
     commbench export RUN_DIR --hf OUT
 
 OUT then loads with `transformers.AutoModelForCausalLM.from_pretrained(OUT)` and
 `AutoTokenizer.from_pretrained(OUT)`, so any external tool (lm-eval's `hf` model, vLLM,
-...) can evaluate it. Our GPT is GPT-2's architecture (pre-LN, learned positions, tied
-embeddings, 4x MLP); the differences handled here: our Linear weights are GPT-2's Conv1D
-weights transposed, our MLP's GELU is detected (exact -> "gelu", tanh -> "gelu_new"),
-absent biases become zeros, and the vocabulary keeps its padded size. The export is checked
-by comparing the two models' logits before anything is written.
+...) can evaluate it. A `model.arch: gpt2` run becomes a `GPT2LMHeadModel` (pre-LN,
+learned positions, 4x MLP): our Linear weights are GPT-2's Conv1D weights transposed, our
+MLP's GELU is detected (exact -> "gelu", tanh -> "gelu_new"), absent biases become zeros.
+A `model.arch: llama` run becomes a `LlamaForCausalLM`: the same layouts under HF's names
+(rotary halves, SwiGLU, grouped-query heads and RMSNorm as HF computes them). Either keeps
+the padded vocabulary and the run's tied or untied head. The export is checked by
+comparing the two models' logits before anything is written.
 
 The tokenizer is written too, as a byte-level BPE `tokenizer.json`: GPT-2's own for `gpt2`
 runs; for `byte` runs one with no merges (one token per byte, ids = byte values). It encodes
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.model import GPT
+from bench.model import CausalLM
 from eval.lm import checkpoint_path, load_checkpoint
 
 _ACTIVATIONS = {"none": "gelu", "tanh": "gelu_new"}  # torch GELU approximation -> HF name
@@ -48,7 +50,7 @@ def _import_transformers():
     return transformers
 
 
-def _mlp_activation(model: GPT) -> str:
+def _mlp_activation(model: CausalLM) -> str:
     """HF name of the MLP's activation, found by passing a known pre-activation through it."""
     mlp = model.get_submodule("blocks.0.mlp")
     fc, proj = mlp.get_submodule("fc"), mlp.get_submodule("proj")
@@ -68,7 +70,7 @@ def _mlp_activation(model: GPT) -> str:
     raise ValueError("cannot export: the MLP activation is neither exact nor tanh GELU")
 
 
-def _weight_map(n_layer: int) -> dict[str, tuple[str, bool]]:
+def _gpt2_weight_map(n_layer: int, tied: bool) -> dict[str, tuple[str, bool]]:
     """HF GPT-2 key -> (our key, transpose?)."""
     keys = {
         "transformer.wte.weight": ("embed.wte.weight", False),
@@ -76,6 +78,8 @@ def _weight_map(n_layer: int) -> dict[str, tuple[str, bool]]:
         "transformer.ln_f.weight": ("head.ln_f.weight", False),
         "transformer.ln_f.bias": ("head.ln_f.bias", False),
     }
+    if not tied:
+        keys["lm_head.weight"] = ("head.weight", False)
     for i in range(n_layer):
         hf, ours = f"transformer.h.{i}.", f"blocks.{i}."
         for hf_name, our_name, transpose in (
@@ -91,11 +95,30 @@ def _weight_map(n_layer: int) -> dict[str, tuple[str, bool]]:
     return keys
 
 
-def to_hf_model(model: GPT, eot_token: int):
-    """An equivalent transformers GPT2LMHeadModel (ValueError if there is none)."""
+def _llama_weight_map(n_layer: int, tied: bool) -> dict[str, tuple[str, bool]]:
+    """HF Llama key -> (our key, transpose?): the same layouts, other names."""
+    keys = {
+        "model.embed_tokens.weight": ("embed.wte.weight", False),
+        "model.norm.weight": ("head.ln_f.weight", False),
+    }
+    if not tied:
+        keys["lm_head.weight"] = ("head.weight", False)
+    for i in range(n_layer):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        for hf_name, our_name in (
+            ("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"),
+            ("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"),
+            ("self_attn.v_proj", "attn.v"), ("self_attn.o_proj", "attn.proj"),
+            ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.up"),
+            ("mlp.down_proj", "mlp.down"),
+        ):
+            keys[f"{hf}{hf_name}.weight"] = (f"{ours}{our_name}.weight", False)
+    return keys
+
+
+def _gpt2_hf(model: CausalLM, eot_token: int):
     transformers = _import_transformers()
     cfg = model.cfg
-    state = model.state_dict()
     hf_config = transformers.GPT2Config(
         vocab_size=cfg.vocab_size,
         n_positions=cfg.seq_len,
@@ -110,11 +133,49 @@ def to_hf_model(model: GPT, eot_token: int):
         attn_pdrop=0.0,
         bos_token_id=eot_token,
         eos_token_id=eot_token,
-        tie_word_embeddings=True,
+        tie_word_embeddings=cfg.tie_embeddings,
     )
-    hf_model = transformers.GPT2LMHeadModel(hf_config).eval()
-    hf_state = hf_model.state_dict()
-    mapping = _weight_map(cfg.n_layer)
+    return transformers.GPT2LMHeadModel(hf_config), _gpt2_weight_map(cfg.n_layer,
+                                                                    cfg.tie_embeddings)
+
+
+def _llama_hf(model: CausalLM, eot_token: int):
+    transformers = _import_transformers()
+    cfg = model.cfg
+    hf_config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.n_embd,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.n_embd // cfg.n_head,
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        bos_token_id=eot_token,
+        eos_token_id=eot_token,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
+    return transformers.LlamaForCausalLM(hf_config), _llama_weight_map(cfg.n_layer,
+                                                                      cfg.tie_embeddings)
+
+
+_HF_MODELS = {"gpt2": ("GPT-2", _gpt2_hf), "llama": ("Llama", _llama_hf)}
+
+
+def to_hf_model(model: CausalLM, eot_token: int):
+    """An equivalent transformers model (GPT2LMHeadModel or LlamaForCausalLM), its logits
+    checked against ours (ValueError if there is none)."""
+    transformers = _import_transformers()
+    arch, build = _HF_MODELS[model.cfg.arch]
+    hf_model, mapping = build(model, eot_token)
+    hf_model = hf_model.eval()
+    state, hf_state = model.state_dict(), hf_model.state_dict()
     new_state = {}
     for hf_key, (our_key, transpose) in mapping.items():
         if our_key in state:
@@ -122,31 +183,32 @@ def to_hf_model(model: GPT, eot_token: int):
         elif hf_key.endswith(".bias"):
             value = torch.zeros_like(hf_state[hf_key])
         else:
-            raise ValueError(f"cannot export as GPT-2: the checkpoint lacks {our_key}")
+            raise ValueError(f"cannot export as {arch}: the checkpoint lacks {our_key}")
         if value.shape != hf_state[hf_key].shape:
             raise ValueError(
-                f"cannot export as GPT-2: {our_key} has shape {tuple(value.shape)}, GPT-2's "
-                f"{hf_key} needs {tuple(hf_state[hf_key].shape)}"
+                f"cannot export as {arch}: {our_key} has shape {tuple(value.shape)}, "
+                f"{arch}'s {hf_key} needs {tuple(hf_state[hf_key].shape)}"
             )
         new_state[hf_key] = value.contiguous()
-    # head.weight is the tied token embedding, already mapped through embed.wte.weight.
+    # a tied head.weight is the token embedding, already mapped through embed.wte.weight
     extra = sorted(set(state) - {k for k, _ in mapping.values()} - {"head.weight"})
     if extra:
-        raise ValueError(f"cannot export as GPT-2: parameters with no GPT-2 counterpart {extra}")
+        raise ValueError(f"cannot export as {arch}: parameters with no {arch} counterpart "
+                         f"{extra}")
     missing, unexpected = hf_model.load_state_dict(new_state, strict=False)
     params = dict(hf_model.named_parameters())
     missing = [k for k in missing if k != "lm_head.weight" and k in params]  # lm_head is tied
     if missing or unexpected:
         raise ValueError(
-            f"cannot export with transformers {transformers.__version__}: its GPT-2 lacks "
+            f"cannot export with transformers {transformers.__version__}: its {arch} lacks "
             f"{unexpected} and wants {missing}"
         )
-    _check_same_logits(model, hf_model)
+    _check_same_logits(model, hf_model, arch)
     return hf_model
 
 
 @torch.no_grad()
-def _check_same_logits(model: GPT, hf_model) -> None:
+def _check_same_logits(model: CausalLM, hf_model, arch: str) -> None:
     generator = torch.Generator().manual_seed(0)
     idx_BT = torch.randint(
         0, model.cfg.vocab_size, (2, min(32, model.cfg.seq_len)), generator=generator
@@ -155,7 +217,7 @@ def _check_same_logits(model: GPT, hf_model) -> None:
     theirs = hf_model(idx_BT).logits.float()
     error = (ours - theirs).abs().max().item()
     if error > 1e-4 * max(1.0, ours.abs().max().item()):
-        raise ValueError(f"cannot export as GPT-2: logits differ by up to {error:.3g}")
+        raise ValueError(f"cannot export as {arch}: logits differ by up to {error:.3g}")
 
 
 def _byte_symbols() -> list[str]:
@@ -220,7 +282,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
             "run_dir": str(Path(run_dir).resolve()),
             "step": info.get("step"),
             "tokenizer": tokenizer.name,
-            "activation_function": hf_model.config.activation_function,
+            "architecture": type(hf_model).__name__,
         }
         (work / "commbench_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
         publish(work, out_dir)

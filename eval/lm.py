@@ -25,7 +25,7 @@ from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 from bench.checkpoint import load_payload
-from bench.model import GPT, GPTConfig
+from bench.model import CausalLM, build_model, config_from_dict
 from bench.records import RunDir
 from bench.tokenizers import get_tokenizer
 
@@ -52,7 +52,7 @@ def checkpoint_path(run_dir: str | Path) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, object, dict]:
+def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[CausalLM, object, dict]:
     """(model in eval mode on `device`, its tokenizer, the checkpoint's other fields)."""
     try:
         payload = load_payload(path, map_location="cpu")  # tensors and plain data only
@@ -69,28 +69,30 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[GPT, object,
         raise ValueError(f"checkpoint {str(path)!r} lacks {missing}")
     # A state dict saved from a torch.compile'd model prefixes every key.
     state = {k.removeprefix("_orig_mod."): v for k, v in payload["model"].items()}
-    model = GPT(_checked_config(path, payload["gpt_config"], state))
+    model = _meta_model(path, payload["gpt_config"], state)  # the values replace the init
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave the tied head its own tensor
     model.load_state_dict(state)
     info = {k: v for k, v in payload.items() if k != "model"}
     return model.to(device).eval(), get_tokenizer(payload["tokenizer"]), info
 
 
-def _checked_config(path, gpt_config, state: dict) -> GPTConfig:
-    """The checkpoint's GPT config, once a weightless (meta-device) model built from it has
-    the saved weights' names and shapes: a config that does not describe them (a crafted
-    or damaged file) fails here, before a model of its size is allocated."""
+def _meta_model(path, model_config, state: dict) -> CausalLM:
+    """The checkpoint's model, built on the meta device, once its weights' names and
+    shapes are the saved ones: a config that does not describe them (a crafted or damaged
+    file) fails here, before a model of its size is allocated."""
     try:
-        cfg = GPTConfig(**gpt_config)
         with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+            model = build_model(config_from_dict(model_config))
     except (TypeError, ValueError) as err:
-        raise ValueError(f"checkpoint {str(path)!r}: gpt_config {gpt_config!r} does not "
-                         f"describe a GPT ({err})") from None
+        raise ValueError(f"checkpoint {str(path)!r}: gpt_config {model_config!r} does not "
+                         f"describe a model ({err})") from None
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
     if saved != expected or len(saved) != len(state):
         raise ValueError(f"checkpoint {str(path)!r}: its weights do not match its gpt_config "
-                         f"{gpt_config!r} (names or shapes differ)")
-    return cfg
+                         f"{model_config!r} (names or shapes differ)")
+    return model
 
 
 def score_windows(tokens: list[int], first: int, max_len: int) -> Iterator[Window]:
@@ -106,11 +108,12 @@ def score_windows(tokens: list[int], first: int, max_len: int) -> Iterator[Windo
 
 
 class CommbenchLM(TemplateLM):
-    """A commbench `GPT` and tokenizer as an lm-eval model (causal, fp32, greedy)."""
+    """A commbench model (GPT-2 or Llama) and tokenizer as an lm-eval model (causal, fp32,
+    greedy)."""
 
     def __init__(
         self,
-        model: GPT,
+        model: CausalLM,
         tokenizer,
         batch_size: int = 16,
         device: str = "cpu",

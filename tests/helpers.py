@@ -47,6 +47,9 @@ class IdleStrategy:
         pass
 
     def eval_model(self):
+        from algorithms.base import materialize  # the loop hands over a meta-device model
+
+        materialize(self.setup.model, self.setup.model, self.comm.device)
         return self.setup.model
 
     def state_dict(self):

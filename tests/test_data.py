@@ -319,3 +319,77 @@ def test_cache_dir_tilde_means_home(tmp_path, monkeypatch):
     load_corpus("embedded", "byte", "~/cache")
     assert list((tmp_path / "home" / "cache").glob("embedded-byte-*/meta.json"))
     assert not (tmp_path / "~").exists()  # not a literal "~" directory in the cwd
+
+
+# ------------------------------------------------------------- data for real runs
+
+
+def test_sample_order_is_generator_permutation_at_4_bytes_a_window():
+    """The order is numpy's Generator.permutation(num_windows) (as before), held as uint32."""
+    tokens = np.arange(1000, dtype=np.uint16)
+    stream = BatchStream(tokens, 9, 2, 0, 1, seed=5)
+    order = stream._permutation(0)
+    assert order.dtype == np.uint32
+    assert np.array_equal(order, np.random.default_rng([5, 0]).permutation(stream.num_windows))
+
+
+class _BigVocabTokenizer:
+    """A stand-in for a Llama 3 tokenizer: 128,256 ids, end-of-text the last."""
+
+    name, vocab_size, eot_token = "byte", 128_256, 128_255
+
+    def encode_batch(self, texts):
+        return [[65_535 + len(word) * 1000 for word in t.split()] for t in texts]
+
+
+def test_token_ids_beyond_65535_are_kept_in_uint32_shards(tmp_path):
+    from bench.data import _write_shards
+
+    pieces = iter([("a bb ccc dddd " * 50, True), ("eeeee " * 40, True)])
+    meta = _write_shards(pieces, tmp_path, _BigVocabTokenizer(), "big", 0.1, progress=False)
+    assert meta["dtype"] == "uint32"
+    assert (tmp_path / "train.bin").stat().st_size == 4 * meta["num_train_tokens"]
+    splits = load_corpus(str(tmp_path), "byte", tmp_path / "cache")
+    assert splits.train.dtype == np.uint32 and isinstance(splits.train, np.memmap)
+    ids = set(np.unique(np.concatenate([splits.train, splits.val])).tolist())
+    assert ids == {65_535 + 1000 * n for n in range(1, 6)} | {128_255}  # eot after documents
+    x, y = BatchStream(splits.train, 8, 2, 0, 1, 0).batch(0)
+    assert x.dtype == torch.int64 and int(x.max()) > 65_535
+    # shards prepared before the dtype field existed read as uint16
+    meta.pop("dtype")
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert load_corpus(str(tmp_path), "byte", tmp_path / "cache").train.dtype == np.uint16
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_corpus_larger_than_memory_trains_without_being_loaded(tmp_path):
+    """A prepared corpus bigger than this machine's RAM (a sparse 32 GiB train.bin: 16 G
+    tokens, no disk used) is memory-mapped: drawing batches from anywhere in it grows the
+    resident set by the sample order (4 bytes a window) and the pages read, not the corpus."""
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    size = max(32 << 30, ram + (1 << 30))
+    with open(tmp_path / "train.bin", "wb") as f:
+        f.truncate(size)  # a hole: reads as token 0
+    np.arange(4096, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.json").write_text(json.dumps({
+        "source": "sparse", "tokenizer": "byte", "vocab_size": 256, "eot_token": 0,
+        "num_train_tokens": size // 2, "num_val_tokens": 4096, "dtype": "uint16"}))
+    before = _rss_bytes()
+    splits = load_corpus(str(tmp_path), "byte", tmp_path / "cache")
+    assert len(splits.train) == size // 2 and size > ram
+    seq_len = 1024
+    stream = BatchStream(splits.train, seq_len, 8, 0, 1, seed=0)
+    for step in range(0, 2_000_000, 200_000):  # windows drawn from all over the file
+        x, _ = stream.batch(step)
+        assert x.shape == (8, seq_len)
+    grown = _rss_bytes() - before
+    order = 4 * stream.num_windows
+    assert grown < order + (64 << 20), (grown, order)

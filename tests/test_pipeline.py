@@ -22,7 +22,7 @@ from algorithms.partition import split_layers, stage_bounds
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from algorithms.pipeline import Pipeline, PipelineConfig
 from bench.config import Config, DataConfig, ModelConfig, ParallelConfig
-from bench.model import GPT, GPTConfig, lm_loss
+from bench.model import GPT, GPTConfig, LlamaConfig, build_model, lm_loss
 from bench.optim import (
     OPTIMIZERS,
     OptimConfig,
@@ -37,10 +37,14 @@ VOCAB, SEQ, WIDTH, LAYERS = 64, 8, 32, 4
 LR = 1e-2
 
 
-def make_model(seed: int = 0, n_layer: int = LAYERS) -> GPT:
+def make_model(seed: int = 0, n_layer: int = LAYERS, arch: str = "gpt2",
+               tied: bool = True) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=n_layer, n_head=2,
-                         n_embd=WIDTH))
+    shape = dict(vocab_size=VOCAB, seq_len=SEQ, n_layer=n_layer, n_head=2, n_embd=WIDTH,
+                 tie_embeddings=tied)
+    if arch == "llama":
+        return build_model(LlamaConfig(**shape, n_kv_head=1))
+    return GPT(GPTConfig(**shape))
 
 
 def make_optimizer(module, optim="adamw"):
@@ -86,7 +90,7 @@ def full_state(model: GPT) -> dict:
 
 
 def one_process(steps: int, batch: int, microbatches: int, delay: int = 0,
-                optim: str = "sgd") -> dict:
+                optim: str = "sgd", arch: str = "gpt2", tied: bool = True) -> dict:
     """Gradient accumulation in one process; `delay=1` applies each step's gradient a
     step late (our hand-written one-step-delay loop: step 0 applies nothing).
 
@@ -95,13 +99,13 @@ def one_process(steps: int, batch: int, microbatches: int, delay: int = 0,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _one_process(steps, batch, microbatches, delay, optim)
+        return _one_process(steps, batch, microbatches, delay, optim, arch, tied)
     finally:
         torch.set_num_threads(threads)
 
 
-def _one_process(steps, batch, microbatches, delay, optim) -> dict:
-    model = make_model()
+def _one_process(steps, batch, microbatches, delay, optim, arch, tied) -> dict:
+    model = make_model(arch=arch, tied=tied)
     opt = make_optimizer(model, optim)
     previous = None
     for step in range(steps):
@@ -138,12 +142,15 @@ class Spec:
     """Set `lr_of(step)` before each step (else the optimizer's own lr throughout)."""
     correction: str = "none"
     """optim.delay_correction, as the loop hands it to the strategy (TrainSetup)."""
+    arch: str = "gpt2"
+    tied: bool = True
+    """Whether the head is the token embedding (else its own weight: no tied group)."""
 
 
 def build(rank, world, spec: Spec, model_seed=0, grad_clip=0.0):
     comm = Communicator(rank, world, "cpu")
     setup = TrainSetup(
-        model=make_model(model_seed), comm=comm,
+        model=make_model(model_seed, arch=spec.arch, tied=spec.tied), comm=comm,
         make_optimizer=lambda m: make_optimizer(m, spec.optim), total_steps=10,
         grad_clip=grad_clip, rank_batch_size=spec.rank_batch,
         num_microbatches=spec.microbatches, num_stages=spec.num_stages, loss_fn=lm_loss,
@@ -212,12 +219,16 @@ OURS_DELAYED_3 = Spec("pipedream", (("delay", 1),), num_stages=3, rank_batch=4,
 HYBRID = {kind: Spec(kind, kwargs, rank_batch=4, microbatches=2)
           for kind, kwargs in [("pipedream", (("delay", 0),)), ("pipeline", ())]}
 LEDGER = [Spec("pipedream", (("delay", 1),)), Spec("pipeline", (("schedule", "gpipe"),))]
+UNTIED = {("llama", "pipedream"): Spec("pipedream", (("delay", 0),), arch="llama", tied=False),
+          ("llama", "pipeline"): Spec("pipeline", (("schedule", "1f1b"),), arch="llama"),
+          ("gpt2", "pipeline"): Spec("pipeline", (("schedule", "1f1b"),), tied=False)}
+"""Llama (tied and untied) and an untied GPT-2 through both executors."""
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     return run_all(2, [OURS_SYNC, OURS_ADAMW, *TORCH.values(), OURS_DELAYED,
-                       *OURS_DELAYED_CFG.values()])
+                       *OURS_DELAYED_CFG.values(), *UNTIED.values()])
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +296,20 @@ def test_2bw_delay0_equals_torch_1f1b_equals_one_process(two_ranks):
                        {k: v for k, v in one_step.items() if k not in tied}, atol=0, rtol=0)
     for key in tied:
         torch.testing.assert_close(ours[key], one_step[key], atol=1e-7, rtol=0)
+
+
+@pytest.mark.timeout(400)
+def test_llama_and_untied_heads_equal_one_process(two_ranks):
+    """Both architectures, tied or not, pipeline to the one-process answer; an untied
+    head has no tied group (no `tied` traffic), a tied one has."""
+    for (arch, _), spec in UNTIED.items():
+        state, ranks = two_ranks[spec]
+        single = one_process(3, 8, 4, arch=arch, tied=spec.tied)
+        assert state.keys() == single.keys()
+        assert_same_params(state, single, atol=1e-6, rtol=0)
+        assert max_change(single, full_state(make_model(arch=arch, tied=spec.tied))) > 1e-3
+        tied_records = [rec for r in ranks for rec in r["records"] if rec[1] == "tied"]
+        assert bool(tied_records) == spec.tied, spec
 
 
 @pytest.mark.timeout(400)
@@ -614,3 +639,56 @@ def test_critical_path_projection_hides_transfers_and_adds_the_bubble():
     assert step(0.0, flush=False) == pytest.approx(M * 2 * tau + tied_s)  # link-bound
     with pytest.raises(ValueError, match="work_slots"):
         critical_path_step_s(1.0, [], profile, slots=2, work_slots=4, hops=0)
+
+
+# ---------------------------------------------------------------------- stage-local build
+
+
+def _stage_initial_weights(rank, world, arch):
+    """Per partition: a pipeline rank given a meta-device model; its stage's initial
+    weights, and how many parameter elements of the whole model became real here."""
+    return {partition: _stage_of(rank, world, arch, partition)
+            for partition in ("layers", "parameters")}
+
+
+def _stage_of(rank, world, arch, partition):
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = build_model(heavy_ends_config(arch))
+    setup = TrainSetup(model=model, comm=Communicator(rank, world, "cpu"),
+                       make_optimizer=lambda m: make_optimizer(m), total_steps=1,
+                       rank_batch_size=4, num_microbatches=2, num_stages=world,
+                       partition=partition, loss_fn=lm_loss)
+    strategy = PipeDream2BW(PipeDreamConfig(delay=0), setup)
+    real = sum(p.numel() for p in model.parameters() if not p.is_meta)
+    return strategy.export_state(), real, sum(p.numel() for p in
+                                              strategy.stage_module.parameters())
+
+
+def heavy_ends_config(arch: str):
+    """6 blocks and a large vocabulary: the two partitions cut differently."""
+    shape = dict(vocab_size=4096, seq_len=SEQ, n_layer=6, n_head=2, n_embd=WIDTH)
+    return LlamaConfig(**shape, tie_embeddings=True) if arch == "llama" else GPTConfig(**shape)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_each_stage_builds_only_itself_with_the_full_models_initial_values(arch):
+    """Stage-local: every rank materialises its own stage of a meta-device model, holding
+    exactly the values the same slice of a fully built model has (same seed), for both
+    partitions; nothing of the other stages is allocated."""
+    torch.manual_seed(3)
+    full = build_model(heavy_ends_config(arch)).state_dict()
+    cuts = {}
+    results = run_distributed(_stage_initial_weights, 3, arch, timeout=120)
+    for partition in ("layers", "parameters"):
+        per_rank = [r[partition] for r in results]
+        merged = {}
+        for state, real, own in per_rank:
+            assert real == own  # only the stage became real
+            for key, value in state.items():
+                assert torch.equal(value, full[key]), (partition, key)
+                merged[key] = value
+        assert merged.keys() == full.keys()  # the stages cover the model (tied head too)
+        cuts[partition] = [sorted(state) for state, _, _ in per_rank]
+    assert cuts["layers"] != cuts["parameters"]

@@ -741,3 +741,20 @@ def _one_set(res, set_id: str):
     from bench.report.load import by_validation_set
     ((_, part),) = [(n, p) for n, p in by_validation_set(res) if n.startswith(set_id)]
     return part.runs, part.steps
+
+
+def test_memory_table_puts_the_measured_peak_beside_the_plan(tmp_path):
+    sweep_dir = tmp_path / "results" / "mem"
+    sweep = {"name": "mem", "runs": {}}
+    memory = {"memory_estimate_bytes_per_rank": [200e6, 250e6],
+              "peak_memory_above_start_bytes_per_rank": [210e6, 275e6],
+              "peak_memory_bytes_per_rank": [900e6, 960e6], "peak_memory_bytes": 960e6}
+    write_run(sweep_dir, sweep, "ddp", "ddp", 0, DDP_VAL, 1.0, summary_extra=memory)
+    write_run(sweep_dir, sweep, "old", "diloco", 0, DDP_VAL, 1.0)  # a record from before
+    (sweep_dir / "sweep.json").write_text(json.dumps(sweep))
+    md = (build_report(sweep_dir, tmp_path / "out").parent / "report.md").read_text()
+    assert "## Memory per rank" in md
+    row = next(x for x in md.splitlines() if x.startswith("| ") and "250 MB" in x)
+    assert "| 275 MB | 1.1 | 960 MB |" in row
+    assert not any(x.startswith("| ") and "| old |" in x and "MB" in x
+                   for x in md.split("## Memory per rank")[1].splitlines())

@@ -223,7 +223,7 @@ def test_an_eval_checkpoint_whose_config_does_not_match_its_weights_is_refused(t
         load_checkpoint(path)
     torch.save({"model": model.state_dict(), "tokenizer": "byte",
                 "gpt_config": {"vocab_size": 256, "layers": 3}}, path)
-    with pytest.raises(ValueError, match="does not describe a GPT"):
+    with pytest.raises(ValueError, match="does not describe a model"):
         load_checkpoint(path)
 
 

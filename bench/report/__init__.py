@@ -267,6 +267,18 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
                             "all-reduce: 2(n−1)/n × payload); n/a: not recorded (older "
                             "records). Averages over the group's ok runs."))
         blocks.append(("table", tables.comm_table(comm, profiles)))
+    planned = runs[runs["memory_estimate_bytes"].notna()] if "memory_estimate_bytes" in runs \
+        else runs.iloc[:0]
+    if not planned.empty:
+        blocks.append(("h2", "Memory per rank"))
+        blocks.append(("p", "Estimate: the plan made before launch (bench/memory.py: "
+                            "parameters, gradients, optimizer state, activations, the "
+                            "strategy's own copies), of the largest rank. Measured: each "
+                            "rank's peak since the model's build began minus what it held "
+                            "before (CPU: resident set, so the interpreter and torch are "
+                            "left out; CUDA: allocated bytes), the largest rank's. Peak "
+                            "memory: the largest rank's peak with everything it holds."))
+        blocks.append(("table", tables.memory_table(planned)))
 
     if not evals.empty:
         blocks.append(("h2", "Downstream evaluation"))

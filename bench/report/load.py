@@ -60,8 +60,10 @@ SUMMARY_NUMBERS = [
     "num_params", "world_size", "steps", "total_tokens", "wall_s", "throughput_tokens_per_s",
     "compute_s_total", "comm_s_total", "comm_bytes_total", "comm_bytes_per_rank",
     "comm_wire_bytes_per_rank", "final_val_loss", "best_val_loss",
-    "bubble_fraction_measured", "bubble_fraction_theory",
+    "bubble_fraction_measured", "bubble_fraction_theory", "peak_memory_bytes",
 ]
+MEMORY_PER_RANK = ["memory_estimate_bytes_per_rank", "peak_memory_above_start_bytes_per_rank"]
+"""Per-rank lists in summary.json; a run's row holds their max, without `_per_rank`."""
 # Config fields the study sections read; absent in older records: these defaults.
 CONFIG_FIELDS = {"optim.name": "adamw", "optim.delay": 0, "optim.delay_correction": "none",
                  "strategy.schedule": None, "strategy.delay": None}
@@ -308,6 +310,10 @@ def load_results(results_dir: str | os.PathLike) -> Results:
         for key in SUMMARY_NUMBERS:
             value = (summary or {}).get(key)
             row[key] = float(value) if _is_number(value) else math.nan
+        for key in MEMORY_PER_RANK:
+            values = (summary or {}).get(key)
+            row[key.removesuffix("_per_rank")] = (
+                float(max(values)) if isinstance(values, list) and values else math.nan)
         train = [m for m in metrics if "loss" in m]
         row["steps_done"] = max((m.get("step", 0) for m in metrics), default=0)
         if math.isnan(row["total_tokens"]) and metrics:

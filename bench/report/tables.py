@@ -187,3 +187,17 @@ def runs_table(runs: pd.DataFrame, set_numbers: dict[str, int] | None = None) ->
     if set_numbers:
         table["validation set"] = runs["val_set"].map(set_numbers)
     return table
+
+
+def memory_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per run, the largest rank's memory plan beside what the ranks measured."""
+    estimate, above = runs["memory_estimate_bytes"], runs["peak_memory_above_start_bytes"]
+    return pd.DataFrame({
+        "run": runs["run_id"], "group": runs["label"], "strategy": runs["strategy"],
+        "world": runs["world_size"].map(render.num),
+        "estimate (largest rank)": _bytes(estimate),
+        "measured peak above start": _bytes(above),
+        "measured / estimate": [render.num(a / e, 3) if e > 0 else "n/a"
+                                for a, e in zip(above, estimate, strict=True)],
+        "peak memory": _bytes(runs["peak_memory_bytes"]),
+    })
