@@ -286,6 +286,17 @@ CASES = [
          ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
+    # ---- issue 29: out-of-range optimizer values were accepted
+    Case("muon-momentum", run_argv("optim.name=muon", "optim.muon_momentum=5"),
+         ["optim.muon_momentum", "[0, 1)", "got 5.0"]),
+    Case("ef-lambda", run_argv("optim.delay=1", "optim.delay_correction=ef",
+                               "optim.ef_lambda=-100"),
+         ["optim.ef_lambda", "[0, 2]", "got -100.0"]),
+    Case("muon-weight-decay", run_argv("optim.name=muon", "optim.muon_weight_decay=-0.1"),
+         ["optim.muon_weight_decay", ">= 0", "got -0.1"]),
+    Case("nadam-momentum-decay", run_argv("optim.name=nadamw",
+                                          "optim.nadam_momentum_decay=-1"),
+         ["optim.nadam_momentum_decay", ">= 0", "got -1.0"]),
     # ---- issue 29: numbers read from files, ranges
     Case("emulate-absurd-latency", run_argv("network.emulate={tmp}/slow.yaml"),
          ["slow.yaml.inter.latency", "from 0 to 10 s", "got 100000"],
