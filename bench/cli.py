@@ -57,17 +57,19 @@ def _cmd_run(args) -> int:
     bench/launch.py's docstring and the README's "Resume and run directories")."""
     from bench.config import check_output_dir, load_config, preflight
     from bench.launch import Terminated
+    from bench.records import RunDir
 
     if args.resume:
         run_dir = Path(args.resume)
         if args.run_dir:
             raise ValueError(f"--resume {args.resume!r} and --run-dir {args.run_dir!r}: give "
                              "one (--resume continues the run in its own directory)")
-        if not (run_dir / "config.yaml").exists():
+        recorded = RunDir(run_dir).config
+        if not recorded.exists():
             raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml; "
                              "give a directory written by `commbench run`)")
         # the recorded config, or the one given, which must match it (launch.check_resume)
-        cfg = load_config(args.config or run_dir / "config.yaml", args.set)
+        cfg = load_config(args.config or recorded, args.set)
     else:
         cfg = load_config(args.config, args.set)
         run_dir = Path(args.run_dir) if args.run_dir else None

@@ -42,7 +42,7 @@ from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
 from bench.report import figures, render
 from bench.report.load import load_results
 from bench.report.stats import mean_interval, ratio_interval
-from bench.tracking.sinks import flatten
+from bench.typed import flatten
 
 SIDES = "ABCDEFGHIJ"
 LOSSES = (("loss", "train"), ("val_loss", "val"))
@@ -76,7 +76,7 @@ class Pair:
 
 
 def _is_run(path: Path) -> bool:
-    return (path / "config.yaml").exists() or (path / "summary.json").exists()
+    return records.RunDir(path).holds_records()
 
 
 def load_side(name: str, arg: str) -> Side:
@@ -142,7 +142,7 @@ def differences(a_path: Path, b_path: Path) -> list[str]:
     checkpoint or tracking)."""
     def config(path: Path) -> dict:
         try:
-            data = load_raw(path / "config.yaml")
+            data = load_raw(records.RunDir(path).config)
         except ValueError:
             return {}
         return flatten(without_keys(data, NON_IDENTITY_KEYS))

@@ -61,6 +61,7 @@ from bench.data import cached_corpus, corpus_identity, same_data
 from bench.failure import error_text
 from bench.records import DONE_STATUSES, NO_SPACE, RunDir, status_of, write_text
 from bench.summary import running_header
+from bench.typed import flatten
 
 
 class Terminated(KeyboardInterrupt):
@@ -199,7 +200,7 @@ def check_resume(cfg: Config, run: RunDir) -> dict:
     """What a resume may do (ValueError naming the keys otherwise); the header fields it adds:
     resumed_from_step (0 = restarts) and steps_extended_from."""
     old = _recorded_config(run, "--resume")
-    before, after = _flat(identity_dict(old)), _flat(identity_dict(cfg))
+    before, after = flatten(identity_dict(old)), flatten(identity_dict(cfg))
     changed = sorted(k for k in before.keys() | after.keys()
                      if k != "run.steps" and before.get(k) != after.get(k))
     if changed:
@@ -306,16 +307,6 @@ def _read_summary(run: RunDir) -> dict:
 
 def _recorded_status(run: RunDir) -> str:
     return status_of(_read_summary(run))
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool,

@@ -153,7 +153,7 @@ def check_report_dir(path: str | os.PathLike, flag: str) -> Path:
         if not ancestor.is_dir():
             raise ValueError(f"{flag} {str(path)!r}: {str(ancestor)!r} is a file, not a "
                              "directory (give a directory path)")
-        if (ancestor / "config.yaml").is_file() or (ancestor / "summary.json").is_file():
+        if RunDir(ancestor).holds_records():
             raise ValueError(f"{flag} {str(path)!r}: {str(ancestor)!r} is a run directory "
                              "(it holds config.yaml or summary.json); write the report "
                              "elsewhere, e.g. reports/NAME")
@@ -413,6 +413,10 @@ class RunDir:
     logs = property(lambda self: self.path / "logs")
     torchrun_log = property(lambda self: self.logs / "torchrun.log")
     eval_log = property(lambda self: self.logs / "eval.log")
+
+    def holds_records(self) -> bool:
+        """Whether this directory holds a run's records (config.yaml or summary.json)."""
+        return self.config.is_file() or self.summary.is_file()
 
     def state_checkpoint(self, rank: int) -> Path:
         """Rank `rank`'s resumable state (strategy, loop state, RNG, ledger)."""

@@ -95,14 +95,35 @@ def _update_delay(row: dict) -> int:
     return 0
 
 
-def find_run_dirs(results_dir: Path) -> list[Path]:
+def find_run_dirs(results_dir: Path, warnings: list[str] | None = None) -> list[Path]:
+    """Every run directory under `results_dir`: one holding config.yaml, or a summary.json
+    that reads as a run's summary (a JSON object). A stray or garbage summary.json (no
+    config.yaml beside it) is not a run: the runs below it are found, and `warnings` says
+    so (it used to hide every run under it)."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(results_dir):
+    for dirpath, dirnames, _ in os.walk(results_dir):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
-        if "config.yaml" in filenames or "summary.json" in filenames:
-            found.append(Path(dirpath))
+        run = records.RunDir(dirpath)
+        if run.config.is_file() or (run.summary.is_file() and _summary_alone(run, warnings)):
+            found.append(run.path)
             dirnames[:] = []  # logs/ and checkpoints/ of a run are not runs
     return found
+
+
+def _summary_alone(run: records.RunDir, warnings: list[str] | None) -> bool:
+    """Whether a summary.json without config.yaml beside it is a run's (a JSON object)."""
+    try:
+        summary = records.read_json(run.summary)
+    except (ValueError, OSError) as err:
+        summary, why = None, str(err).removeprefix(f"{run.summary}: ")
+    else:
+        why = f"not a JSON object: {type(summary).__name__}"
+    if isinstance(summary, dict):
+        return True
+    if warnings is not None:
+        warnings.append(f"{run.summary}: not a run's summary ({why}) and no config.yaml "
+                        "beside it; looked for runs below it")
+    return False
 
 
 def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
@@ -249,20 +270,21 @@ def load_results(results_dir: str | os.PathLike) -> Results:
     root = Path(results_dir)
     if not root.is_dir():
         raise ValueError(f"results directory not found: {str(root)!r}")
-    run_dirs = find_run_dirs(root)
+    warnings: list[str] = []
+    run_dirs = find_run_dirs(root, warnings)
     if not run_dirs:
         raise ValueError(f"no run records under {str(root)!r} (a run directory holds "
                          "config.yaml and summary.json; run `commbench run` or `commbench sweep`)")
-    warnings: list[str] = []
     sweeps: dict[Path, Any] = {}
     sweep_targets: dict[str, float] = {}
     profiles: list[str] = []
     run_rows, step_rows = [], []
     for run_dir in run_dirs:
-        config = _read_config(run_dir / "config.yaml", warnings)
-        summary = _read_json(run_dir / "summary.json", warnings)
+        run = records.RunDir(run_dir)
+        config = _read_config(run.config, warnings)
+        summary = _read_json(run.summary, warnings)
         summary = summary if isinstance(summary, dict) else None
-        metrics = read_metrics(run_dir / "metrics.jsonl", warnings)
+        metrics = read_metrics(run.metrics, warnings)
         run_cfg = config.get("run", {}) if isinstance(config.get("run"), dict) else {}
         match = re.search(r"([0-9a-f]{12})$", run_dir.name)
         config_hash = (summary or {}).get("config_hash") or (match.group(1) if match else None)
@@ -327,7 +349,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
                     row[f"proj.{profile}.{key}"] = float(value)
         evals = _flatten_eval((summary or {}).get("eval"))
         if not evals:
-            evals = _flatten_eval(_read_json(run_dir / "eval.json", warnings))
+            evals = _flatten_eval(_read_json(run.eval, warnings))
         for key, value in evals.items():
             row[f"eval.{key}"] = value
         run_rows.append(row)

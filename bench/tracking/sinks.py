@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from bench.typed import flatten
+
 if TYPE_CHECKING:
     from bench.tracking import MlflowConfig, TensorBoardConfig, WandbConfig
-    from bench.tracking.sync import TrackedRun
+    from bench.tracking.run import TrackedRun
 
 
 class TensorBoardSink:
@@ -256,17 +258,6 @@ def make_sink(name: str, spec, timeout_s: float = 60.0):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def flatten(tree: dict, prefix: str = "", sep: str = ".") -> dict:
-    """Nested mappings as {dotted key: leaf} (lists and scalars are leaves)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}{sep}", sep))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def mlflow_key(key: str) -> str:
