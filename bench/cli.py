@@ -125,9 +125,10 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_claims(args) -> int:
     from bench.claims import run_claims
+    from bench.claims.spec import MAX_SEEDS
 
-    if args.seeds is not None and args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
+        raise ValueError(f"--seeds must be from 1 to {MAX_SEEDS}, got {args.seeds}")
     page = run_claims(args.names or None, scale=args.scale, seeds=args.seeds,
                       claims_dir=args.claims_dir, output_dir=args.output_dir,
                       report_dir=args.report_dir, executor=args.executor,

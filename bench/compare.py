@@ -227,8 +227,9 @@ def compare(args: list[str], out_dir: str | os.PathLike | None = None,
         raise ValueError(f"compare needs at least two runs, groups or sweeps, got {len(args)}")
     if len(args) > len(SIDES):
         raise ValueError(f"compare takes at most {len(SIDES)} arguments, got {len(args)}")
-    if tolerance is not None and not tolerance >= 0:
-        raise ValueError(f"--tolerance must be >= 0 (absolute loss, nats), got {tolerance}")
+    if tolerance is not None and not 0 <= tolerance < math.inf:
+        raise ValueError(f"--tolerance must be a finite number >= 0 (absolute loss, nats), "
+                         f"got {tolerance}")
     sides = [load_side(name, arg) for name, arg in zip(SIDES, args, strict=False)]
     ref = sides[0]
     for side in sides:

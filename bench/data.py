@@ -402,6 +402,10 @@ def cached_corpus(corpus: str, tokenizer_name: str, cache_dir: str | Path,
             except OSError:
                 if not (final / "meta.json").exists():
                     raise
+        except OSError as err:  # a read-only HOME, a full disk
+            raise ValueError(f"data.cache_dir {str(cache_dir)!r}: cannot write the tokenised "
+                             f"corpus there ({err.strerror or err}: {err.filename}); set "
+                             "data.cache_dir to a writable directory with room") from None
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return final

@@ -99,6 +99,7 @@ def evaluate_run(
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         # lm-eval returns no results on other local ranks: evaluate in one process.
         raise ValueError("evaluate_run must be called on local rank 0 only")
+    check_device(device)
     run_dir = Path(run_dir)
     checkpoint = checkpoint_path(run_dir)
     config = _read_config(run_dir)
@@ -166,6 +167,24 @@ def _evaluate(run_dir, checkpoint, config, spec, suite, names, limit, batch_size
     write_json(eval_path, out)
     RunDir(run_dir).update_summary({"eval": summary})
     return out
+
+
+def check_device(device: str) -> None:
+    """ValueError naming --device unless `device` exists here: cpu, or cuda[:N] with
+    such a GPU visible."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"eval --device must be cpu or cuda[:N], got {device!r}") from None
+    if parsed.type == "cpu":
+        return
+    count = torch.cuda.device_count() if parsed.type == "cuda" else 0
+    if parsed.type != "cuda" or (parsed.index or 0) >= count:
+        raise ValueError(f"eval --device {device!r} does not exist here: this machine has "
+                         f"{count} CUDA device{'s' * (count != 1)} (valid: cpu"
+                         + (f", cuda:0 to cuda:{count - 1})" if count else ")"))
 
 
 def eval_device(cfg: Config) -> str:

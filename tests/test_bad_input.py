@@ -56,6 +56,19 @@ def spec(body: str) -> dict[str, str]:
                          f"report_dir: {{tmp}}/report\n{body}"}
 
 
+def claim(name: str = "toy", seeds: int = 3, contrast: str = "{diloco: 1, ddp: -1}",
+          file: str = "toy.yaml") -> dict[str, str]:
+    """A claim file claims/FILE over configs/ddp-tiny.yaml (the claims' page: {tmp}/page)."""
+    return {f"claims/{file}": (
+        f"name: {name}\nstatement: diloco beats ddp\n"
+        "sweep: {base: {repo}/configs/ddp-tiny.yaml, variants: {ddp: {strategy.name: ddp}, "
+        "diloco: {strategy.name: diloco}}}\n"
+        f"scales: {{tiny: {{seeds: {seeds}}}}}\n"
+        f"rules: [{{metric: final_val_loss, contrast: {contrast}, holds_if: {{below: 0}}}}]\n")}
+
+
+CLAIMS = ["claims", "--dry-run", "--claims-dir", "{tmp}/claims", "--output-dir", "{tmp}/out",
+          "--report-dir", "{tmp}/page"]
 SWEEP = ["sweep", "{tmp}/spec.yaml", "--no-report"]
 SMALL = ["parallel.world_size=2", "run.steps=4", "run.log_every=2", "run.val_sequences=8"]
 """A run small enough that a row which wrongly trains it (old code) fails fast."""
@@ -286,6 +299,31 @@ CASES = [
          ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
+    # ---- issue 29: eval
+    Case("eval-device-missing", ["eval", "{tmp}/r", "--device", "cuda:7"],
+         ["eval --device 'cuda:7' does not exist here", "valid: cpu"],
+         files={**recorded_run(), "r/checkpoints/final.pt": b"unused"}, marks=(NO_CUDA,)),
+    Case("eval-device-garbage", ["eval", "{tmp}/r", "--device", "gpu0"],
+         ["eval --device must be cpu or cuda[:N]", "'gpu0'"],
+         files={**recorded_run(), "r/checkpoints/final.pt": b"unused"}),
+    # ---- issue 29: claims
+    Case("claim-nan-contrast", CLAIMS, ["{tmp}/claims/toy.yaml", "rules[0].contrast.diloco",
+                                        "nan", "a finite non-zero number"],
+         files=claim(contrast="{diloco: .nan, ddp: -1}")),
+    Case("claim-200000-seeds", CLAIMS, ["scales.tiny.seeds", "200000", "from 3", "to 100"],
+         files=claim(seeds=200000)),
+    Case("claims-seeds-option", CLAIMS + ["--seeds", "200000"],
+         ["--seeds must be from 1 to 100", "got 200000"], files=claim()),
+    Case("claims-one-name-two-files", CLAIMS,
+         ["claim name 'toy' is given by two files", "{tmp}/claims/a.yaml",
+          "{tmp}/claims/b.yaml", "share one sweep directory"],
+         files={**claim(file="a.yaml"), **claim(file="b.yaml")}),
+    Case("report-target-loss-nan", ["report", "{tmp}/r", "-o", "{tmp}/page", "--target-loss",
+                                    "nan"],
+         ["--target-loss", "nan", "a finite validation loss"], files=recorded_run()),
+    Case("compare-tolerance-inf", ["compare", "{tmp}/r", "{tmp}/r", "-o", "{tmp}/page",
+                                   "--tolerance", "inf"],
+         ["--tolerance must be a finite number >= 0", "got inf"], files=recorded_run()),
     # ---- issue 29: out-of-range optimizer values were accepted
     Case("muon-momentum", run_argv("optim.name=muon", "optim.muon_momentum=5"),
          ["optim.muon_momentum", "[0, 1)", "got 5.0"]),

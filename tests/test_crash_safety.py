@@ -785,3 +785,19 @@ def test_a_run_without_loopback_is_refused_before_it_starts(tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     probe = _without_loopback("netprobe", "--out", str(tmp_path / "p.yaml"))
     assert probe.returncode == 2 and "loopback (127.0.0.1) does not work" in probe.stderr
+
+
+def test_a_read_only_home_is_named_as_the_cache_it_holds(tmp_path):
+    """Issue 29: with a read-only HOME the default data.cache_dir (~/.cache/commbench)
+    failed with a traceback; it is named, with what to do, before anything is launched."""
+    with tmpfs(tmp_path / "home", "64k") as home:
+        subprocess.run(["mount", "-o", "remount,ro", str(home)], check=True)
+        proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set",
+                         f"run.output_dir={tmp_path / 'out'}", "--quiet",
+                         env={"HOME": str(home)}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"commbench: error: data.cache_dir '{home}/.cache/commbench'"
+                                  ": cannot write the tokenised corpus there (Read-only file "
+                                  "system"), proc.stderr
+    assert "set data.cache_dir to a writable directory" in proc.stderr
+    assert not (tmp_path / "out").exists()

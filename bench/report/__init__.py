@@ -36,6 +36,7 @@ and confidence intervals are computed: see bench/report/analysis.py and stats.py
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     `target_loss` overrides the target validation loss (default: the sweep spec's, else the
     DDP baseline's final validation loss, the highest over its seeds). Raises ValueError
     when `results_dir` does not exist or holds no run records."""
+    if target_loss is not None and not math.isfinite(target_loss):
+        raise ValueError(f"--target-loss must be a finite validation loss, got {target_loss}")
     results_dir, out_dir = Path(results_dir), Path(out_dir)
     res = load_results(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
