@@ -801,3 +801,63 @@ def test_a_read_only_home_is_named_as_the_cache_it_holds(tmp_path):
                                   "system"), proc.stderr
     assert "set data.cache_dir to a writable directory" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------- records read back, mistyped
+
+
+@pytest.mark.parametrize("garbage", ["not json {", "[1, 2]", '"a string"'])
+def test_a_stray_summary_above_the_runs_hides_none_of_them(tmp_path, garbage, capsys):
+    """Issue 29: a garbage summary.json at the top of a results tree made the tree one
+    (broken) run, hiding every run below it from report, compare and track."""
+    from bench.cli import main
+    from bench.report.load import load_results
+    from tests.test_report import DDP_VAL, _save, _sweep, write_run
+
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+    _save(sweep_dir, sweep)
+    (tmp_path / "results" / "summary.json").write_text(garbage)
+    res = load_results(tmp_path / "results")
+    assert len(res.runs) == 2 and set(res.runs["status"]) == {"ok"}
+    assert any("summary.json: not a run's summary" in w for w in res.warnings)
+    assert main(["report", str(tmp_path / "results"), "-o", str(tmp_path / "page")]) == 0
+
+
+MISTYPED = [("projected", "x"), ("projected", {"eth-10g": 5}), ("config_hash", [1, 2]),
+            ("run_name", {"a": 1}), ("total_tokens", 1e308), ("final_val_loss", 1e308),
+            ("status", 7), ("val_set", "x")]
+
+
+@pytest.mark.parametrize("key,value", MISTYPED, ids=[f"{k}={v!r}" for k, v in MISTYPED])
+def test_a_mistyped_summary_field_is_dropped_with_a_warning(tmp_path, key, value, capsys):
+    """Issue 29: a summary.json field of another type (hand-edited, corrupted) ended
+    report and compare in a traceback (AttributeError, TypeError, OverflowError)."""
+    from bench.cli import main
+    from tests.test_report import DDP_VAL, _save, _sweep, write_run
+
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    runs = [write_run(sweep_dir, sweep, name, strategy, seed, DDP_VAL, t)
+            for name, strategy, t in (("ddp", "ddp", 1.0), ("dil", "diloco", 0.5))
+            for seed in (0, 1)]
+    _save(sweep_dir, sweep)
+    summary = json.loads((runs[2] / "summary.json").read_text())
+    (runs[2] / "summary.json").write_text(json.dumps({**summary, key: value}))
+    assert main(["report", str(tmp_path / "results"), "-o", str(tmp_path / "page")]) == 0
+    assert main(["compare", str(runs[0]), str(runs[2]), "-o", str(tmp_path / "cmp")]) == 0
+
+
+@pytest.mark.parametrize("row", ['{"step": "x", "loss": 1}', '{"step": 4, "loss": "x"}',
+                                 '[1, 2]', '{"step": 4, "loss": 1e308, "tokens": [1]}'])
+def test_a_mistyped_metrics_row_is_skipped(tmp_path, row, capsys):
+    from bench.cli import main
+    from tests.test_report import DDP_VAL, _save, _sweep, write_run
+
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    runs = [write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0) for seed in (0, 1)]
+    _save(sweep_dir, sweep)
+    metrics = runs[1] / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], row, *lines[1:]]) + "\n")
+    assert main(["report", str(tmp_path / "results"), "-o", str(tmp_path / "page")]) == 0
