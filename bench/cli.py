@@ -80,8 +80,8 @@ def _cmd_run(args) -> int:
     try:
         summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet,
                                    resume=bool(args.resume))
-    except Terminated:  # recorded as interrupted; the conventional exit code of SIGTERM
-        return 143
+    except Terminated as stop:  # recorded as interrupted; the signal's conventional exit code
+        return 128 + stop.signum
     _print_summary(summary)
     return 0 if summary["status"] == "ok" else 1
 

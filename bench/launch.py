@@ -5,9 +5,10 @@ writes config.yaml, starts `torchrun ... -m bench.train RUN_DIR`, shows a live p
 line, and leaves summary.json with status ok, diverged or failed (with the error text).
 A rank that crashes makes torchrun stop the others; a rank stuck in a collective fails
 after `parallel.timeout_s`; either way the run ends with status failed, never a hang, and
-the error's headline names the culprit rank (bench/failure.py). Ctrl-C or SIGTERM (what
-Slurm sends) stops torchrun, records the run failed with `interrupted: true` (partial: a
-sweep trains it again) and re-raises the KeyboardInterrupt (`Terminated` for SIGTERM).
+the error's headline names the culprit rank (bench/failure.py). Ctrl-C, SIGTERM (what
+Slurm sends) or SIGHUP (a closed terminal or ssh connection) stops torchrun, records the
+run failed with `interrupted: true` (partial: a sweep trains it again) and re-raises the
+KeyboardInterrupt (`Terminated` for SIGTERM and SIGHUP).
 Self-evaluation (`eval.suite`) is the command line's job (bench/cli.py), after
 `run_config` returns: the harness does not import `eval`. Before torchrun starts, this
 process checks the node has a GPU per rank (CUDA runs) and tokenises the corpus into the
@@ -65,7 +66,18 @@ from bench.typed import flatten
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop) during a run: handled like Ctrl-C."""
+    """SIGTERM (a scheduler's stop) or SIGHUP (a closed terminal) during a run: handled
+    like Ctrl-C. `signum` is the signal; the command line exits 128 + signum."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def what(self) -> str:
+        """The run's recorded error."""
+        name = signal.Signals(self.signum).name
+        return f"terminated ({name}{': the terminal closed' if name == 'SIGHUP' else ''})"
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -147,10 +159,11 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
                                                 run.torchrun_log, progress,
                                                 cfg.launch.rdzv_timeout_s)
     except KeyboardInterrupt as stop:  # torchrun is stopped: record the run, let the caller stop
-        what = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted by the user"
+        what = stop.what if isinstance(stop, Terminated) else "interrupted by the user"
         run.update_summary({"status": "failed", "error": what, "interrupted": True,
                             "launcher_wall_s": time.perf_counter() - started})
-        print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
         raise
     summary = run.read_summary() or {}
     if rc == 0 and cfg.launch.nnodes > 1 and summary.get("status") == "running":
@@ -275,20 +288,23 @@ def _no_space(error: str, log_error: OSError | None, run: RunDir, world_size: in
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """Inside the block SIGTERM raises `Terminated` (in the main thread only)."""
+    """Inside the block SIGTERM and SIGHUP raise `Terminated` (in the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    stops = (signal.SIGTERM, signal.SIGHUP)
 
     def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop; let the cleanup finish
-        raise Terminated()
+        for sig in stops:  # one stop; let the cleanup finish
+            signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in stops}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _recorded_config(run: RunDir, flag: str) -> Config:

@@ -127,7 +127,7 @@ import os, signal, sys, time
 from bench import launch
 from bench.config import load_config
 
-def fake_torchrun(cmd, env, log_path, progress):
+def fake_torchrun(cmd, env, log_path, progress, start_timeout_s):
     {body}
 
 launch._run_torchrun = fake_torchrun
@@ -148,21 +148,24 @@ def fake_launch(tmp_path: Path, body: str, *sets: str) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=120)
 
 
-def test_sigterm_is_recorded_like_ctrl_c(tmp_path):
-    """Issue 16, defect 10: SIGTERM (Slurm's stop) left summary.json at "running"."""
-    proc = fake_launch(tmp_path, "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
-                                 "    return 0, []")
+@pytest.mark.parametrize("sig,error", [("SIGTERM", "terminated (SIGTERM)"),
+                                       ("SIGHUP", "terminated (SIGHUP: the terminal closed)")])
+def test_sigterm_is_recorded_like_ctrl_c(tmp_path, sig, error):
+    """Issue 16, defect 10: SIGTERM (Slurm's stop) left summary.json at "running"; issue 29:
+    so did SIGHUP (a closed terminal or ssh connection)."""
+    proc = fake_launch(tmp_path, f"os.kill(os.getpid(), signal.{sig}); time.sleep(30)\n"
+                                 "    return 0, [], None")
     assert proc.returncode == 0 and proc.stdout.strip() == "terminated", proc.stderr
     summary = RunDir(tmp_path / "run").read_summary()
     assert summary["status"] == "failed" and summary["interrupted"] is True
-    assert summary["error"] == "terminated (SIGTERM)"
+    assert summary["error"] == error
     assert "no checkpoint was saved yet" in proc.stderr  # nothing to resume: no promise
 
 
 def test_a_node_without_rank_0_succeeds_on_exit_code_0(tmp_path):
     """Issue 16/17: on a node whose rank 0 is elsewhere, summary.json is rank 0's to write;
     this node's torchrun exiting 0 is success, and the record is left alone."""
-    proc = fake_launch(tmp_path, "return 0, []", "launch.nnodes=2",
+    proc = fake_launch(tmp_path, "return 0, [], None", "launch.nnodes=2",
                        "launch.rdzv_endpoint=127.0.0.1:29999")
     assert proc.stdout.strip() == "returned ok", proc.stderr
     summary = RunDir(tmp_path / "run").read_summary()
