@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -455,19 +454,41 @@ def test_ctrl_c_in_the_real_launcher_stops_torchrun_and_records_the_run(tmp_path
     assert result.ok and result.num_launched == 1
 
 
+HOLD_SWEEP = """\
+import sys, time
+from bench.sweep.store import sweep_lock
+from pathlib import Path
+with sweep_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
 def test_a_second_sweep_process_on_the_same_directory_is_refused(tmp_path, env):
     path = write_spec(tmp_path, {"name": "l"})
-    lock = tmp_path / "results" / "l" / ".sweep.lock"
-    lock.parent.mkdir(parents=True)
-    lock.write_text(f"{socket.gethostname()} {os.getpid()}")  # a live process holds it
-    with pytest.raises(ValueError, match="in use by process"):
+    sweep_dir = tmp_path / "results" / "l"
+    sweep_dir.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_SWEEP, str(sweep_dir)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        with pytest.raises(ValueError, match=r"in use by commbench sweep \(pid "
+                                             rf"{proc.pid} on host"):
+            run_sweep(path, runner=fake_runner, report=False)
+        assert not _trained(env)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert run_sweep(path, runner=fake_runner, report=False).ok  # the kernel freed the lock
+
+
+def test_a_sweep_lock_that_is_a_directory_is_named(tmp_path, env):
+    """Issue 29: a .sweep.lock that is a directory ended the sweep in a traceback."""
+    path = write_spec(tmp_path, {"name": "l"})
+    (tmp_path / "results" / "l" / ".sweep.lock").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"\.sweep\.lock is a directory; remove it"):
         run_sweep(path, runner=fake_runner, report=False)
     assert not _trained(env)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    lock.write_text(f"{socket.gethostname()} {dead}")  # left behind by a killed sweep
-    assert run_sweep(path, runner=fake_runner, report=False).ok
-    assert not lock.exists()
 
 
 def test_local_executor_runs_several_at_once(tmp_path, env):

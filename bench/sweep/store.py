@@ -10,9 +10,7 @@ never deleted: a record that is trained again moves to NAME/_retired/ first.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,33 +56,12 @@ def retire(run_dir: Path, sweep_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def sweep_lock(sweep_dir: Path):
-    """One sweep process per sweep directory: a second one would retire the first's runs."""
-    path = sweep_dir / ".sweep.lock"
-    me = f"{socket.gethostname()} {os.getpid()}"
-    try:
-        host, pid = path.read_text().split()
-    except (OSError, ValueError):
-        host, pid = None, "0"
-    if host is not None and (host != socket.gethostname() or _alive(int(pid))):
-        raise ValueError(f"sweep directory {str(sweep_dir)!r} is in use by process {pid} on "
-                         f"{host} (another `commbench sweep` of this spec). Wait for it, or "
-                         f"delete {path} if that process is gone.")
-    records.write_text(path, me)
-    try:
+    """One sweep process per sweep directory: a second one would retire the first's runs.
+    NAME/.sweep.lock, held with records.hold (a flock the kernel releases when the holder
+    dies: never stale); a second sweep is refused naming the holder (`records.Busy`)."""
+    with records.hold(sweep_dir / ".sweep.lock", "commbench sweep",
+                      f"sweep directory {str(sweep_dir)!r}"):
         yield
-    finally:
-        if path.exists() and path.read_text() == me:
-            path.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_sweep_json(spec: SweepSpec, run_dirs: dict[str, Path]) -> None:
