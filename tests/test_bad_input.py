@@ -102,6 +102,7 @@ def state_file(step: int, truncate: int | None = None) -> bytes:
 
 RESUME = ["run", "--resume", "{tmp}/r", "--quiet"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+LRS = [i / 1e5 for i in range(1, 101)]
 SMALL_TEXT = "To be, or not to be: that is the question.\n" * 25  # ~1100 bytes
 
 CASES = [
@@ -299,6 +300,14 @@ CASES = [
          ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
+    # ---- issue 29: a sweep too large to build (hung a --dry-run), a NaN target
+    Case("sweep-10-6-runs", SWEEP + ["--dry-run"],
+         ["the sweep has 1000000 runs", "100 (grid.optim.lr)", "100 (grid.optim.warmup_steps)",
+          "at most 10000"],
+         files=spec(f"seeds: {list(range(100))}\ngrid: {{optim.lr: {LRS}, "
+                    f"optim.warmup_steps: {list(range(100))}}}\n")),
+    Case("sweep-target-nan", SWEEP + ["--dry-run"],
+         ["target_loss", "nan", "a finite validation loss"], files=spec("target_loss: .nan\n")),
     # ---- issue 29: eval
     Case("eval-device-missing", ["eval", "{tmp}/r", "--device", "cuda:7"],
          ["eval --device 'cuda:7' does not exist here", "valid: cpu"],
