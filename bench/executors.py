@@ -5,7 +5,8 @@
 
 bench.sweep decides which runs to train and where their records go; an `Executor` trains
 them: `prepare(runs)` checks it can (before any record changes) and `run(todo, runner,
-progress)` trains and returns each run's summary. Executors know nothing of sweep specs.
+progress)` trains and returns each run's summary. Executors know nothing of sweep specs
+(they import nothing of bench.sweep: a run and a progress display are `Run` and `Progress`).
 A run that raises is recorded as failed, with its error, and never stops the sweep; Ctrl-C
 does (the run in flight records itself as interrupted).
 
@@ -40,21 +41,17 @@ import dataclasses
 import queue
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from tqdm import tqdm
 
 from bench import jobentry, records
-from bench.config import Config, config_hash, from_dict, to_dict, to_yaml
-
-if TYPE_CHECKING:  # executors are given runs; they never import the sweep at run time
-    from bench.sweep.progress import Progress
-    from bench.sweep.spec import SweepRun
+from bench.config import Config, from_dict, to_dict
+from bench.jobentry import Runner, execute_run, record_failure
 
 
 @dataclass
@@ -100,43 +97,22 @@ class ExecutorSpec:
                 raise ValueError(f"executor.{key} must be >= 1, got {getattr(self, key)}")
 
 
-Runner = Callable[..., dict]
-"""`runner(cfg, run_dir, progress=bool) -> summary dict`, default bench.launch.run_config."""
+class Run(Protocol):
+    """What an executor reads of a run (bench.sweep.spec.SweepRun is one)."""
 
-# ---------------------------------------------------------------------------- one run
-
-
-def _record_failure(cfg: Config, run_dir: Path, error: BaseException | str) -> dict:
-    """A run that raised instead of returning a summary: keep a record with the error."""
-    if isinstance(error, BaseException):
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        headline = f"{type(error).__name__}: {error}"
-        error = f"{headline}\n{text}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / "config.yaml").exists():
-        records.write_text(run_dir / "config.yaml", to_yaml(cfg))
-    return records.update_summary(run_dir, {
-        "status": "failed", "error": str(error), "run_name": cfg.run.name,
-        "config_hash": config_hash(cfg), "strategy": cfg.strategy.name,
-        "world_size": cfg.parallel.world_size,
-    })
+    run_id: str
+    config: Config
+    dir_name: str
 
 
-def _default_runner() -> Runner:
-    from bench.launch import run_config
+class Progress(Protocol):
+    """What an executor tells of its runs (bench.sweep.progress.Progress is one)."""
 
-    return run_config
+    live: bool
 
+    def start(self, run: Run, run_dir: Path) -> None: ...
 
-def execute_run(cfg: Config, run_dir: Path, runner: Runner | None = None,
-                progress: bool = False) -> dict:
-    """Train one run; never raises for a run's own failure (records status failed)."""
-    runner = runner or _default_runner()
-    try:
-        summary = runner(cfg, run_dir, progress=progress)
-    except Exception as err:
-        summary = _record_failure(cfg, run_dir, err)
-    return summary
+    def finish(self, run: Run, summary: dict) -> None: ...
 
 
 # --------------------------------------------------------------------------- interface
@@ -148,12 +124,12 @@ class Executor:
     def __init__(self, spec: ExecutorSpec, name: str, sweep_dir: Path):
         self.spec, self.name, self.sweep_dir = spec, name, sweep_dir
 
-    def prepare(self, runs: list[SweepRun]) -> set[str]:
+    def prepare(self, runs: list[Run]) -> set[str]:
         """Fail (ValueError) if these runs cannot be trained; called before any record
         changes. Returns the ids of runs an earlier invocation is still training."""
         return set()
 
-    def run(self, todo: list[tuple[SweepRun, Path]], runner: Runner | None,
+    def run(self, todo: list[tuple[Run, Path]], runner: Runner | None,
             progress: Progress) -> dict[str, dict]:
         """Train `todo` (run, run_dir) pairs; run id -> summary. A failing run is recorded
         as failed and never stops the others; Ctrl-C does."""
@@ -171,7 +147,7 @@ def make_executor(spec: ExecutorSpec, name: str, sweep_dir: Path) -> Executor:
 class LocalExecutor(Executor):
     """This machine: one run at a time, or `max_parallel` at once."""
 
-    def prepare(self, runs: list[SweepRun]) -> set[str]:
+    def prepare(self, runs: list[Run]) -> set[str]:
         from bench.config import check_device
 
         for run in runs:  # a config this machine cannot run fails the sweep, not the run
@@ -208,7 +184,7 @@ def gpu_blocks(configs: list[Config], max_parallel: int) -> list[str] | None:
     return blocks
 
 
-def _run_local(todo: list[tuple[SweepRun, Path]], runner: Runner | None, max_parallel: int,
+def _run_local(todo: list[tuple[Run, Path]], runner: Runner | None, max_parallel: int,
                progress: Progress, gpu_blocks: list[str] | None = None) -> dict[str, dict]:
     """Train the runs here, one after another or `max_parallel` at once (with
     `gpu_blocks`: at most one run per block of GPUs at a time, each run on its block,
@@ -234,7 +210,7 @@ def _run_local(todo: list[tuple[SweepRun, Path]], runner: Runner | None, max_par
 
     in_flight: dict[str, Path] = {}  # run id -> run dir, while a thread trains it
 
-    def work(run: SweepRun, run_dir: Path) -> dict:
+    def work(run: Run, run_dir: Path) -> dict:
         block = free.get() if free is not None else None
         cfg = run.config
         if block is not None and cfg.launch.cuda_visible_devices is None:
@@ -289,7 +265,7 @@ class SlurmExecutor(Executor):
         self.active: dict[str, Any] = {}
         self.submitit = None
 
-    def prepare(self, runs: list[SweepRun]) -> set[str]:
+    def prepare(self, runs: list[Run]) -> set[str]:
         self.submitit = _submitit_executor(self.spec, self.name, self.folder)
         self.active = _still_active_jobs(self.spec, self.folder, {r.run_id for r in runs})
         return set(self.active)
@@ -330,7 +306,7 @@ def _submitit_executor(ex: ExecutorSpec, name: str, folder: Path):
     return executor
 
 
-def submit(executor, ex: ExecutorSpec, name: str, todo: list[tuple[SweepRun, Path]],
+def submit(executor, ex: ExecutorSpec, name: str, todo: list[tuple[Run, Path]],
            runner: Runner | None) -> list:
     """Submit one job per run (an array when `ex.array`); the submitit jobs, in order."""
     # Plain data and a runner NAME: a job queued before an upgrade still starts after it
@@ -381,7 +357,7 @@ def _wait(pending: dict, by_id: dict, progress: Progress, poll_s: float) -> dict
                 except Exception as err:  # killed, timed out, or crashed outside the run
                     summary = records.read_summary(run_dir) or {}
                     if summary.get("status") not in records.ENDED_STATUSES:
-                        summary = _record_failure(
+                        summary = record_failure(
                             run.config, run_dir, f"slurm job {job.job_id} ended without a "
                             f"result ({job.state}): {err}")
                 summaries[run_id] = summary

@@ -47,8 +47,9 @@ orchestrate.py (run_sweep), progress.py (the bars). Executors (`local`, or `slur
 submitit) train the runs: see bench/executors.py.
 """
 
-from bench.sweep.orchestrate import RunOutcome, SweepResult, run_sweep
+from bench.sweep.orchestrate import SweepResult, run_sweep
 from bench.sweep.spec import SweepRun, SweepSpec, expand, load_spec
+from bench.sweep.store import RunOutcome
 
 __all__ = ["RunOutcome", "SweepResult", "SweepRun", "SweepSpec", "expand", "load_spec",
            "run_sweep"]

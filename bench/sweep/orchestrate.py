@@ -23,17 +23,7 @@ from bench.executors import Executor, Runner, make_executor
 from bench.sweep import store
 from bench.sweep.progress import Progress
 from bench.sweep.spec import SweepRun, SweepSpec, format_value, load_spec
-
-
-@dataclass
-class RunOutcome:
-    run: SweepRun
-    run_dir: Path
-    status: str
-    """ok, failed, diverged, partial (killed), or new (dry run: not started)."""
-    launched: bool
-    """Whether this invocation trained it (False: skipped, already recorded)."""
-    error: str | None = None
+from bench.sweep.store import RunOutcome
 
 
 @dataclass

@@ -18,15 +18,15 @@ from tqdm import tqdm
 from bench import records
 
 if TYPE_CHECKING:
-    from bench.sweep.orchestrate import RunOutcome
     from bench.sweep.spec import SweepRun
+    from bench.sweep.store import RunOutcome
 
 
 class _RunLine:
     """One running run's line: steps done, loss and tokens/s, read from its metrics.jsonl."""
 
     def __init__(self, run: SweepRun, run_dir: Path):
-        self.path = run_dir / "metrics.jsonl"
+        self.path = records.RunDir(run_dir).metrics
         self.offset = 0
         self.bar = tqdm(total=run.config.run.steps, desc=f"  {run.label} seed={run.seed}",
                         unit="step", leave=False, dynamic_ncols=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,10 +21,23 @@ if TYPE_CHECKING:
     from bench.sweep.spec import SweepRun, SweepSpec
 
 
+@dataclass
+class RunOutcome:
+    """A run of the sweep, its record and what this invocation did with it."""
+
+    run: SweepRun
+    run_dir: Path
+    status: str
+    """ok, failed, diverged, partial (killed), or new (dry run: not started)."""
+    launched: bool
+    """Whether this invocation trained it (False: skipped, already recorded)."""
+    error: str | None = None
+
+
 def record_state(run_dir: Path) -> str:
     """`new` when nothing is recorded at run_dir, else records.status_of its summary
     (a torn summary.json, from a run killed while writing it, reads as partial)."""
-    if not (run_dir / "config.yaml").exists() and not (run_dir / "summary.json").exists():
+    if not records.RunDir(run_dir).holds_records():
         return "new"
     try:
         summary = records.read_summary(run_dir)
