@@ -30,7 +30,7 @@ from bench.config import config_hash, to_yaml
 from bench.records import RunDir
 from bench.summary import make_summary, train_row, val_row
 from bench.sweep import load_spec, run_sweep
-from bench.sweep.store import record_state
+from bench.sweep.store import record_state, retire
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -489,6 +489,31 @@ def test_a_sweep_lock_that_is_a_directory_is_named(tmp_path, env):
     with pytest.raises(ValueError, match=r"\.sweep\.lock is a directory; remove it"):
         run_sweep(path, runner=fake_runner, report=False)
     assert not _trained(env)
+
+
+def test_a_sweep_never_moves_a_record_another_process_writes(tmp_path, env, monkeypatch):
+    """Issue 29: a sweep retired a run directory while a hand `--resume` trained it (the
+    resume then wrote its error into the sweep's new record). A held record stops the
+    sweep before any record moves; the same sweep goes on once the holder is gone."""
+    from tests.test_crash_safety import held_by_another_process
+
+    path = write_spec(tmp_path, {"name": "h", "variants": {"a": {"optim.lr": 0.001},
+                                                           "b": {"optim.lr": 0.002}}})
+    monkeypatch.setenv("FAKE_RUNNER_FAIL", "a,b")
+    first = run_sweep(path, runner=fake_runner, report=False)
+    assert first.count("failed") == 2
+    monkeypatch.setenv("FAKE_RUNNER_FAIL", "")
+    held = max(o.run_dir for o in first.outcomes)  # the second to retire: nothing moves
+    before = sorted(p.name for p in (tmp_path / "results" / "h").iterdir())
+    with held_by_another_process(held, "commbench run --resume") as proc:
+        with pytest.raises(records.Busy, match=rf"run directory {held} is in use by commbench "
+                                               rf"run --resume \(pid {proc.pid}"):
+            run_sweep(path, runner=fake_runner, report=False, retry_failed=True)
+        with pytest.raises(records.Busy):  # a holder that starts after the check
+            retire(held, tmp_path / "results" / "h")
+    assert sorted(p.name for p in (tmp_path / "results" / "h").iterdir()) == before
+    assert len(_trained(env)) == 2  # the first sweep's two runs only
+    assert run_sweep(path, runner=fake_runner, report=False, retry_failed=True).ok
 
 
 def test_local_executor_runs_several_at_once(tmp_path, env):

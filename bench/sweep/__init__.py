@@ -33,7 +33,8 @@ Identity and resume. A run's id is `config_hash` of its resolved config; its rec
 OUTPUT_DIR/NAME/RUN_NAME-ID/ (RUN_NAME = the variant name). Re-running a sweep skips runs
 recorded ok or diverged (a diverged run is a result, not an accident), keeps failed runs
 with their error unless `--retry-failed`, and re-runs partial ones (killed or Ctrl-C). A record
-that is re-run is moved to NAME/_retired/ first, never deleted. One failing run never
+that is re-run is moved to NAME/_retired/ first, never deleted, and never while another
+process (a hand `--resume`, `eval`) holds it: the sweep stops first. One failing run never
 stops the sweep. One sweep process at a time per sweep directory (NAME/.sweep.lock, a
 flock: a killed sweep leaves no stale lock).
 NAME/sweep.json maps each run id to its variant, seed and grid point; the report reads

@@ -54,6 +54,7 @@ def _launch(spec: SweepSpec, outcomes: list[RunOutcome], todo: list[tuple[SweepR
             runner: Runner | None, executor: Executor, active: set[str]) -> None:
     """Move old records of the runs to redo aside, train them, update `outcomes`."""
     sweep_dir = spec.sweep_dir
+    store.check_not_held([run_dir for run, run_dir in todo if run.run_id not in active])
     launch_dirs: dict[str, Path] = {}
     for run, run_dir in todo:
         if run.run_id in active:  # a job of an earlier invocation still runs: wait for it

@@ -57,15 +57,26 @@ def find_run_dir(sweep_dir: Path, run: SweepRun) -> Path:
 
 
 def retire(run_dir: Path, sweep_dir: Path) -> Path:
-    """Move a record aside to SWEEP/_retired/NAME.N (never deleted)."""
+    """Move a record aside to SWEEP/_retired/NAME.N (never deleted), holding its run
+    directory's lock: `records.Busy` when another process (a hand `--resume`) writes it."""
     retired = sweep_dir / "_retired"
-    retired.mkdir(parents=True, exist_ok=True)
-    n = 1
-    while (retired / f"{run_dir.name}.{n}").exists():
-        n += 1
-    dest = retired / f"{run_dir.name}.{n}"
-    shutil.move(str(run_dir), str(dest))
+    with records.RunDir(run_dir).lock("commbench sweep (moving it to _retired/)"):
+        retired.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while (retired / f"{run_dir.name}.{n}").exists():
+            n += 1
+        dest = retired / f"{run_dir.name}.{n}"
+        shutil.move(str(run_dir), str(dest))
     return dest
+
+
+def check_not_held(run_dirs: list[Path]) -> None:
+    """`records.Busy` naming the first run directory another process holds (a hand
+    `--resume` or `eval`): checked before a sweep changes any record."""
+    for run_dir in run_dirs:
+        holder = records.RunDir(run_dir).holder()
+        if holder is not None:
+            raise records.Busy(f"run directory {run_dir}", holder)
 
 
 @contextlib.contextmanager
