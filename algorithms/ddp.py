@@ -95,6 +95,25 @@ class DDPConfig(StrategyConfig):
             require_deepspeed(cfg, self.zero_stage)
 
 
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """torch DDP: + its gradient buckets (a second copy of the gradients). ZeRO-1:
+        optimizer state over the ranks (+ the flat fp32 partition); ZeRO-2: gradients too."""
+        n = cfg.parallel.world_size
+        if cfg.parallel.shard == "fsdp":  # FSDP2 over every rank
+            return {**facts.sharded(n).base_terms(), **fsdp_terms(facts)}
+        terms = facts.base_terms()
+        if self.backend == "torch":
+            if n > 1:
+                terms["DDP gradient buckets"] = facts.param_bytes
+            return terms
+        if self.zero_stage >= 1:
+            terms = shard_terms(terms, ("optimizer",), n)
+            terms["ZeRO: flat fp32 partition"] = facts.param_bytes // n
+        if self.zero_stage >= 2:
+            terms = shard_terms(terms, ("gradients",), n)
+        return terms
+
+
 DEEPSPEED_REFUSES = {
     "muon": "Muon + AdamW is two torch optimizers, DeepSpeed wraps one",
     "soap": "ZeRO-1/2 hand the optimizer flat 1-D partitions, on which SOAP's Kronecker "
@@ -123,24 +142,6 @@ def require_deepspeed(cfg, zero_stage: int = 0, engine: str = "the DeepSpeed eng
             f"{cfg.optim.name!r} with optim.delay={cfg.optim.delay} is not supported ({why}); "
             "use strategy.backend=torch, or optim.name adamw/sgd/lion/adan/nadamw (soap: "
             "ZeRO stage 0 only) with optim.delay=0")
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """torch DDP: + its gradient buckets (a second copy of the gradients). ZeRO-1:
-        optimizer state over the ranks (+ the flat fp32 partition); ZeRO-2: gradients too."""
-        n = cfg.parallel.world_size
-        if cfg.parallel.shard == "fsdp":  # FSDP2 over every rank
-            return {**facts.sharded(n).base_terms(), **fsdp_terms(facts)}
-        terms = facts.base_terms()
-        if self.backend == "torch":
-            if n > 1:
-                terms["DDP gradient buckets"] = facts.param_bytes
-            return terms
-        if self.zero_stage >= 1:
-            terms = shard_terms(terms, ("optimizer",), n)
-            terms["ZeRO: flat fp32 partition"] = facts.param_bytes // n
-        if self.zero_stage >= 2:
-            terms = shard_terms(terms, ("gradients",), n)
-        return terms
 
 
 def device_future(device: torch.device) -> torch.futures.Future:

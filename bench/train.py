@@ -295,7 +295,10 @@ class Trainer:
             projected_no_overlap=self._projections(state.projected_no_overlap_s,
                                                    state.projected_comm_no_overlap_s,
                                                    state.warmup_projected_no_overlap_s, state),
-            projection_model=f"{self.net_model} collectives, overlap-aware",
+            projection_model=f"{self.net_model} collectives, overlap-aware" + (
+                "; FSDP's all-gathers and reduce-scatters priced with no overlap (an upper "
+                "bound: FSDP2 overlaps them with compute on a GPU)"
+                if cfg.parallel.shard != "none" else ""),
             optim=describe_optimizer(getattr(self.strategy, "optimizer", None), cfg),
             num_params=self.num_params, flops_per_token=self.flops_per_token,
             device=self.device.type, backend=self.backend, data=self.data_meta, mfu=mfu,

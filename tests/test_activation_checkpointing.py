@@ -19,7 +19,7 @@ from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change
 
 COMMON = ["parallel.world_size=2", "run.steps=3", "run.log_every=3", "run.val_every=0",
-          "run.val_batches=1", "model.seq_len=32", "data.batch_size=4",
+          "run.val_sequences=4", "model.seq_len=32", "data.batch_size=4",
           "checkpoint.final=false", "model.n_layer=2"]
 ROUNDS = ["strategy.inner_steps=2"]
 CASES = {

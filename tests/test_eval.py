@@ -286,7 +286,7 @@ def _train_and_validate(rank, world_size, arch, root):
 
     cfg = load_config("configs/ddp-tiny.yaml", [
         f"model.arch={arch}", "parallel.world_size=1", "run.steps=3", "run.log_every=3",
-        "run.val_every=0", "run.val_batches=2", "model.seq_len=32", "data.batch_size=4",
+        "run.val_every=0", "run.val_sequences=8", "model.seq_len=32", "data.batch_size=4",
         f"data.cache_dir={root}/cache"])
     run_dir = Path(root) / arch
     run_dir.mkdir(parents=True)

@@ -37,7 +37,7 @@ def _state_bytes(optimizer) -> int:
                 total += sum(t.numel() * t.element_size() for t in tensors
                              if torch.is_tensor(t) and t.dim() > 0)
     if isinstance(optimizer, DelayedOptimizer):
-        for kept in (optimizer.stale, optimizer.previous_update):
+        for kept in (optimizer.stale, optimizer.correction.previous):
             total += sum(t.numel() * t.element_size() for t in kept or [] if t is not None)
     return total
 
@@ -45,8 +45,9 @@ def _state_bytes(optimizer) -> int:
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("overrides", [
     dict(name="adamw"), dict(name="sgd", momentum=0.9), dict(name="sgd"), dict(name="muon"),
-    dict(name="lion"), dict(name="adan"), dict(name="soap"),
+    dict(name="lion"), dict(name="adan"), dict(name="soap"), dict(name="nadamw"),
     dict(name="adamw", delay=1, delay_correction="ef"),
+    dict(name="muon", delay=1, delay_correction="predict"),
 ])
 def test_optimizer_terms_are_the_optimizers_real_state(arch, overrides):
     """The plan's optimizer state == the bytes the real optimizer holds after two steps."""
@@ -92,7 +93,7 @@ def test_meta_activation_count_matches_what_cpu_autograd_keeps(arch):
 
 SHAPE = ["model.n_layer=4", "model.n_embd=384", "model.n_head=6", "model.seq_len=128",
          "data.batch_size=8", "parallel.world_size=2", "run.steps=3", "run.log_every=3",
-         "run.val_every=0", "run.val_batches=1", "checkpoint.final=false"]
+         "run.val_every=0", "run.val_sequences=4", "checkpoint.final=false"]
 LAYOUTS = {
     "ddp": ("configs/ddp-tiny.yaml", []),
     "diloco-llama": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=2",
@@ -210,7 +211,7 @@ def test_a_plan_that_does_not_fit_is_refused_naming_its_largest_term(monkeypatch
 STAGES = ["strategy.name=pipedream-2bw", "strategy.delay=0", "parallel.num_microbatches=4",
           "model.n_layer=8", "model.n_embd=384", "model.n_head=6", "model.seq_len=128",
           "data.batch_size=8", "parallel.world_size=4", "run.steps=2", "run.log_every=2",
-          "run.val_every=0", "run.val_batches=1", "checkpoint.final=false"]
+          "run.val_every=0", "run.val_sequences=4", "checkpoint.final=false"]
 
 
 def _per_stage_peaks(rank, world_size, stages, root):

@@ -20,7 +20,7 @@ from algorithms.base import mean_loss
 from bench.batches import validation_set
 from bench.config import load_config
 from bench.data import load_corpus
-from bench.model import GPT, GPTConfig
+from bench.model import GPT, GPTConfig, build_model
 from bench.train import Trainer
 from tests.distributed import run_distributed
 
@@ -90,9 +90,12 @@ def _tiny_config_validation(rank, world_size, root):
         uneven = validation_set(splits.val, cfg.model.seq_len, 10)
         uneven_loss = trainer.strategy.evaluate(uneven.batches(3, shard, num_shards))
         reference = {}
+        whole = build_model(trainer.model_config)  # pipeline ranks hold only their stage
+        whole.init_seed = trainer.model.init_seed  # the loop's model, all of it
+        whole.init_weights()
         for name, vs in (("shipped", trainer.val_set), ("uneven", uneven)):
             x, y = vs.batches(vs.sequences)[0]
-            reference[name] = mean_loss(trainer.model, [(x, y)], torch.device("cpu"))
+            reference[name] = mean_loss(whole, [(x, y)], torch.device("cpu"))
         trainer.strategy.close()
         out.append({"record": trainer.val_set.record(), "shard": (shard, num_shards),
                     "windows": torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in trainer.val]
