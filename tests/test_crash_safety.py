@@ -568,7 +568,7 @@ def test_the_launcher_survives_a_log_it_cannot_write(tmp_path):
         fill(disk)
         rc, tail, error = launch._run_torchrun(
             [sys.executable, "-c", "print('x' * 9000); print('last')"], dict(os.environ),
-            disk / "torchrun.log", False)
+            disk / "torchrun.log", False, 60.0)
     assert (rc, tail[-1], error.errno) == (0, "last", 28)
 
 
