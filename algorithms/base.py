@@ -64,6 +64,15 @@ class StrategyConfig:
         optimizer state and one microbatch's activations (`facts.base_terms()`)."""
         return facts.base_terms()
 
+    def traffic(self, cfg, facts):
+        """What one rank sends in each step, described without training: an
+        `algorithms.traffic.Traffic` built from the run config `cfg` and the model's
+        `TrafficFacts` (bench/whatif/engine.py prices it for `commbench whatif`). It must say
+        what the strategy's own code records in the CommLedger (tests/test_whatif.py
+        holds each description against real runs' ledgers). Default: not described."""
+        raise ValueError(f"strategy.name={self.name!r} has no traffic description "
+                         "(StrategyConfig.traffic): commbench whatif cannot price it")
+
 
 def require_data_parallel(config: StrategyConfig, cfg) -> None:
     """The rule every data-parallel strategy shares: no pipeline stages."""
@@ -152,10 +161,20 @@ class TrainSetup:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """This rank's peak memory: CUDA `max_memory_allocated`, else the process's max RSS."""
+    """This rank's peak memory: CUDA `max_memory_allocated`, else the peak resident set of
+    this process's own address space (Linux `VmHWM`). Not `ru_maxrss`: Linux carries the
+    parent's peak RSS across fork/vfork + exec into it, so a rank started by a large
+    launcher (a pytest process, torchrun's agent) would report the launcher's peak."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    import resource  # POSIX; ru_maxrss is KiB on Linux
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource  # POSIX, not Linux: ru_maxrss (KiB on Linux, bytes on macOS)
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 

@@ -59,6 +59,13 @@ from algorithms.base import (
 )
 from algorithms.clocks import Clock, clock_for
 from algorithms.memory import fsdp_terms, require_shard_ranks, shard_terms
+from algorithms.traffic import (
+    DDP_ASSUMPTION,
+    FSDP_ASSUMPTION,
+    Traffic,
+    ddp_buckets,
+    fsdp_step,
+)
 
 
 @dataclass
@@ -112,6 +119,25 @@ class DDPConfig(StrategyConfig):
         if self.zero_stage >= 2:
             terms = shard_terms(terms, ("gradients",), n)
         return terms
+
+    def traffic(self, cfg, facts) -> Traffic:
+        """Every step: torch DDP's bucket all-reduces over the world (phase "train"), or
+        the sharded replica's FSDP2 collectives. DeepSpeed's engine is not described (its
+        records are its comms logger's, not ours)."""
+        world, M = cfg.parallel.world_size, cfg.parallel.num_microbatches
+        if self.backend != "torch":
+            raise ValueError("strategy.backend=deepspeed has no traffic description (its "
+                             "records come from DeepSpeed's comms logger): commbench whatif "
+                             "prices strategy.backend=torch")
+        if cfg.parallel.shard == "fsdp":
+            step, notes = fsdp_step(facts, world, None, "train", M, cfg.optim.grad_clip), \
+                [FSDP_ASSUMPTION]
+        elif world > 1:
+            step, notes = [ddp_buckets(facts, self.bucket_cap_mb, "train", None, M)], \
+                [DDP_ASSUMPTION]
+        else:
+            step, notes = [], []
+        return Traffic(cfg.run.steps, lambda rank, s: step, notes=notes)
 
 
 DEEPSPEED_REFUSES = {
@@ -229,7 +255,11 @@ class DDPCommHook:
         result = device_future(device)
 
         def finish(fut):
-            reduced = fut.value()[0].div_(self.size)
+            try:
+                reduced = fut.value()[0].div_(self.size)
+            except Exception as err:  # a lost peer: fail the step (unset, DDP waits forever)
+                result.set_exception(err)
+                return
             stream = current_stream(device)  # the division's, ordered after NCCL's work
 
             def complete():

@@ -35,6 +35,14 @@ from algorithms.base import (
 from algorithms.ddp import make_ddp
 from algorithms.memory import HOST, fsdp_terms, require_shard_ranks
 from algorithms.outer import WIRE_BYTES, OuterOptimizer, RoundStats, replica_groups
+from algorithms.traffic import (
+    Traffic,
+    Transfer,
+    local_update_traffic,
+    outer_all_reduce,
+    outer_notes,
+    replica_inner,
+)
 
 
 @dataclass
@@ -106,6 +114,19 @@ class DiLoCoConfig(StrategyConfig):
         if cfg.parallel.group_size > 1 and not sharded:
             terms["DDP gradient buckets (inside the replica)"] = facts.param_bytes
         return terms
+
+    def traffic(self, cfg, facts) -> Traffic:
+        """Every step the replica's inner traffic (phase "inner"); a round's last step
+        adds `outer_transfers` (algorithms/traffic.py)."""
+        return local_update_traffic(cfg, self.inner_steps,
+                                    replica_inner(cfg, facts, self.bucket_cap_mb),
+                                    lambda rank: self.outer_transfers(cfg, facts, rank),
+                                    notes=outer_notes(cfg))
+
+    def outer_transfers(self, cfg, facts, rank: int) -> list[Transfer]:
+        """What `rank` sends when a round closes: one all-reduce of its θ in the wire dtype
+        (the one place an outer step says what it sends, e.g. fragments, compression)."""
+        return outer_all_reduce(cfg, facts, rank, WIRE_BYTES[self.outer_grad_dtype])
 
 
 class DiLoCo(DataParallelStrategy):

@@ -37,6 +37,7 @@ independent runs, the control that shows what communication buys. alpha must be 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from algorithms.base import (
     unwrap,
 )
 from algorithms.comm import Communicator
+from algorithms.traffic import Traffic, Transfer, round_ends
 
 TOPOLOGIES = ("complete", "ring", "random-matching", "random-2peer")
 MIN_WORKERS = {"complete": 1, "ring": 2, "random-matching": 2, "random-2peer": 3}
@@ -128,6 +130,28 @@ class GossipConfig(StrategyConfig):
         terms["evaluation copies (average, worker 0)"] = 2 * theta
         terms["gossip: round buffers"] = (self.ROUND_BUFFERS + peers) * theta
         return terms
+
+    def traffic(self, cfg, facts) -> Traffic:
+        """One exchange per round (phase "gossip"): |θ| to each of the round's peers
+        (`round_peers`, seeded as the run is); none with mixing 0. Worker i computes the
+        first H_i steps of each round and idles through the rest."""
+        n, steps = cfg.parallel.world_size, cfg.run.steps
+        each = self.inner_steps if isinstance(self.inner_steps, list) else [self.inner_steps] * n
+        rounds, theta = max(each), facts.param_bytes
+        graph = functools.lru_cache(maxsize=4)(
+            lambda index: round_peers(self.topology, n, self.seed, index))
+
+        def transfers(rank: int, step: int) -> list[Transfer]:
+            if self.mixing == 0 or not round_ends(step, rounds, steps):
+                return []
+            peers = tuple(graph(step // rounds)[rank])
+            if not peers:
+                return []
+            return [Transfer("gossip", "exchange", (theta * len(peers),), peers=peers,
+                             peer_nbytes=(theta,) * len(peers))]
+
+        return Traffic(steps, transfers, period=rounds,
+                       compute_share=lambda rank, step: float(step % rounds < each[rank]))
 
 
 @dataclass

@@ -28,13 +28,19 @@ def stage_bounds(layers: Sequence[nn.Module], num_stages: int,
 
     Raises ValueError naming `parallel.num_stages` or `parallel.partition` for a bad value.
     """
+    return bounds_of([_numel(m) for m in layers], num_stages, partition)
+
+
+def bounds_of(numels: Sequence[int], num_stages: int,
+              partition: str = "layers") -> list[tuple[int, int]]:
+    """`stage_bounds` from the layers' parameter counts (what the what-if knows)."""
     if partition not in PARTITIONS:
         raise ValueError(f"parallel.partition must be one of {list(PARTITIONS)}, "
                          f"got {partition!r}")
-    num_blocks = len(layers) - 2
+    num_blocks = len(numels) - 2
     if num_blocks < 1:
         raise ValueError(f"a pipeline needs a model of [embedding, blocks..., head], "
-                         f"got {len(layers)} layers")
+                         f"got {len(numels)} layers")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"parallel.num_stages must be an integer >= 1, got {num_stages!r}")
     if num_stages > num_blocks:
@@ -46,7 +52,7 @@ def stage_bounds(layers: Sequence[nn.Module], num_stages: int,
         sizes = [num_blocks // num_stages + (s < num_blocks % num_stages)
                  for s in range(num_stages)]
     else:
-        sizes = _balanced_sizes([_numel(m) for m in layers], num_stages)
+        sizes = _balanced_sizes(list(numels), num_stages)
     bounds, start = [], 1
     for s, size in enumerate(sizes):
         stop = start + size

@@ -18,6 +18,18 @@ from algorithms.base import StepStats, TrainSetup
 from algorithms.ddp import make_ddp
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.outer import RoundStats
+from algorithms.traffic import (
+    Traffic,
+    Transfer,
+    cross_of,
+    ddp_buckets,
+    fsdp_transfers,
+    local_shard_bytes,
+    local_update_traffic,
+    outer_notes,
+    replica_inner,
+    replica_of,
+)
 
 
 @dataclass
@@ -115,6 +127,39 @@ class PierConfig(DiLoCoConfig):
         if self.warmup_fraction > 0 and replicas > 1:
             terms["Pier lazy start: all-rank DDP buckets"] = facts.param_bytes
         return terms
+
+    def traffic(self, cfg, facts) -> Traffic:
+        """DiLoCo's after the lazy start. During it (its rounds send nothing): DDP over all
+        ranks (phase "inner"): the world's buckets, or, sharded, the replica's FSDP2
+        collectives, one all-reduce of the gradient shards across the replicas, then the
+        clipping norm's."""
+        p = cfg.parallel
+        world, g, M = p.world_size, p.group_size, p.num_microbatches
+        inner = replica_inner(cfg, facts, self.bucket_cap_mb)
+        if world // g == 1:
+            warm = inner
+        elif p.shard == "fsdp":
+            cache: dict[int, list[Transfer]] = {}
+
+            def warm(rank: int) -> list[Transfer]:
+                if rank not in cache:
+                    group = replica_of(rank, g, world)
+                    clip = [Transfer("clip", "all_reduce", (4,), group)] \
+                        if cfg.optim.grad_clip > 0 else []
+                    cache[rank] = [*fsdp_transfers(facts, g, group, "inner", M),
+                                   Transfer("inner", "all_reduce",
+                                            (local_shard_bytes(facts, g, rank % g),),
+                                            cross_of(rank, g, world)), *clip]
+                return cache[rank]
+        else:
+            buckets = [ddp_buckets(facts, self.bucket_cap_mb, "inner", None, M)]
+
+            def warm(rank: int) -> list[Transfer]:
+                return buckets
+        return local_update_traffic(cfg, self.inner_steps, inner,
+                                    lambda rank: self.outer_transfers(cfg, facts, rank),
+                                    round(self.warmup_fraction * cfg.run.steps), warm,
+                                    outer_notes(cfg))
 
     def decay_start(self) -> float:
         if self.momentum_decay_start is None:

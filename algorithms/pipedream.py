@@ -76,6 +76,12 @@ class PipeDreamConfig(PipelineConfigBase):
     def update_delay(self, cfg) -> int:
         return self.delay
 
+    def critical_path(self, num_stages: int, num_microbatches: int) -> CriticalPath:
+        """delay 1: M slots, no exposed hops (the next step's forwards fill the drain)."""
+        if not self.delay:
+            return super().critical_path(num_stages, num_microbatches)
+        return CriticalPath(slots=num_microbatches, work_slots=num_microbatches, hops=0)
+
     def in_flight(self, facts) -> float:
         """delay 1: S - s (the warm-up microbatches stay in flight across steps)."""
         if self.delay:
@@ -275,13 +281,6 @@ class PipeDream2BW(PipelineStrategy):
         """delay 0: the flushed 1F1B's (S-1)/(M+S-1); delay 1: 0 (no flush: the pipeline
         fills once, at the start of the run, not every step)."""
         return super().bubble_theory() if not self.delay else 0.0
-
-    def critical_path(self) -> CriticalPath:
-        """delay 1: M slots, no exposed hops (the next step's forwards fill the drain)."""
-        if not self.delay:
-            return super().critical_path()
-        M = self.num_microbatches
-        return CriticalPath(slots=M, work_slots=M, hops=0)
 
     # ------------------------------------------------------------------ state
 

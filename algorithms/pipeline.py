@@ -68,6 +68,19 @@ class PipelineConfig(PipelineConfigBase):
             raise ValueError(f"strategy.stages_per_rank must be 1 for schedule "
                              f"{self.schedule!r}, got {self.stages_per_rank!r}")
 
+    def traffic(self, cfg, facts):
+        """torch's 1f1b and gpipe: `PipelineConfigBase.traffic`. DeepSpeed's engine is not
+        described (its records are its comms logger's), nor the interleaved schedule."""
+        if self.backend != "torch":
+            raise ValueError("strategy.backend=deepspeed has no traffic description (its "
+                             "records come from DeepSpeed's comms logger): commbench whatif "
+                             "prices strategy.backend=torch")
+        if self.schedule == "interleaved-1f1b":
+            raise ValueError("strategy.schedule=interleaved-1f1b has no traffic description "
+                             "yet (its chunks' crossings are not modelled): commbench whatif "
+                             "prices schedules 1f1b and gpipe")
+        return super().traffic(cfg, facts)
+
     def in_flight(self, facts) -> float:
         """gpipe: all M; 1f1b: min(S - s, M); interleaved (V chunks): torch's warm-up of
         (V - 1) S + 2 (S - 1 - s) chunk-microbatches plus one, in units of V chunks."""

@@ -39,6 +39,7 @@ from algorithms.base import (
 )
 from algorithms.comm import Communicator, Group
 from algorithms.partition import PARTITIONS, split_layers
+from algorithms.traffic import Traffic, pipeline_traffic
 
 
 def default_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,21 @@ class PipelineConfigBase(StrategyConfig):
                              f"got {partition!r}")
         # more stages than blocks: checked by the harness (bench/config.py), which knows
         # the model; split_layers also refuses it when the stages are built
+
+    def critical_path(self, num_stages: int, num_microbatches: int) -> CriticalPath:
+        """With a flush: M + S - 1 slots, M of them this stage's, 2(S - 1) exposed hops
+        (V chunks per rank: V*M work slots). Configs without a flush override it."""
+        work = num_microbatches * getattr(self, "stages_per_rank", 1)
+        return CriticalPath(slots=work + num_stages - 1, work_slots=work,
+                            hops=2 * (num_stages - 1))
+
+    def traffic(self, cfg, facts) -> Traffic:
+        """Per step and stage: the microbatches' activations and gradients to and from the
+        neighbouring stages (phase "train"; the schedule's batched crossings are
+        exchanges, except GPipe's), then the stage's gradients averaged over the replicas
+        ("dp"), the tied embedding's summed between the end stages ("tied") and the
+        clipping norm over the stages ("clip"). Priced on the critical path."""
+        return pipeline_traffic(self, cfg, facts)
 
     def in_flight(self, facts) -> float:
         """Microbatches whose activations stage `facts.stage` holds at once: 1F1B's
@@ -228,10 +244,8 @@ class PipelineStrategy(Strategy):
         return (S - 1) / (M + S - 1)
 
     def critical_path(self) -> CriticalPath:
-        """With a flush: M + S - 1 slots, M of them this stage's, 2(S - 1) exposed hops
-        (V chunks per rank: V*M work slots). Subclasses without a flush override it."""
-        S, work = self.grid.num_stages, self.num_microbatches * len(self.chunk_ids)
-        return CriticalPath(slots=work + S - 1, work_slots=work, hops=2 * (S - 1))
+        """The config's (`PipelineConfigBase.critical_path`)."""
+        return self.config.critical_path(self.grid.num_stages, self.num_microbatches)
 
     def summary_fields(self) -> dict:
         """bubble_fraction_theory, per-stage peak memory (max over replicas) and the p2p

@@ -182,6 +182,19 @@ def save_periodic(run: RunDir, rank: int, step: int, strategy: Strategy, ledger:
     return every
 
 
+def save_at_stop(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
+                 loop_state: dict, group=None) -> None:
+    """`save_state` at the step a stop request agreed on (bench/stop.py), off the
+    `checkpoint.every` grid; a strategy that cannot save stops without one (a resume then
+    restarts at step 0, and says so)."""
+    try:
+        save_state(run, rank, step, strategy, ledger, loop_state, group)
+    except NotImplementedError as err:
+        if rank == 0:
+            print(f"warning: stopping at step {step} without a checkpoint: {err}",
+                  file=sys.stderr)
+
+
 def load_state(run: RunDir, rank: int, strategy: Strategy,
                ledger: CommLedger, group=None) -> dict[str, Any] | None:
     """Restore this rank's saved state when resuming; the saved loop state, or None.

@@ -2,6 +2,7 @@
 
     commbench run configs/ddp-tiny.yaml --set run.steps=50
     commbench sweep configs/quickstart.yaml [--dry-run] [--output-dir DIR] [--set K=V]
+    commbench sweep configs/quickstart.yaml --status    # each run's state; starts nothing
     commbench eval RUN_DIR --suite smoke
     commbench report results/quickstart -o reports/quickstart
     commbench compare results/before results/after --tolerance 0
@@ -56,7 +57,6 @@ def _cmd_run(args) -> int:
     """`commbench run`: a new run, `--run-dir DIR`, or `--resume DIR` (what each promises:
     bench/launch.py's docstring and the README's "Resume and run directories")."""
     from bench.config import check_output_dir, load_config, preflight
-    from bench.launch import Terminated
     from bench.records import RunDir
 
     if args.resume:
@@ -77,11 +77,7 @@ def _cmd_run(args) -> int:
     preflight(cfg)
     if run_dir is None:
         check_output_dir(cfg.run.output_dir)
-    try:
-        summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet,
-                                   resume=bool(args.resume))
-    except Terminated as stop:  # recorded as interrupted; the signal's conventional exit code
-        return 128 + stop.signum
+    summary = run_and_evaluate(cfg, run_dir, progress=not args.quiet, resume=bool(args.resume))
     _print_summary(summary)
     return 0 if summary["status"] == "ok" else 1
 
@@ -113,8 +109,12 @@ def _cmd_config_show(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from bench.sweep import run_sweep
+    from bench.sweep import run_sweep, sweep_status
 
+    if args.status:
+        sweep_status(args.spec, executor=args.executor, output_dir=args.output_dir,
+                     overrides=args.set)
+        return 0
     result = run_sweep(args.spec, dry_run=args.dry_run, retry_failed=args.retry_failed,
                        executor=args.executor, max_parallel=args.max_parallel,
                        report=not args.no_report, output_dir=args.output_dir,
@@ -172,6 +172,25 @@ def _cmd_compare(args) -> int:
     return compare(args.runs, args.output, tolerance=args.tolerance)
 
 
+def _cmd_whatif(args) -> int:
+    from bench.whatif.report import evaluate, run_whatif, table, write
+    from bench.whatif.scenario import load_scenario
+
+    if args.run:
+        for name, row in run_whatif(args.run).items():
+            recorded = row["recorded_s"]
+            print(f"{name}: what-if {row['whatif_s']:.6g} s, run's projected_robust "
+                  f"{'n/a' if recorded is None else f'{recorded:.6g} s'}, "
+                  f"utilisation {row['utilisation']:.1%}")
+        return 0
+    scenario = load_scenario(args.scenario, args.set or [])
+    results = evaluate(scenario)
+    print(table(scenario, results))
+    out = write(scenario, results, Path(args.output) / scenario.name)
+    print(f"\nwrote {out}/whatif.md, whatif.json, whatif.png")
+    return 0
+
+
 def _cmd_track(args) -> int:
     from bench.tracking.sync import track
 
@@ -219,9 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="run a sweep of runs, then report")
     sweep.add_argument("spec", help="sweep spec YAML")
     sweep.add_argument("--resume", action="store_true",
-                       help="skip runs already recorded ok (always on; kept for clarity)")
+                       help="skip runs already recorded ok and continue stopped ones from "
+                       "their checkpoints (always on; kept for clarity)")
     sweep.add_argument("--retry-failed", action="store_true",
-                       help="re-run failed runs (their old records are kept aside)")
+                       help="re-run failed runs: from their checkpoint, else from step 0 "
+                       "(their old records kept aside)")
+    sweep.add_argument("--status", action="store_true",
+                       help="list every run's state (recorded, running, queued with its "
+                       "Slurm job id, stopped, not started), attempts and last step; "
+                       "starts nothing")
     sweep.add_argument("--executor", choices=["local", "slurm"], help="override the spec")
     sweep.add_argument("--max-parallel", type=int, help="concurrent local runs")
     sweep.add_argument("--output-dir", metavar="DIR",
@@ -286,6 +311,23 @@ def build_parser() -> argparse.ArgumentParser:
                          "no step in common (0 = bit-exact)")
     compare.set_defaults(func=_cmd_compare)
 
+    whatif = sub.add_parser(
+        "whatif", help="project methods onto a planned model, world and network",
+        description="Price each method of a scenario (YAML, or --set on the defaults) with "
+        "its strategy's own traffic description on the network model, over a bandwidth "
+        "range: step time, exposed communication, compute utilisation, time for the token "
+        "budget, the bandwidth needed for each target utilisation, and a figure "
+        "(bench/whatif/; docs/network-model.md).")
+    whatif.add_argument("scenario", nargs="?", help="a what-if scenario YAML (default: the "
+                        "defaults of bench/whatif/scenario.py)")
+    whatif.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a scenario field (repeatable)")
+    whatif.add_argument("-o", "--output", default="results/whatif",
+                        help="where SCENARIO_NAME/whatif.{md,json,png} go")
+    whatif.add_argument("--run", metavar="RUN_DIR", help="instead: a measured run's own "
+                        "what-if beside its recorded projected_robust")
+    whatif.set_defaults(func=_cmd_whatif)
+
     track = sub.add_parser(
         "track", help="send recorded runs to TensorBoard, W&B or MLflow (idempotent)",
         description="Backfill: send every run under RESULTS_DIR to a tracking sink; what it "
@@ -340,8 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"commbench: error: {where}{err.strerror or err} (nothing more was written; "
               "what was written is whole)", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # what was recorded so far is on disk; no traceback
-        return 130
+    except KeyboardInterrupt as stop:  # recorded so far is on disk; no traceback
+        # the conventional status of the signal: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+        # (bench.stop.Stopped)
+        return 128 + getattr(stop, "signum", 2)
 
 
 if __name__ == "__main__":

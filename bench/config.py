@@ -282,7 +282,8 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     every: int | None = None
-    """Checkpoint every this many steps (for --resume); 0 = never, null = run.steps // 4."""
+    """Checkpoint every this many steps (for --resume); null = run.steps // 4; a stop
+    signal saves one more where it stops (bench/stop.py); 0 = never, not even then."""
     final: bool = True
     """Save the evaluation model at the end (needed by `commbench eval`)."""
     timeout_s: float = 1800.0

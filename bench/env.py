@@ -96,7 +96,7 @@ def resolve_device(cfg: Config) -> tuple[torch.device, str]:
     return device, backend
 
 
-FAULT_MODES = ("crash", "hang", "stop", "kill", "nan", "exit")
+FAULT_MODES = ("crash", "hang", "stop", "kill", "nan", "exit", "sigterm")
 
 
 def fault_injection(rank: int) -> tuple[int, str] | None:
@@ -107,7 +107,9 @@ def fault_injection(rank: int) -> tuple[int, str] | None:
     debugger or a stuck driver), kill (SIGKILL to itself, like the OOM killer),
     nan (its parameters become NaN: its loss is the first non-finite one), exit (the run
     completes, then the rank aborts in teardown, as a library's exit path can; STEP is
-    ignored). Used by
+    ignored), sigterm (SIGTERM to itself, as a scheduler's preemption reaching one rank
+    first: the ranks agree on a step boundary, checkpoint there and stop, bench/stop.py).
+    Used by
     tests/test_crash_safety.py (and handy on a cluster) to check that the run ends with
     the right status and names the culprit rank, within the process-group timeout.
     """
@@ -125,6 +127,9 @@ def fault_injection(rank: int) -> tuple[int, str] | None:
 def inject_fault(mode: str, rank: int, step: int, model: torch.nn.Module) -> None:
     """Make this rank fail as `mode` says (see `fault_injection`; `exit` acts in teardown)."""
     if mode == "exit":
+        return
+    if mode == "sigterm":  # its handler asks for a stop (bench/stop.py); the step goes on
+        os.kill(os.getpid(), signal.SIGTERM)
         return
     if mode == "hang":
         time.sleep(10**6)

@@ -3,18 +3,22 @@
     commbench sweep configs/quickstart.yaml               # the local executor
     commbench sweep configs/sweeps/slurm-example.yaml     # the slurm executor (a login node)
 
-bench.sweep decides which runs to train and where their records go; an `Executor` trains
-them: `prepare(runs)` checks it can (before any record changes) and `run(todo, runner,
-progress)` trains and returns each run's summary. Executors know nothing of sweep specs
-(they import nothing of bench.sweep: a run and a progress display are `Run` and `Progress`).
-A run that raises is recorded as failed, with its error, and never stops the sweep; Ctrl-C
-does (the run in flight records itself as interrupted).
+bench.sweep decides which runs to train, where their records go and which continue from a
+checkpoint; an `Executor` trains them (`Task`s): `prepare(tasks)` checks it can (before
+any record changes) and `run(tasks, runner, progress)` trains and returns each run's
+summary. Executors know nothing of sweep specs. A run that raises is recorded as failed,
+with its error, and never stops the sweep; a stop signal does (the runs in flight
+checkpoint at their next step boundary and are recorded interrupted, bench/launch.py).
 
 `local` runs one run at a time, or `max_parallel` at once (CUDA runs: each on its own
-GPUs, `gpu_blocks`, never two runs on GPUs 0..n-1). `slurm` submits one
-job per run, or one job array (`array: true`, throttled by `max_parallel`), through
-submitit, and waits for them, polling every `poll_s` seconds; each job trains its run
-with torchrun inside the allocation. A cluster example (also configs/sweeps/slurm-example.yaml):
+GPUs, `gpu_blocks`, never two runs on GPUs 0..n-1). `slurm` submits one job per run, or
+one job array (`array: true`, throttled by `max_parallel`), through submitit, and waits
+for them, polling every `poll_s` seconds; each job trains its run with torchrun inside the
+allocation, one task per node (a run's `launch.nnodes` nodes; bench/jobentry.py). Jobs
+ask Slurm for `signal` `signal_delay_s` seconds before their time limit; on it, or on
+Slurm's SIGTERM (preemption), the run checkpoints at the next step boundary and the job
+requeues itself, up to `max_requeues` times (bench/jobentry.py). A cluster example (also
+configs/sweeps/slurm-example.yaml):
 
     executor:
       name: slurm
@@ -22,8 +26,8 @@ with torchrun inside the allocation. A cluster example (also configs/sweeps/slur
       max_parallel: 8              # jobs of the array running at once
       partition: gpu
       timeout_min: 240
-      nodes: 1
-      tasks_per_node: 1            # one task: the launcher; torchrun starts the ranks
+      max_requeues: 5              # after the time limit's warning or a preemption
+      signal_delay_s: 300          # a step, a checkpoint save and Slurm's ~60 s resolution
       gpus_per_node: 8
       cpus_per_task: 64
       mem_gb: 400
@@ -31,27 +35,32 @@ with torchrun inside the allocation. A cluster example (also configs/sweeps/slur
       setup: ["source .venv/bin/activate"]         # shell lines before the job starts
 
 Job ids are kept in NAME/_slurm/jobs.json: a re-run while jobs are still queued or running
-waits for them instead of submitting duplicates. `cluster: local` (submitit's local
-executor) runs the same path on this machine; the tests use it.
+waits for them instead of submitting duplicates, and `commbench sweep SPEC --status` shows
+them. `cluster: local` (submitit's local executor) runs the same path on this machine; the
+tests use it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import queue
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from tqdm import tqdm
 
 from bench import jobentry, records
-from bench.config import Config, from_dict, to_dict
+from bench.config import Config, to_dict
 from bench.jobentry import Runner, execute_run, record_failure
+from bench.records import RunDir
+from bench.stop import stop_signals
 
 
 @dataclass
@@ -72,8 +81,18 @@ class ExecutorSpec:
     """slurm partition."""
     timeout_min: int = 60
     """Wall-clock limit of each job, minutes."""
-    nodes: int = 1
-    """Nodes per job (multi-node runs also need launch.nnodes and launch.rdzv_endpoint)."""
+    max_requeues: int = 3
+    """slurm: times a job requeues itself on Slurm's warning before its time limit or on
+    SIGTERM (preemption), each time continuing from the checkpoint its run saves at the
+    stop; after that the run stays recorded interrupted and the next sweep resumes it."""
+    signal: Literal["USR1", "USR2"] = "USR2"
+    """slurm: the signal a job asks for before its time limit (sbatch --signal)."""
+    signal_delay_s: int = 120
+    """slurm: seconds before the time limit at which it comes: a step and a checkpoint save
+    must fit, plus Slurm's timer resolution (it may come up to 60 s early)."""
+    nodes: int | None = None
+    """Nodes per job; null = each run's launch.nnodes (a run of several nodes is one job
+    of that many nodes, a task on each starting torchrun, rendezvous on the first)."""
     tasks_per_node: int = 1
     """Tasks per node; 1 = the launcher, which starts the ranks with torchrun."""
     gpus_per_node: int | None = None
@@ -93,26 +112,35 @@ class ExecutorSpec:
         if self.poll_s <= 0:
             raise ValueError(f"executor.poll_s must be > 0, got {self.poll_s}")
         for key in ("timeout_min", "nodes", "tasks_per_node"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"executor.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_requeues", "signal_delay_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"executor.{key} must be >= 0, got {getattr(self, key)}")
 
 
-class Run(Protocol):
-    """What an executor reads of a run (bench.sweep.spec.SweepRun is one)."""
+@dataclass(frozen=True)
+class Task:
+    """A run for an executor to train."""
 
     run_id: str
     config: Config
-    dir_name: str
+    run_dir: Path
+    label: str
+    """How progress lines name it."""
+    resume: bool = False
+    """Continue the run recorded in run_dir from its checkpoint (`commbench run --resume`)."""
 
 
 class Progress(Protocol):
-    """What an executor tells of its runs (bench.sweep.progress.Progress is one)."""
+    """What executors report to (bench/sweep/progress.py draws it)."""
 
     live: bool
+    """Bars are drawn: runs should not print their own progress."""
 
-    def start(self, run: Run, run_dir: Path) -> None: ...
+    def start(self, task: Task, note: str = "") -> None: ...
 
-    def finish(self, run: Run, summary: dict) -> None: ...
+    def finish(self, task: Task, summary: dict) -> None: ...
 
 
 # --------------------------------------------------------------------------- interface
@@ -124,16 +152,21 @@ class Executor:
     def __init__(self, spec: ExecutorSpec, name: str, sweep_dir: Path):
         self.spec, self.name, self.sweep_dir = spec, name, sweep_dir
 
-    def prepare(self, runs: list[Run]) -> set[str]:
+    def prepare(self, tasks: list[Task]) -> set[str]:
         """Fail (ValueError) if these runs cannot be trained; called before any record
         changes. Returns the ids of runs an earlier invocation is still training."""
         return set()
 
-    def run(self, todo: list[tuple[Run, Path]], runner: Runner | None,
+    def run(self, tasks: list[Task], runner: Runner | None,
             progress: Progress) -> dict[str, dict]:
-        """Train `todo` (run, run_dir) pairs; run id -> summary. A failing run is recorded
-        as failed and never stops the others; Ctrl-C does."""
+        """Train the tasks; run id -> summary. A failing run is recorded as failed and never
+        stops the others; a stop signal does."""
         raise NotImplementedError
+
+    def queued(self, run_ids: set[str]) -> dict[str, str]:
+        """Runs an earlier invocation left queued or running here: run id -> its state in
+        words (with a job id). Nothing is started."""
+        return {}
 
 
 def make_executor(spec: ExecutorSpec, name: str, sweep_dir: Path) -> Executor:
@@ -147,17 +180,17 @@ def make_executor(spec: ExecutorSpec, name: str, sweep_dir: Path) -> Executor:
 class LocalExecutor(Executor):
     """This machine: one run at a time, or `max_parallel` at once."""
 
-    def prepare(self, runs: list[Run]) -> set[str]:
+    def prepare(self, tasks: list[Task]) -> set[str]:
         from bench.config import check_device
 
-        for run in runs:  # a config this machine cannot run fails the sweep, not the run
-            check_device(run.config)
+        for task in tasks:  # a config this machine cannot run fails the sweep, not the run
+            check_device(task.config)
         return set()
 
-    def run(self, todo, runner, progress):
+    def run(self, tasks, runner, progress):
         max_parallel = self.spec.max_parallel or 1
-        blocks = gpu_blocks([run.config for run, _ in todo], max_parallel)
-        return _run_local(todo, runner, max_parallel, progress, blocks)
+        blocks = gpu_blocks([task.config for task in tasks], max_parallel)
+        return _run_local(tasks, runner, max_parallel, progress, blocks)
 
 
 def gpu_blocks(configs: list[Config], max_parallel: int) -> list[str] | None:
@@ -184,15 +217,15 @@ def gpu_blocks(configs: list[Config], max_parallel: int) -> list[str] | None:
     return blocks
 
 
-def _run_local(todo: list[tuple[Run, Path]], runner: Runner | None, max_parallel: int,
+def _run_local(tasks: list[Task], runner: Runner | None, max_parallel: int,
                progress: Progress, gpu_blocks: list[str] | None = None) -> dict[str, dict]:
     """Train the runs here, one after another or `max_parallel` at once (with
     `gpu_blocks`: at most one run per block of GPUs at a time, each run on its block,
     `launch.cuda_visible_devices`).
 
-    Ctrl-C stops the sweep: each run in flight records itself as interrupted (partial:
-    trained again on re-run) and the KeyboardInterrupt propagates; runs not started yet
-    are not started."""
+    A stop signal stops the sweep: the runs in flight stop at their next step boundary,
+    with a checkpoint, and are recorded interrupted (partial: a re-run continues them,
+    bench/launch.py), then `Stopped` propagates; runs not started yet are not started."""
     summaries: dict[str, dict] = {}
     free = None
     if gpu_blocks is not None:
@@ -201,42 +234,44 @@ def _run_local(todo: list[tuple[Run, Path]], runner: Runner | None, max_parallel
             free.put(block)
         max_parallel = min(max_parallel, len(gpu_blocks))
     if max_parallel <= 1:
-        for run, run_dir in todo:
-            progress.start(run, run_dir)
-            summaries[run.run_id] = execute_run(run.config, run_dir, runner,
-                                                progress=not progress.live)
-            progress.finish(run, summaries[run.run_id])
+        with stop_signals():
+            for task in tasks:
+                progress.start(task)
+                summaries[task.run_id] = execute_run(task.config, task.run_dir, runner,
+                                                     progress=not progress.live,
+                                                     resume=task.resume)
+                progress.finish(task, summaries[task.run_id])
         return summaries
 
     in_flight: dict[str, Path] = {}  # run id -> run dir, while a thread trains it
 
-    def work(run: Run, run_dir: Path) -> dict:
+    def work(task: Task) -> dict:
         block = free.get() if free is not None else None
-        cfg = run.config
+        cfg = task.config
         if block is not None and cfg.launch.cuda_visible_devices is None:
             cfg = dataclasses.replace(cfg, launch=dataclasses.replace(
                 cfg.launch, cuda_visible_devices=block))
-        in_flight[run.run_id] = run_dir
-        progress.start(run, run_dir)
+        in_flight[task.run_id] = task.run_dir
+        progress.start(task)
         try:
-            summary = execute_run(cfg, run_dir, runner, progress=False)
+            summary = execute_run(cfg, task.run_dir, runner, progress=False, resume=task.resume)
         finally:
             if block is not None:
                 free.put(block)
-        del in_flight[run.run_id]
+        del in_flight[task.run_id]
         return summary
 
     pool = ThreadPoolExecutor(max_workers=max_parallel)
     try:
-        futures = {pool.submit(work, run, run_dir): run for run, run_dir in todo}
-        for future in as_completed(futures):
-            run = futures[future]
-            summaries[run.run_id] = future.result()
-            progress.finish(run, summaries[run.run_id])
+        with stop_signals():  # the main thread relays a stop to every run in flight
+            futures = {pool.submit(work, task): task for task in tasks}
+            for future in as_completed(futures):
+                task = futures[future]
+                summaries[task.run_id] = future.result()
+                progress.finish(task, summaries[task.run_id])
     except KeyboardInterrupt:
-        # Ctrl-C reaches the main thread only (and, from a terminal, every torchrun child,
-        # which then exits): let the runs in flight end, then mark the unfinished ones
-        # interrupted (partial: a re-run trains them again).
+        # a stop reaches the main thread only: let the runs in flight end (they stop at
+        # their next step boundary), then mark any that did not record the stop
         stopped = list(in_flight.values())
         pool.shutdown(wait=True, cancel_futures=True)
         for run_dir in stopped:
@@ -252,10 +287,6 @@ def _run_local(todo: list[tuple[Run, Path]], runner: Runner | None, max_parallel
 # ------------------------------------------------------------------------------- slurm
 
 
-_ACTIVE_SLURM_STATES = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING",
-                        "SUSPENDED", "RESIZING")
-
-
 class SlurmExecutor(Executor):
     """One job per run, or one job array, through submitit; waits for them, polling."""
 
@@ -265,24 +296,52 @@ class SlurmExecutor(Executor):
         self.active: dict[str, Any] = {}
         self.submitit = None
 
-    def prepare(self, runs: list[Run]) -> set[str]:
+    def prepare(self, tasks: list[Task]) -> set[str]:
+        for task in tasks:
+            self.nodes(task)  # refuses a mismatch before anything is submitted
         self.submitit = _submitit_executor(self.spec, self.name, self.folder)
-        self.active = _still_active_jobs(self.spec, self.folder, {r.run_id for r in runs})
+        self.active = _still_active_jobs(self.spec, self.folder, {t.run_id for t in tasks})
         return set(self.active)
 
-    def run(self, todo, runner, progress):
-        by_id = {run.run_id: (run, run_dir) for run, run_dir in todo}
-        to_submit = [(r, d) for r, d in todo if r.run_id not in self.active]
-        jobs = submit(self.submitit, self.spec, self.name, to_submit, runner)
+    def nodes(self, task: Task) -> int:
+        """The nodes of a task's job: its run's launch.nnodes (ValueError on a mismatch)."""
+        nnodes = task.config.launch.nnodes
+        if self.spec.nodes is not None and self.spec.nodes != nnodes:
+            raise ValueError(f"executor.nodes is {self.spec.nodes} but run {task.label} has "
+                             f"launch.nnodes {nnodes}: a run of N nodes is one job of N nodes "
+                             "(leave executor.nodes null to take each run's launch.nnodes)")
+        if nnodes > 1 and self.spec.cluster == "local":
+            raise ValueError(f"run {task.label}: launch.nnodes {nnodes} needs a Slurm cluster; "
+                             "executor.cluster: local runs one node")
+        return nnodes
+
+    def run(self, tasks, runner, progress):
+        by_id = {task.run_id: task for task in tasks}
+        to_submit = [task for task in tasks if task.run_id not in self.active]
         pending = dict(self.active)
-        pending.update({run.run_id: job for (run, _), job in zip(to_submit, jobs, strict=True)})
+        pending.update(zip([t.run_id for t in to_submit],
+                           submit(self.submitit, self.spec, self.name, to_submit, runner,
+                                  self.nodes), strict=True))
         ids = _load_jobs(self.folder)
         ids.update({run_id: job.job_id for run_id, job in pending.items()})
         records.write_json(self.folder / "jobs.json", ids)
         for run_id, job in pending.items():
-            progress.start(*by_id[run_id])
-            tqdm.write(f"  job {job.job_id}", file=sys.stderr)
+            progress.start(by_id[run_id], f"job {job.job_id}")
         return _wait(pending, by_id, progress, self.spec.poll_s)
+
+    def queued(self, run_ids: set[str]) -> dict[str, str]:
+        jobs = {r: str(j) for r, j in _load_jobs(self.folder).items() if r in run_ids}
+        if self.spec.cluster != "slurm" or not jobs:
+            return {}
+        try:
+            out = subprocess.run(["squeue", "-h", "-r", "-o", "%i %T", "-j",
+                                  ",".join(jobs.values())], capture_output=True, text=True,
+                                 timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        states = dict(line.split(maxsplit=1) for line in out.splitlines() if " " in line)
+        return {r: f"{states[j].lower()} (job {j})" for r, j in jobs.items()
+                if states.get(j, "COMPLETING") != "COMPLETING"}  # completing: its record says
 
 
 def _submitit_executor(ex: ExecutorSpec, name: str, folder: Path):
@@ -294,32 +353,49 @@ def _submitit_executor(ex: ExecutorSpec, name: str, folder: Path):
         raise ValueError(f"executor slurm: {err} Run the sweep on a Slurm login node, or set "
                          "executor.cluster: local (or --executor local) to run here.") from None
     params: dict[str, Any] = {
-        "name": f"commbench-{name}", "timeout_min": ex.timeout_min, "nodes": ex.nodes,
+        "name": f"commbench-{name}", "timeout_min": ex.timeout_min,
         "tasks_per_node": ex.tasks_per_node, "gpus_per_node": ex.gpus_per_node,
         "cpus_per_task": ex.cpus_per_task, "mem_gb": ex.mem_gb,
-        "slurm_partition": ex.partition, "slurm_additional_parameters": ex.sbatch or None,
-        "slurm_setup": ex.setup or None, "local_setup": ex.setup or None,
+        "slurm_partition": ex.partition, "slurm_setup": ex.setup or None,
+        "local_setup": ex.setup or None, "slurm_signal_delay_s": ex.signal_delay_s,
+        # the warning signal before the time limit (bench/jobentry.py requeues on it)
+        "slurm_additional_parameters": {"signal": f"{ex.signal}@{ex.signal_delay_s}",
+                                        **ex.sbatch},
     }
     if ex.max_parallel:
         params["slurm_array_parallelism"] = ex.max_parallel
+    if ex.cluster == "local":
+        params = {k: v for k, v in params.items() if not k.startswith("slurm_")}
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
     return executor
 
 
-def submit(executor, ex: ExecutorSpec, name: str, todo: list[tuple[Run, Path]],
-           runner: Runner | None) -> list:
-    """Submit one job per run (an array when `ex.array`); the submitit jobs, in order."""
+def submit(executor, ex: ExecutorSpec, name: str, tasks: list[Task], runner: Runner | None,
+           nodes: Callable[[Task], int]) -> list:
+    """Submit one job per run (arrays when `ex.array`, one per node count); the submitit
+    jobs, in the order of `tasks`."""
     # Plain data and a runner NAME: a job queued before an upgrade still starts after it
     # (bench/jobentry.py imports the runner by name when the job starts).
-    args = [(to_dict(r.config), str(d), jobentry.runner_name(runner)) for r, d in todo]
-    if ex.array and len(args) > 1:
-        with executor.batch():
-            return [executor.submit(jobentry.run_job, *a) for a in args]
-    jobs = []
-    for a, (run, _) in zip(args, todo, strict=True):
-        executor.update_parameters(name=f"commbench-{name}-{run.dir_name}")
-        jobs.append(executor.submit(jobentry.run_job, *a))
-    return jobs
+    def args(task: Task) -> tuple:
+        return (to_dict(task.config), str(task.run_dir), jobentry.runner_name(runner),
+                task.resume, ex.max_requeues, ex.signal)
+
+    jobs: dict[str, Any] = {}
+    for num_nodes, group in groupby(sorted(tasks, key=nodes), key=nodes):
+        group = list(group)
+        if ex.cluster == "slurm":
+            executor.update_parameters(nodes=num_nodes)
+        if ex.array and len(group) > 1:
+            executor.update_parameters(name=f"commbench-{name}")
+            with executor.batch():
+                submitted = [executor.submit(jobentry.run_job, *args(t)) for t in group]
+        else:
+            submitted = []
+            for task in group:
+                executor.update_parameters(name=f"commbench-{name}-{task.run_dir.name}")
+                submitted.append(executor.submit(jobentry.run_job, *args(task)))
+        jobs.update(zip([t.run_id for t in group], submitted, strict=True))
+    return [jobs[task.run_id] for task in tasks]
 
 
 def _load_jobs(folder: Path) -> dict[str, str]:
@@ -328,7 +404,9 @@ def _load_jobs(folder: Path) -> dict[str, str]:
 
 
 def _still_active_jobs(ex: ExecutorSpec, folder: Path, run_ids: set[str]) -> dict:
-    """Jobs of an earlier invocation still queued or running, by run id (real Slurm only)."""
+    """Jobs of an earlier invocation still queued or running, by run id (real Slurm only):
+    not done, as submitit sees it (no result yet, and a state that is not an end: a job
+    that returned its result while Slurm completes it is done)."""
     if ex.cluster != "slurm":
         return {}
     import submitit
@@ -338,30 +416,37 @@ def _still_active_jobs(ex: ExecutorSpec, folder: Path, run_ids: set[str]) -> dic
         if run_id not in run_ids:
             continue
         job = submitit.SlurmJob(folder=str(folder / "%j"), job_id=str(job_id))
-        if job.state.split()[0] in _ACTIVE_SLURM_STATES:
+        if not job.done(force_check=True):
             active[run_id] = job
     return active
 
 
-def _wait(pending: dict, by_id: dict, progress: Progress, poll_s: float) -> dict[str, dict]:
-    """Poll the jobs until all ended; run id -> summary (failed when a job died)."""
+def _wait(pending: dict, by_id: dict[str, Task], progress: Progress,
+          poll_s: float) -> dict[str, dict]:
+    """Poll the jobs until all ended; run id -> summary, as the run directory records it
+    (a job's tasks may end without a result while its run is recorded: one per node, a
+    node lost); failed, with the job's state, when a job died before recording its run."""
     summaries: dict[str, dict] = {}
     try:
         while pending:
             for run_id, job in list(pending.items()):
                 if not job.done():
                     continue
-                run, run_dir = by_id[run_id]
+                task = by_id[run_id]
                 try:
-                    summary = job.result()
+                    job.results()
+                    error = None
                 except Exception as err:  # killed, timed out, or crashed outside the run
-                    summary = records.read_summary(run_dir) or {}
-                    if summary.get("status") not in records.ENDED_STATUSES:
-                        summary = record_failure(
-                            run.config, run_dir, f"slurm job {job.job_id} ended without a "
-                            f"result ({job.state}): {err}")
+                    error = f"slurm job {job.job_id} ended without a result ({job.state}): {err}"
+                try:
+                    summary = RunDir(task.run_dir).read_summary() or {}
+                except ValueError:
+                    summary = {}
+                if summary.get("status") not in records.ENDED_STATUSES:
+                    summary = record_failure(task.config, task.run_dir,
+                                             error or f"slurm job {job.job_id} left no record")
                 summaries[run_id] = summary
-                progress.finish(run, summary)
+                progress.finish(task, summary)
                 del pending[run_id]
             if pending:
                 time.sleep(poll_s)
@@ -370,11 +455,6 @@ def _wait(pending: dict, by_id: dict, progress: Progress, poll_s: float) -> dict
                    "wait for them and report.", file=sys.stderr)
         raise
     return summaries
-
-
-def _slurm_job(config_data: dict, run_dir: str, runner: Runner | None) -> dict:
-    """Entry point inside a submitit job (pickled by reference: keep it at module level)."""
-    return execute_run(from_dict(config_data), Path(run_dir), runner, progress=False)
 
 
 EXECUTORS: dict[str, Callable[[ExecutorSpec, str, Path], Executor]] = {

@@ -12,7 +12,11 @@ longer traceback; the headline must name the first. The evidence, in order of tr
    that is not about a lost peer or a timeout is a cause; the first written wins;
 3. only timeouts: the ranks that timed out waited in a collective for `parallel.timeout_s`
    for a rank that never arrived; the ranks with no error file are the frozen ones (with
-   many ranks, a healthy rank that torchrun stopped before it timed out is listed too).
+   many ranks, a healthy rank that torchrun stopped before it timed out is listed too);
+4. only lost peers: the ranks with no error file are gone without a word (their node
+   died, or its processes were killed: another node's torchrun cannot see them).
+Where the ranks' node records say (logs/nodeN.json, bench/train.py), a rank is named with
+its host, so a lost node is named.
 On NCCL a timeout leaves no error file: each waiting rank's watchdog logs "Watchdog
 caught collective operation timeout" and aborts the process (SIGABRT), so torchrun's
 first failure is a victim. Those ranks count as timed out (3), not as killed (1): the
@@ -21,10 +25,11 @@ headline names the rank that never arrived, not the first rank that gave up on i
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 
-from bench.records import RunDir
+from bench.records import RunDir, read_json
 
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "ProcessGroupNCCL is aborted", "NCCL communicator was aborted",
@@ -98,8 +103,21 @@ def _headline(text: str) -> str:
     return (exceptions or lines or ["unknown error"])[-1]
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+def _ranks(ranks: list[int], run: RunDir | None = None) -> str:
+    """"rank 2" / "ranks 2, 3", with their hosts when `run` has node records."""
+    text = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    hosts = sorted({h for r in ranks if (h := host_of(run, r))}) if run is not None else []
+    return text + (f" (node {', '.join(hosts)})" if hosts else "")
+
+
+def host_of(run: RunDir, rank: int) -> str | None:
+    """The host that rank `rank` ran on, from the node records, or None."""
+    for path in run.node_records():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            record = read_json(path)
+            if rank in record.get("ranks", []):
+                return str(record["host"])
+    return None
 
 
 def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
@@ -116,7 +134,7 @@ def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
     if rank is not None:
         code = failures[rank]
         others = [r for r in order if r != rank]
-        text = (f"rank {rank}: killed by {_signal_name(code)} (exit code {code}; no "
+        text = (f"{_ranks([rank], run)}: killed by {_signal_name(code)} (exit code {code}; no "
                 "traceback: killed by hand, by the OOM killer or by the scheduler?)")
         if others:
             text += f" (then {_ranks(others)} failed too)"
@@ -125,17 +143,21 @@ def error_text(run: RunDir, rc: int, tail: list[str], world_size: int,
     causes = [r for r in order if kinds[r] == "cause"]
     timed_out = [r for r in order if kinds[r] == "timeout"]
     timed_out += sorted(watchdog - set(timed_out) - set(causes))
+    silent = [r for r in range(world_size) if r not in texts and r not in watchdog]
     if not causes and timed_out:
-        silent = [r for r in range(world_size) if r not in texts and r not in watchdog]
         text = (f"{_ranks(sorted(timed_out))} timed out after {timeout_s:g} s "
                 "(parallel.timeout_s) waiting in a collective"
                 + (" (NCCL watchdog: aborted)" if watchdog else ""))
         if silent:
-            text = (f"{_ranks(silent)} stopped responding (no error from it: frozen, or "
-                    "stuck outside the collective); " + text)
+            text = (f"{_ranks(silent, run)} stopped responding (no error from it: frozen, "
+                    "or stuck outside the collective); " + text)
         evidence = (_last(texts[timed_out[0]], 15) if timed_out[0] in texts
                     else [line for line in tail if _WATCHDOG.search(line)][-15:])
         return text + "\n" + "\n".join(evidence)
+    if texts and not causes and silent:  # only lost peers: the silent ranks are gone
+        return (f"{_ranks(silent, run)} lost: no error from them (their node died or their "
+                f"processes were killed); {_ranks(order, run)} lost their peers\n"
+                + "\n".join(_last(texts[order[0]], 15)))
     if texts:
         first = (causes or order)[0]
         lines = _last(texts[first], 15)

@@ -1,33 +1,61 @@
-"""The entry point of a Slurm job: plain data in, the runner imported by name at job start.
+"""One run of a sweep as an executor starts it: in a thread here, or as a Slurm job.
 
     commbench sweep configs/sweeps/slurm-example.yaml    # each job calls run_job
     COMMBENCH_SLURM=1 tox -e slurm                        # tests/slurm, on a real Slurm
 
-submitit pickles the function it submits and its arguments into the job folder when the
-job is queued, and unpickles them when the job starts, maybe days later and after an
-upgrade of this code. A pickled function is an import path: a job queued before a
-refactor that moved it would fail at start. So a job holds only `bench.jobentry.run_job`
-(this module's promise: that name stays) and plain data: the config as a dict, the run
-directory as a string, and the runner as a dotted name, imported when the job starts.
+`execute_run` trains one run with a runner (`runner(cfg, run_dir, progress=bool)`,
+default bench.launch.run_config; `resume=True` is passed only to continue the run in
+run_dir from its checkpoint, as `commbench run --resume` does) and records a runner's
+exception as a failed run: one run's failure never stops a sweep.
 
-`execute_run` trains one run, a Slurm job's or the local executor's (bench/executors.py),
-and records a run that raised as failed (`record_failure`) instead of stopping the sweep.
+`run_job` is what a Slurm job runs. submitit pickles the function it submits and its
+arguments into the job folder when the job is queued, and unpickles them when the job
+starts, maybe days later and after an upgrade of this code. A pickled function is an
+import path: a job queued before a refactor that moved it would fail at start. So a job
+holds only `bench.jobentry.run_job` (this module's promise: that name stays) and plain
+data: the config as a dict, the run directory as a string, the runner as a dotted name
+imported when the job starts, and the requeue settings.
+
+Inside the job (bench/stop.py does the stopping): Slurm's warning signal before the time
+limit (sbatch `--signal`, executor.signal) or its SIGTERM (preemption; a requeue; a
+cancel) stops the ranks at the next step boundary with a checkpoint. Then, as `scontrol
+show job` says: a job that Slurm already requeues (its Restarts went up: `scontrol
+requeue`, preemption in PreemptMode=REQUEUE) leaves without a result; a job still RUNNING
+after the warning or a SIGTERM (preemption that cancels, `scancel --signal=TERM`)
+requeues itself (`scontrol requeue`) until it has been restarted `executor.max_requeues`
+times, and leaves without a result; a cancelled job (COMPLETING) is never requeued. No
+result: Slurm runs the job again and the sweep keeps waiting for it. A restarted job
+continues from the checkpoint; a job whose run is already recorded finished returns that
+record. Otherwise the run stays recorded interrupted (partial): the next `commbench
+sweep` resumes it. A multi-node run
+(launch.nnodes > 1) runs one task per node, each starting torchrun, with the rendezvous
+on the job's first node (`launch.rdzv_endpoint` when null: FIRST_NODE:PORT, PORT from
+the job id, `with_rendezvous`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
+import signal
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import records
-from bench.config import Config, config_hash, from_dict, to_yaml
+from bench.config import Config, config_hash, to_yaml
+from bench.records import DONE_STATUSES, RunDir, status_of, write_text
 
 DEFAULT_RUNNER = "bench.launch.run_config"
 """The runner jobs use unless the sweep was given another: a real training run."""
+
 Runner = Callable[..., dict]
-"""`runner(cfg, run_dir, progress=bool) -> summary dict`, default bench.launch.run_config."""
+"""`runner(cfg, run_dir, progress=bool[, resume=True]) -> summary dict`."""
+
+RDZV_PORT_BASE = 20000
+"""A multi-node job's rendezvous port is RDZV_PORT_BASE + its job id % RDZV_PORT_BASE."""
 
 
 def runner_name(runner: Callable | None) -> str:
@@ -56,25 +84,19 @@ def resolve(name: str) -> Callable:
                          f"a runner is a dotted name such as {DEFAULT_RUNNER!r}") from None
 
 
-def run_job(config_data: dict, run_dir: str, runner: str = DEFAULT_RUNNER) -> dict:
-    """Train one run inside a Slurm job; returns its summary (a failure is recorded, not raised).
-
-    The runner is imported here, at job start, so the job runs the code installed then."""
-    return execute_run(from_dict(config_data), Path(run_dir), resolve(runner), progress=False)
-
+# ------------------------------------------------------------------------------ one run
 
 
 def record_failure(cfg: Config, run_dir: Path, error: BaseException | str) -> dict:
     """A run that raised instead of returning a summary: keep a record with the error."""
     if isinstance(error, BaseException):
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        headline = f"{type(error).__name__}: {error}"
-        error = f"{headline}\n{text}"
-    run = records.RunDir(run_dir)
+        error = f"{type(error).__name__}: {error}\n{text}"
+    run = RunDir(run_dir)
     run.path.mkdir(parents=True, exist_ok=True)
     if not run.config.exists():
-        records.write_text(run.config, to_yaml(cfg))
-    return records.update_summary(run_dir, {
+        write_text(run.config, to_yaml(cfg))
+    return run.update_summary({
         "status": "failed", "error": str(error), "run_name": cfg.run.name,
         "config_hash": config_hash(cfg), "strategy": cfg.strategy.name,
         "world_size": cfg.parallel.world_size,
@@ -82,11 +104,113 @@ def record_failure(cfg: Config, run_dir: Path, error: BaseException | str) -> di
 
 
 def execute_run(cfg: Config, run_dir: Path, runner: Runner | None = None,
-                progress: bool = False) -> dict:
-    """Train one run; never raises for a run's own failure (records status failed)."""
-    runner = runner or resolve(DEFAULT_RUNNER)
+                progress: bool = False, resume: bool = False) -> dict:
+    """Train one run (`resume`: continue it from run_dir's checkpoint); never raises for
+    the run's own failure (records status failed). A stop (KeyboardInterrupt) propagates."""
+    if runner is None:
+        from bench.launch import run_config as runner
     try:
-        summary = runner(cfg, run_dir, progress=progress)
+        return runner(cfg, run_dir, progress=progress, **({"resume": True} if resume else {}))
     except Exception as err:
-        summary = record_failure(cfg, run_dir, err)
-    return summary
+        return record_failure(cfg, run_dir, err)
+
+
+# ------------------------------------------------------------------------- a Slurm job
+
+
+def run_job(config_data: dict, run_dir: str, runner: str = DEFAULT_RUNNER,
+            resume: bool = False, max_requeues: int = 0, warning_signal: str = "USR2") -> dict:
+    """Train one run inside a Slurm job; returns its summary (a failure is recorded, not
+    raised). Requeues the job on a stop from Slurm (module docstring).
+
+    Imports happen here, at job start, so the job runs the code installed then."""
+    from bench.config import from_dict
+    from bench.launch import end_attempt, slurm_job_id
+    from bench.stop import Stopped, stop_signals
+
+    cfg = with_rendezvous(from_dict(config_data))
+    run = RunDir(run_dir)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if restarts:  # a requeued job: continue the run, unless it is already recorded done
+        summary = _read(run)
+        if status_of(summary) in DONE_STATUSES and summary.get("config_hash") == config_hash(cfg):
+            return summary
+        resume = resume or run.config.exists()
+    try:
+        with stop_signals():
+            return execute_run(cfg, run.path, resolve(runner), resume=resume)
+    except Stopped as stop:
+        job, first_task = slurm_job_id(), os.environ.get("SLURM_PROCID", "0") == "0"
+        summary = _read(run)
+        if summary.get("status") == "running" and first_task:  # stopped outside the training
+            summary = run.update_summary({"status": "failed", "interrupted": True,
+                                          "error": f"stopped by {stop} (job {job})"})
+        if status_of(summary) != "partial":
+            return summary  # the run ended before the stop
+        state, restarted = job_state(job)
+        if restarted == restarts:  # Slurm does not requeue it: requeue it, or say why not
+            why_not = _why_not_requeue(state, stop.signum, warning_signal, restarts,
+                                       max_requeues)
+            if why_not is None and first_task:
+                why_not = requeue(job)
+            if why_not is not None:
+                print(f"job {job} not requeued: {why_not}; the run stays interrupted and the "
+                      "next `commbench sweep` resumes it", file=sys.stderr)
+                return summary
+        if first_task and summary.get("attempts"):
+            end_attempt(run, summary["attempts"][-1].get("reason") or str(stop), requeued=True)
+        # no result: Slurm runs the job again and the sweep keeps waiting for it
+        raise SystemExit(f"job {job} requeued after {stop}") from None
+
+
+def _why_not_requeue(state: str, signum: int, warning_signal: str, restarts: int,
+                     max_requeues: int) -> str | None:
+    if state != "RUNNING":
+        return f"the job is {state or 'gone'}, not RUNNING (cancelled?)"
+    if signum not in (signal.SIGTERM, getattr(signal, f"SIG{warning_signal}")):
+        return (f"{signal.Signals(signum).name} is not Slurm's stop (SIGTERM, or the time "
+                f"limit's SIG{warning_signal}, executor.signal)")
+    if restarts >= max_requeues:
+        return f"restarted {restarts} times already (executor.max_requeues {max_requeues})"
+    return None
+
+
+def job_state(job_id: str | None) -> tuple[str, int]:
+    """(JobState, Restarts) of a Slurm job now (`scontrol show job`); ("", 0) if unknown.
+    A requeue by Slurm or by hand raises Restarts at once, while the job still runs."""
+    if job_id is None:
+        return "", 0
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "", 0
+    fields = dict(w.split("=", 1) for w in out.split() if "=" in w)
+    return fields.get("JobState", ""), int(fields.get("Restarts", "0") or 0)
+
+
+def requeue(job_id: str) -> str | None:
+    """`scontrol requeue JOB`; None when done, else why not."""
+    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                          timeout=60)
+    return None if done.returncode == 0 else f"scontrol requeue {job_id}: {done.stderr.strip()}"
+
+
+def with_rendezvous(cfg: Config) -> Config:
+    """A multi-node run in a Slurm job without launch.rdzv_endpoint: the job's first node,
+    on port 20000 + job id % 20000 (launch is not part of the run's identity)."""
+    if cfg.launch.nnodes == 1 or cfg.launch.rdzv_endpoint or "SLURM_JOB_NODELIST" not in os.environ:
+        return cfg
+    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True,
+                           timeout=60).stdout.split()[0]
+    port = RDZV_PORT_BASE + int(os.environ["SLURM_JOB_ID"]) % RDZV_PORT_BASE
+    return dataclasses.replace(cfg, launch=dataclasses.replace(
+        cfg.launch, rdzv_endpoint=f"{first}:{port}"))
+
+
+def _read(run: RunDir) -> dict:
+    try:
+        return run.read_summary() or {}
+    except ValueError:
+        return {}

@@ -5,14 +5,25 @@ writes config.yaml, starts `torchrun ... -m bench.train RUN_DIR`, shows a live p
 line, and leaves summary.json with status ok, diverged or failed (with the error text).
 A rank that crashes makes torchrun stop the others; a rank stuck in a collective fails
 after `parallel.timeout_s`; either way the run ends with status failed, never a hang, and
-the error's headline names the culprit rank (bench/failure.py). Ctrl-C, SIGTERM (what
-Slurm sends) or SIGHUP (a closed terminal or ssh connection) stops torchrun, records the
-run failed with `interrupted: true` (partial: a sweep trains it again) and re-raises the
-KeyboardInterrupt (`Terminated` for SIGTERM and SIGHUP).
-Self-evaluation (`eval.suite`) is the command line's job (bench/cli.py), after
-`run_config` returns: the harness does not import `eval`. Before torchrun starts, this
-process checks the node has a GPU per rank (CUDA runs) and tokenises the corpus into the
-cache, so no rank waits in a barrier, past `parallel.timeout_s`, for another to tokenise.
+the error's headline names the culprit rank (bench/failure.py). Self-evaluation
+(`eval.suite`) is the command line's job (bench/cli.py), after `run_config` returns: the
+harness does not import `eval`. Before torchrun starts, this process checks the node has a
+GPU per rank (CUDA runs) and tokenises the corpus into the cache, so no rank waits in a
+barrier, past `parallel.timeout_s`, for another to tokenise.
+
+Stopping (bench/stop.py holds both sides). While torchrun runs, the first stop signal
+(Ctrl-C, SIGTERM from Slurm or `kill`, SIGHUP from a closed terminal, SIGUSR1/2 from
+Slurm's `--signal` before a time limit) is relayed to the ranks, which checkpoint at the
+next step boundary and stop; a second SIGINT, SIGTERM or SIGHUP stops them at once
+(losing the steps since the last checkpoint). Either way the run is recorded failed with
+`interrupted: true` (partial: `--resume` and the next sweep continue it) and `run_config`
+raises `Stopped` (`Terminated` for SIGTERM), a KeyboardInterrupt. torchrun itself ignores
+these signals and dies with this process (bench/torchrun.py), and the ranks with torchrun:
+a killed launcher leaves no rank training into a record that a later sweep resumes.
+
+Each launch is one attempt, appended to summary.json `attempts` ({job_id, host, start,
+end, reason}: a Slurm job id, or null); a resume keeps the earlier ones. `wall_s` counts
+training time only (steps redone after a resume once), never the time between attempts.
 
 What a run directory accepts (checked before anything in it changes):
 - `--run-dir DIR`: a new or empty directory, or one holding the same config (same hash)
@@ -28,8 +39,10 @@ writer of a run's records honours): a second `--resume` of it, a sweep moving it
 `commbench eval` of it meanwhile is refused, naming this process.
 
 Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
-`commbench run CONFIG --run-dir SHARED_DIR` once per node; torchrun's c10d rendezvous
-assigns node ranks. The run directory must be on a shared filesystem. Rank 0's node
+`commbench run CONFIG --run-dir SHARED_DIR` once per node (a Slurm sweep does it for you,
+bench/jobentry.py); torchrun's c10d rendezvous assigns node ranks. The run directory must
+be on a shared filesystem. The first node (Slurm's node 0, else the host named in
+`launch.rdzv_endpoint`) writes config.yaml, the header and the attempts; rank 0's node
 writes summary.json; on the other nodes success is torchrun's exit code 0.
 
 A rank that dies after every rank finished the run (each writes logs/finished-rankN
@@ -42,8 +55,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
-import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -61,23 +74,9 @@ from bench.config import (
 from bench.data import cached_corpus, corpus_identity, same_data
 from bench.failure import error_text
 from bench.records import DONE_STATUSES, NO_SPACE, RunDir, status_of, write_text
+from bench.stop import Stopped, Terminated, relaying, stop_received, stop_signals
 from bench.summary import running_header
 from bench.typed import flatten
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop) or SIGHUP (a closed terminal) during a run: handled
-    like Ctrl-C. `signum` is the signal; the command line exits 128 + signum."""
-
-    def __init__(self, signum: int = signal.SIGTERM):
-        super().__init__(signum)
-        self.signum = signum
-
-    @property
-    def what(self) -> str:
-        """The run's recorded error."""
-        name = signal.Signals(self.signum).name
-        return f"terminated ({name}{': the terminal closed' if name == 'SIGHUP' else ''})"
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -98,14 +97,16 @@ def torchrun_command(cfg: Config, run_dir: Path) -> list[str]:
     return torchrun.command("bench.train", [str(run_dir)],
                             cfg.parallel.world_size // nnodes, nnodes,
                             cfg.launch.rdzv_endpoint, config_hash(cfg),
-                            cfg.launch.rdzv_timeout_s, cfg.launch.torchrun_args)
+                            cfg.launch.rdzv_timeout_s, cfg.launch.torchrun_args,
+                            launcher="bench.torchrun")  # torchrun, minus its signal handling
 
 
 def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
                resume: bool = False) -> dict:
     """Train one run into `run_dir` (a new directory when None); returns summary.json
     with `run_dir` added. Raises ValueError, before changing anything, when the directory
-    cannot take this run (module docstring), `records.Busy` when another process holds it."""
+    cannot take this run (module docstring), `records.Busy` when another process holds it,
+    and `Stopped` after recording a stopped run."""
     run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
     def check() -> dict:  # changes nothing: a refused directory is left as it was
         header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
@@ -134,60 +135,121 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
     if "resumed_from_step" in header and not header["resumed_from_step"]:
         print(f"--resume {run.path}: no checkpoint was saved (checkpoint.every); the run "
               "restarts at step 0 and its metrics rows are replaced", file=sys.stderr)
-    run.prepare()
-    if header.get("resumed_from_step"):
-        checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
-    write_text(run.config, to_yaml(cfg))
-    run.write_summary(running_header(
-        cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,
-        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), **header))
-    env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if cfg.launch.cuda_visible_devices:
-        env["CUDA_VISIBLE_DEVICES"] = cfg.launch.cuda_visible_devices
-    if header.get("resumed_from_step"):
-        env["COMMBENCH_RESUME"] = "1"
-    started = time.perf_counter()
-    if cfg.launch.nnodes > 1:
-        print(f"waiting for the rendezvous of launch.nnodes={cfg.launch.nnodes} nodes at "
-              f"{cfg.launch.rdzv_endpoint} (at most launch.rdzv_timeout_s="
-              f"{cfg.launch.rdzv_timeout_s:g} s; start `commbench run` on every node)",
-              file=sys.stderr)
-    try:
-        with sigterm_as_interrupt():
-            rc, tail, log_error = _run_torchrun(torchrun_command(cfg, run.path), env,
-                                                run.torchrun_log, progress,
-                                                cfg.launch.rdzv_timeout_s)
-    except KeyboardInterrupt as stop:  # torchrun is stopped: record the run, let the caller stop
-        what = stop.what if isinstance(stop, Terminated) else "interrupted by the user"
-        run.update_summary({"status": "failed", "error": what, "interrupted": True,
-                            "launcher_wall_s": time.perf_counter() - started})
-        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-            print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
-        raise
+    first = first_node(cfg)
+    with stop_signals():
+        run.prepare()
+        if header.get("resumed_from_step"):
+            checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
+        if first:  # one writer of the header and the attempts per run
+            write_text(run.config, to_yaml(cfg))
+            run.write_summary(running_header(
+                cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,
+                started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **{**header, "attempts": [*header.get("attempts", []), new_attempt()]}))
+        env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.launch.cuda_visible_devices:
+            env["CUDA_VISIBLE_DEVICES"] = cfg.launch.cuda_visible_devices
+        if header.get("resumed_from_step"):
+            env["COMMBENCH_RESUME"] = "1"
+        started = time.perf_counter()
+        if cfg.launch.nnodes > 1:
+            print(f"waiting for the rendezvous of launch.nnodes={cfg.launch.nnodes} nodes at "
+                  f"{cfg.launch.rdzv_endpoint} (at most launch.rdzv_timeout_s="
+                  f"{cfg.launch.rdzv_timeout_s:g} s; start `commbench run` on every node)",
+                  file=sys.stderr)
+        try:
+            rc, tail, log_error = _run_torchrun(torchrun_command(cfg, run.path), env, run,
+                                                progress, cfg.launch.rdzv_timeout_s)
+        except Stopped as stop:  # at once: torchrun and the ranks are killed
+            what = {signal.SIGINT: "interrupted by the user",
+                    signal.SIGTERM: "terminated (SIGTERM)"}.get(stop.signum, f"stopped by {stop}")
+            summary = run.update_summary({"status": "failed", "error": what, "interrupted": True,
+                                          "launcher_wall_s": time.perf_counter() - started})
+            if first:
+                end_attempt(run, what)
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}",
+                      file=sys.stderr)
+            raise
+        summary = _record_outcome(cfg, run, rc, tail, log_error, time.perf_counter() - started)
+        if first:
+            end_attempt(run, f"stopped by {summary['stopped_by']}" if summary.get("stopped_by")
+                        else summary["status"])
+        if stop_received() is not None:  # the ranks stopped (or finished) as asked
+            if status_of(summary) == "partial":
+                with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                    print(f"\n{summary.get('error')}; "
+                          f"{resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
+            signum = stop_received()
+            raise (Terminated if signum == signal.SIGTERM else Stopped)(signum)
+    return {**summary, "run_dir": str(run.path)}
+
+
+def _record_outcome(cfg: Config, run: RunDir, rc: int, tail: list[str] | None,
+                    log_error: OSError | None, wall: float) -> dict:
+    """summary.json once torchrun has exited: rank 0's record, or a failure naming the
+    culprit (bench/failure.py) or the rendezvous that never completed (tail None), with
+    what to do on a full disk, or this node's success on a multi-node run."""
     summary = run.read_summary() or {}
     if rc == 0 and cfg.launch.nnodes > 1 and summary.get("status") == "running":
         # rank 0 is on another node and writes the record; this node's ranks succeeded
-        return {**summary, "status": "ok", "run_dir": str(run.path),
+        return {**summary, "status": "ok",
                 "note": "this node's ranks finished; rank 0's node writes summary.json"}
     if rc != 0 or summary.get("status") == "running":
         error = (error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s)
                  if tail is not None else not_started(cfg))
         if log_error is not None or any(f"[Errno {e}]" in error for e in NO_SPACE):
             error = _no_space(error, log_error, run, cfg.parallel.world_size)
-        wall = time.perf_counter() - started
         if summary.get("status") in DONE_STATUSES and run.all_finished(cfg.parallel.world_size):
             # every rank finished the run and rank 0 wrote its record; a rank died at exit
             summary = run.update_summary({"teardown_error": error, "launcher_wall_s": wall})
             print(f"warning: every rank finished the run, then torchrun exited with {rc}: "
                   f"{error.splitlines()[0]} (kept as {summary['status']}; summary.json "
                   "teardown_error)", file=sys.stderr)
-        else:
-            summary = run.update_summary({"status": "failed", "error": error,
-                                          "launcher_wall_s": wall})
-    elif cfg.launch.nnodes == 1:  # several nodes: only rank 0 writes (no lost update)
-        summary = run.update_summary({"launcher_wall_s": time.perf_counter() - started})
-    return {**summary, "run_dir": str(run.path)}
+            return summary
+        updates = {"status": "failed", "error": error, "launcher_wall_s": wall}
+        if stop_received() is not None:  # the ranks failed while stopping: still resumable
+            updates["interrupted"] = True
+        return run.update_summary(updates)
+    if cfg.launch.nnodes == 1:  # several nodes: only rank 0 writes (no lost update)
+        return run.update_summary({"launcher_wall_s": wall})
+    return summary
+
+
+def first_node(cfg: Config) -> bool:
+    """Whether this launcher writes the run's config, header and attempts: always on one
+    node; on several, Slurm's node 0, else the host that launch.rdzv_endpoint names."""
+    if cfg.launch.nnodes == 1:
+        return True
+    if "SLURM_NODEID" in os.environ:
+        return os.environ["SLURM_NODEID"] == "0"
+    host = (cfg.launch.rdzv_endpoint or "").rsplit(":", 1)[0]
+    return host in ("localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn())
+
+
+def slurm_job_id() -> str | None:
+    """This Slurm job's id as scontrol takes it (an array task: ARRAYID_TASK), or None."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def new_attempt() -> dict:
+    """An entry of summary.json `attempts`: this launch, its end still open."""
+    return {"job_id": slurm_job_id(), "host": socket.gethostname(), "start": _now(),
+            "end": None, "reason": None}
+
+
+def end_attempt(run: RunDir, reason: str, **more) -> None:
+    """Close the last attempt of summary.json `attempts` with why it ended."""
+    summary = _read_summary(run)
+    attempts = list(summary.get("attempts") or [new_attempt()])
+    attempts[-1] = {**attempts[-1], "end": _now(), "reason": reason, **more}
+    run.update_summary({"attempts": attempts})
 
 
 def check_run_dir(cfg: Config, run: RunDir) -> dict:
@@ -234,7 +296,7 @@ def check_resume(cfg: Config, run: RunDir) -> dict:
                         f". To train it longer: --set run.steps=N with N > {old.run.steps}"))
     step = checkpoint.verify_states(run, cfg.parallel.world_size)
     summary = _read_summary(run)
-    header = {"resumed_from_step": step or 0}
+    header = {"resumed_from_step": step or 0, "attempts": list(summary.get("attempts") or [])}
     if extended:
         header["steps_extended_from"] = [*summary.get("steps_extended_from", []),
                                          old.run.steps]
@@ -286,27 +348,6 @@ def _no_space(error: str, log_error: OSError | None, run: RunDir, world_size: in
     return f"{headline}\n{note}\n{rest}".rstrip("\n")
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """Inside the block SIGTERM and SIGHUP raise `Terminated` (in the main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stops = (signal.SIGTERM, signal.SIGHUP)
-
-    def stop(signum, frame):
-        for sig in stops:  # one stop; let the cleanup finish
-            signal.signal(sig, signal.SIG_IGN)
-        raise Terminated(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in stops}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def _recorded_config(run: RunDir, flag: str) -> Config:
     try:
         return load_config(run.config)
@@ -325,14 +366,15 @@ def _recorded_status(run: RunDir) -> str:
     return status_of(_read_summary(run))
 
 
-def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool,
+def _run_torchrun(cmd: list[str], env: dict, run: RunDir, progress: bool,
                   start_timeout_s: float):
     """(torchrun's exit code, the last lines of its output or None when its ranks never
     started within `start_timeout_s`, the OSError that stopped the log file, if any: a
-    full disk must not stop the launcher, which records the run)."""
+    full disk must not stop the launcher, which records the run). Stop signals go to its
+    ranks meanwhile (bench/stop.py)."""
     tail: deque[str] = deque(maxlen=400)  # torchrun's failure summary is at the end
     interactive = progress and sys.stderr.isatty()
-    log = _Log(log_path)
+    log = _Log(run.torchrun_log)
     log.write(" ".join(cmd) + "\n")
 
     def on_line(line: str) -> None:
@@ -346,9 +388,10 @@ def _run_torchrun(cmd: list[str], env: dict, log_path: Path, progress: bool,
             tail.append(line.rstrip())
 
     try:
-        rc, stopped = torchrun.run(cmd, env, on_line, start_timeout_s)
-    except KeyboardInterrupt:  # torchrun is stopped; run_config records the run
-        log.write("interrupted by the user (KeyboardInterrupt)\n")
+        rc, stopped = torchrun.run(cmd, env, on_line, start_timeout_s,
+                                   relay=lambda proc: relaying(proc, run))
+    except KeyboardInterrupt as stop:  # torchrun is killed; run_config records the run
+        log.write(f"stopped at once ({stop!r})\n")
         raise
     finally:
         log.close()

@@ -46,7 +46,10 @@ ones. Time to target is kept both ways: `time_to_target_s` with the one-off cost
 
 from __future__ import annotations
 
+import hashlib
 import math
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +59,7 @@ from algorithms.base import CriticalPath, StepStats
 from algorithms.comm import CommLedger, CommRecord
 from bench.network import Profile, link_keys, wire_bytes
 from bench.network.model import exposed_s, pricer
-from bench.network.pipeline import critical_path_step_s
+from bench.network.pipeline import critical_path_inputs, critical_path_time
 
 OVERLAP_MODES = (True, False)
 """Projections kept per profile: overlap-aware (headline), then no-overlap."""
@@ -130,6 +133,12 @@ class LoopState:
     warmup_projected_s: dict[str, float] = field(default_factory=dict)
     """Per profile: the warm-up steps' share of `projected_s`."""
     warmup_projected_no_overlap_s: dict[str, float] = field(default_factory=dict)
+    compute_samples: dict[str, list[float]] = field(default_factory=dict)
+    """This rank's measured compute seconds of every step, by step kind (`step_kind`):
+    the noise-robust projection's medians (`robust_projection`)."""
+    robust_stretches: dict = field(default_factory=dict)
+    """The run's stretches between coupled steps, by content (`Settled.stretches`) ->
+    how many: what the robust projection prices with each rank's median compute."""
 
     def advance(self, settled: Settled, warmup_steps: int = 0) -> None:
         """Move the clock, tokens and projected clocks on by what the ranks did together;
@@ -150,6 +159,8 @@ class LoopState:
         for mine, theirs in pairs:
             for name, seconds in theirs.items():
                 mine[name] = mine.get(name, 0.0) + seconds
+        for stretch, count in settled.stretches.items():
+            self.robust_stretches[stretch] = self.robust_stretches.get(stretch, 0) + count
 
     def add_one_off(self, seconds: float) -> None:
         """One-off seconds outside any step (communicator creation), on the clock as warm-up
@@ -177,6 +188,26 @@ class Settled:
     comm_s: dict[str, float] = field(default_factory=dict)
     """Per profile: max over ranks of their modelled comm seconds in the window."""
     comm_no_overlap_s: dict[str, float] = field(default_factory=dict)
+    stretches: dict = field(default_factory=dict)
+    """The window's stretches between coupled steps (`coupled_max`'s), each as what every
+    rank did in it: per rank its step kinds (id, count) and, per projection column, the
+    modelled seconds that are not compute (`other`) and the largest transfer (`tau`,
+    critical-path columns) -> how many such stretches (`robust_projection` prices them)."""
+
+
+def step_kind(phase_ops: Iterable[tuple[str, str]], reads_batch: bool = True) -> str:
+    """The kind of a step, for the robust compute estimate: its training traffic's
+    phase:op pairs (a DiLoCo round's last step differs from its inner steps), and whether
+    the rank consumed a batch (an idle GASLoC worker, a pipeline's later stages do not).
+    bench/whatif names its modelled steps with the same words."""
+    pairs = "+".join(sorted({f"{phase}:{op}" for phase, op in phase_ops})) or "no traffic"
+    return pairs if reads_batch else f"no batch, {pairs}"
+
+
+def kind_id(kind: str) -> float:
+    """A step kind as a float every rank computes alike (48 bits of its sha256: exact in
+    float64), to gather kinds with the projected values."""
+    return float(int(hashlib.sha256(kind.encode()).hexdigest()[:12], 16))
 
 
 class LinkClock:
@@ -221,6 +252,7 @@ class StepClock:
         self.num_profiles, self.device, self.model = len(profiles), device, model
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
         self.projected: list[float] = []  # num_profiles values per pending step
+        self.robust: list[float] = []  # per pending step: kind, compute, (tau, other) each
         self.coupled: list[float] = []  # per pending step: 1 if it recorded training traffic
         self.comm = [0.0] * len(OVERLAP_MODES) * self.num_profiles  # modelled, this window
         self.links = {name: LinkClock() for name in profiles}
@@ -230,40 +262,58 @@ class StepClock:
                         for name, profile in profiles.items()}
         """Per profile: record -> modelled seconds (caches each group's tiers)."""
 
-    def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord]) -> None:
-        """One timed step: its seconds, its stats and its training-traffic ledger records."""
+    def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord],
+            samples: dict[str, list[float]] | None = None) -> None:
+        """One timed step: its seconds, its stats and its training-traffic ledger records.
+        `samples` (LoopState.compute_samples) receives the step's compute under its kind."""
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
+        kind = step_kind(((r.phase, r.op) for r in step_records), stats.tokens > 0)
+        if samples is not None:
+            samples.setdefault(kind, []).append(compute_s)
         keys = [link_keys(r) for r in step_records]
         modelled: dict[bool, dict[str, float]] = {True: {}, False: {}}  # overlap -> name ->
+        inputs = {}  # (overlap, name) -> (tau, other): the step's pricing beside compute
         for name, profile in self.profiles.items():  # this rank's modelled step seconds
             costs = []  # each record priced once, in order: slow start once per connection
             for r, k in zip(step_records, keys, strict=True):
                 costs.append(self.pricers[name](r))
                 self.links[name].use(k)
-            modelled[True][name] = self.overlap_step_s(compute_s, step_records, costs, profile)
+            inputs[True, name] = self.overlap_inputs(step_records, costs, profile)
+            inputs[False, name] = (0.0, sum(costs))
+            modelled[True][name] = self.step_time(compute_s, *inputs[True, name])
             modelled[False][name] = compute_s + sum(costs)
-        values = [modelled[overlap][name] for overlap in OVERLAP_MODES for name in self.profiles]
+        columns = [(overlap, name) for overlap in OVERLAP_MODES for name in self.profiles]
+        values = [modelled[overlap][name] for overlap, name in columns]
         for i, value in enumerate(values):
             self.comm[i] += value - compute_s
         self.projected.extend(values)
+        self.robust.extend([kind_id(kind), compute_s,
+                            *(x for column in columns for x in inputs[column])])
         for name, links in self.links.items():
             links.advance(modelled[True][name])
         self.coupled.append(1.0 if step_records else 0.0)
         self.num_steps += 1
 
-    def overlap_step_s(self, compute_s: float, records: list[CommRecord], costs: list[float],
-                       profile: Profile) -> float:
-        """This rank's overlap-aware step on `profile`: compute plus the exposed part of the
-        records' modelled seconds `costs`, or, with a critical path, the schedule's length
-        (bench/network/pipeline.py)."""
+    def overlap_inputs(self, records: list[CommRecord], costs: list[float],
+                       profile: Profile) -> tuple[float, float]:
+        """(tau, other) of this rank's overlap-aware step on `profile`: the exposed part of
+        the records' modelled seconds `costs` (tau 0), or, with a critical path, its
+        largest transfer and the rest (bench/network/pipeline.py)."""
+        if self.critical_path is not None:
+            return critical_path_inputs(records, pricer(profile, self.rank,
+                                                        self.ranks_per_node,
+                                                        backend=self.model))
+        return 0.0, exposed_s(records, costs)
+
+    def step_time(self, compute_s: float, tau: float, other: float) -> float:
+        """The overlap-aware step from its compute and `overlap_inputs`."""
         path = self.critical_path
-        if path is not None:
-            return critical_path_step_s(compute_s, records, profile, path.slots,
-                                        path.work_slots, path.hops, self.rank,
-                                        self.ranks_per_node, backend=self.model)
-        return compute_s + exposed_s(records, costs)
+        if path is None:
+            return compute_s + other
+        return critical_path_time(compute_s, tau, other, path.slots, path.work_slots,
+                                  path.hops)
 
     def settle(self) -> Settled:
         """Reduce over ranks (a collective: every rank calls it at the same step)."""
@@ -274,21 +324,55 @@ class StepClock:
                                           dist.ReduceOp.MAX)
         (tokens,) = all_reduce_floats([float(self.tokens)], self.device)
         width = len(OVERLAP_MODES) * self.num_profiles
-        mine = torch.tensor([*self.coupled, *self.projected], dtype=torch.float64,
-                            device=self.device)
+        mine = torch.tensor([*self.coupled, *self.projected, *self.robust],
+                            dtype=torch.float64, device=self.device)
         ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(ranks, mine)
         every = torch.stack(ranks).cpu()
-        coupled = every[:, :self.num_steps].amax(dim=0) > 0
-        values = every[:, self.num_steps:].reshape(len(ranks), self.num_steps, width)
+        n = self.num_steps
+        coupled = every[:, :n].amax(dim=0) > 0
+        values = every[:, n:n + n * width].reshape(len(ranks), n, width)
         totals = coupled_max(values, coupled).tolist()
+        robust = every[:, n + n * width:].reshape(len(ranks), n, 2 + 2 * width)
         overlap, no_overlap, comm_overlap, comm_no_overlap = (
             {name: column[offset + i] for i, name in enumerate(self.profiles)}
             for column in (totals, comm) for offset in (0, self.num_profiles))
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
-        self.projected, self.coupled = [], []
+        self.projected, self.coupled, self.robust = [], [], []
         self.comm = [0.0] * len(self.comm)
-        return Settled(step_s, int(tokens), overlap, no_overlap, comm_overlap, comm_no_overlap)
+        return Settled(step_s, int(tokens), overlap, no_overlap, comm_overlap, comm_no_overlap,
+                       stretches(robust, coupled, width))
+
+
+def stretches(robust: torch.Tensor, coupled: torch.Tensor, width: int) -> dict:
+    """The window's stretches (cut as `coupled_max` cuts them) by content -> count.
+
+    `robust` [ranks, steps, 2 + 2 * width]: per step the kind id, the compute, then
+    (tau, other) per projection column. A stretch's content, per rank: its kinds with
+    their counts, and per column the largest tau and the summed other (rounded to 1 ns,
+    so that equal stretches meet)."""
+    out: dict = {}
+    ranks, steps = robust.shape[0], robust.shape[1]
+    start = 0
+    for step in range(steps):
+        if not (bool(coupled[step]) or step == steps - 1):
+            continue
+        part = robust[:, start:step + 1]
+        content = []
+        for r in range(ranks):
+            kinds: dict[float, int] = {}
+            for kid in part[r, :, 0].tolist():
+                kinds[kid] = kinds.get(kid, 0) + 1
+            pairs = part[r, :, 2:].reshape(-1, width, 2)
+            taus = pairs[:, :, 0].amax(dim=0).tolist()
+            others = pairs[:, :, 1].sum(dim=0).tolist()
+            content.append((tuple(sorted(kinds.items())),
+                            tuple(round(t, 9) for t in taus),
+                            tuple(round(o, 9) for o in others)))
+        key = tuple(content)
+        out[key] = out.get(key, 0) + 1
+        start = step + 1
+    return out
 
 
 def coupled_max(values: torch.Tensor, coupled: torch.Tensor) -> torch.Tensor:
@@ -307,6 +391,41 @@ def coupled_max(values: torch.Tensor, coupled: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def compute_stats(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per step kind: how many steps, and the median, 10th and 90th percentile and mean of
+    their compute seconds (one rank's `LoopState.compute_samples`)."""
+    out = {}
+    for kind, values in samples.items():
+        deciles = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
+        out[kind] = {"steps": len(values), "median_s": statistics.median(values),
+                     "p10_s": deciles[0], "p90_s": deciles[-1],
+                     "mean_s": statistics.fmean(values)}
+    return out
+
+
+def robust_projection(stretches: dict, medians: list[dict[str, float]], width: int,
+                      critical_path: CriticalPath | None = None,
+                      path_columns: int = 0) -> tuple[list[float], float]:
+    """(seconds per projection column, compute seconds) of the run with every rank's
+    compute replaced by its median for the step's kind (`medians[rank][kind]`): the same
+    stretches, ranks and modelled communication as the projection (`coupled_max`), so a
+    load spike on a shared machine moves the median, not the total. The first
+    `path_columns` columns price a pipeline step on its critical path."""
+    by_id = [{kind_id(k): m for k, m in rank.items()} for rank in medians]
+    totals, compute = [0.0] * width, 0.0
+    for content, count in stretches.items():
+        own = [sum(n * by_id[r][kid] for kid, n in kinds)
+               for r, (kinds, _, _) in enumerate(content)]
+        compute += count * max(own)
+        for c in range(width):
+            totals[c] += count * max(
+                critical_path_time(own[r], taus[c], others[c], critical_path.slots,
+                                   critical_path.work_slots, critical_path.hops)
+                if critical_path is not None and c < path_columns else own[r] + others[c]
+                for r, (_, taus, others) in enumerate(content))
+    return totals, compute
+
+
 class MetricsWindow:
     """This rank's sums over the steps since the last metrics row; `flush` averages them."""
 
@@ -320,6 +439,16 @@ class MetricsWindow:
         self.nonfinite, self.first_nonfinite = 0, None
         self.losses, self.idle_s = 0, 0.0
         self.extras: dict[str, float] = {}
+
+    def state_dict(self) -> dict:
+        """The sums so far: a checkpoint between two rows carries them, so the row after a
+        resume averages the same steps, in the same order, as without the stop."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self).items()
+                if k != "culprit"}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
 
     def add(self, stats: StepStats, step_s: float, nbytes: int, step: int = 0) -> None:
         self.num_steps += 1

@@ -13,7 +13,8 @@ A run directory (`commbench run` prints its path) holds:
     .lock           held by the process writing the run (`RunDir.lock`); names it
     checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
                     state at the last `checkpoint.every` step; .pt.next while saving)
-    logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log
+    logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log,
+                    node{N}.json (a node's host and ranks), stop-request (bench/stop.py)
 
 Every file is replaced atomically (temp file + rename; `torch.save` too), so a reader
 never sees half a file; metrics.jsonl is appended line by line and readers skip a torn
@@ -443,6 +444,18 @@ class RunDir:
     def all_finished(self, world_size: int) -> bool:
         return all(self.finished(r).exists() for r in range(world_size))
 
+    def node_record(self, node: int) -> Path:
+        """Node `node`'s host and global ranks ({host, ranks}; its local rank 0 writes it):
+        a failure names the node of a rank that left no trace (bench/failure.py)."""
+        return self.logs / f"node{node}.json"
+
+    def node_records(self) -> list[Path]:
+        return sorted(self.logs.glob("node*.json"))
+
+    stop_request = property(lambda self: self.logs / "stop-request")
+    """The launcher's stop, relayed to the ranks (bench/launch.py): a rank that starts
+    after the signal reads it (bench/train.py)."""
+
     def error_logs(self) -> list[Path]:
         """Every rank's error text, first written first (the first is usually the cause)."""
         return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
@@ -484,11 +497,13 @@ class RunDir:
     # ----------------------------------------------------------------------- writes
 
     def prepare(self) -> None:
-        """Create the directory and logs/, and drop error texts and finished marks of an
-        earlier attempt."""
+        """Create the directory and logs/, and drop error texts, finished marks, node
+        records and the stop request of an earlier attempt."""
         self.logs.mkdir(parents=True, exist_ok=True)
-        for stale in [*self.error_logs(), *self.logs.glob("finished-rank*")]:
+        for stale in [*self.error_logs(), *self.logs.glob("finished-rank*"),
+                      *self.node_records()]:
             stale.unlink()
+        self.stop_request.unlink(missing_ok=True)
 
     def read_summary(self) -> dict | None:
         return read_json(self.summary) if self.summary.exists() else None

@@ -102,6 +102,20 @@ class Summary:
     """Per profile, every modelled op added to compute (an upper bound on overlap's gain)."""
     projection_model: str | None = None
     """How `projected` was modelled, e.g. "gloo collectives, overlap-aware"."""
+    projected_robust: dict[str, Projection] = field(default_factory=dict)
+    """Per profile, overlap-aware, robust to load spikes: `projected` with each rank's
+    measured compute replaced by its median for the step's kind (bench/meter.py
+    `robust_projection`; one-off costs, e.g. warm-up compile, left out)."""
+    robust_compute_s: float | None = None
+    """The compute seconds inside `projected_robust` (the same for every profile)."""
+    compute_per_step: dict | None = None
+    """Measured compute seconds per step, by step kind (bench/meter.py `step_kind`: the
+    step's training traffic, and whether it read a batch): {kind: {steps, median_s,
+    p10_s, p90_s, mean_s}}, each a list over ranks (None where a rank had no such
+    step). The spread behind `projected` (mean) and `projected_robust` (median)."""
+    ranks_per_node: int | None = None
+    """Ranks per node the projections tiered the links with (`network.ranks_per_node`, or
+    the launcher's local size)."""
     optim: dict | None = None
     """The optimizer(s), their parameter groups and the delay settings (bench/optim.py)."""
     num_params: int | None = None
@@ -159,7 +173,8 @@ class Summary:
         return record
 
 
-_LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "num_params", "flops_per_token", "device",
+_LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "robust_compute_s", "compute_per_step",
+                       "ranks_per_node", "num_params", "flops_per_token", "device",
                        "backend", "data", "mfu",
                        "config_hash", "error", "eval", "comm_wire_bytes_total",
                        "comm_wire_bytes_per_rank", "projection_model", "optim",

@@ -4,7 +4,9 @@ Started by `commbench run CONFIG` through torchrun (`python -m bench.train RUN_D
 reads RUN_DIR/config.yaml, trains, and writes metrics.jsonl, comm.jsonl, summary.json and
 checkpoints (paths: bench.records.RunDir; schema: bench/summary.py; checkpoints:
 bench/checkpoint.py). It never mentions an algorithm by name: the strategy is built from
-the registry and called through the Strategy interface (algorithms/base.py).
+the registry and called through the Strategy interface (algorithms/base.py). A stop signal
+(bench/stop.py) ends the run at the next step boundary that every rank agrees on, after a
+checkpoint there: the run is recorded `interrupted`, to be resumed bit-exactly.
 
 Timing (bench/meter.py says how and why). Each step is timed on the host with the device
 synchronised before and after: `step_s` is the whole step, `comm_s` the strategy's
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import sys
 import time
 import traceback
@@ -57,12 +60,15 @@ from bench.meter import (
     MetricsWindow,
     StepClock,
     all_reduce_floats,
+    compute_stats,
+    robust_projection,
     run_totals,
 )
 from bench.model import autocast_context, build_model, config_of, lm_loss
 from bench.network import delay_policy, get_profile
 from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl, write_text
+from bench.stop import StopRequest, die_with_parent, handle_signals
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
 from bench.tokenizers import get_tokenizer
 from bench.torchrun import announce_start
@@ -74,14 +80,16 @@ class Trainer:
     """Builds everything for one rank and runs the steps."""
 
     def __init__(self, cfg: Config, run_dir: Path, device: torch.device, backend: str,
-                 keep_records: bool = False):
+                 keep_records: bool = False, stop: StopRequest | None = None):
         """`keep_records`: the ledger keeps every record (tests, debugging; memory grows
-        with the run), else only the current step's besides its bounded aggregates."""
+        with the run), else only the current step's besides its bounded aggregates.
+        `stop`: this rank's stop requests (bench/stop.py; None: a new one)."""
         self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
         self.records = RunDir(run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.run.seed)
         self.checkpoint_group = checkpoint.barrier_group(cfg.checkpoint.timeout_s)
+        self.stop = stop or StopRequest(self.rank, self.world, cfg.checkpoint.timeout_s)
 
         tokenizer = get_tokenizer(cfg.data.tokenizer)
         if self.rank != 0:
@@ -149,8 +157,11 @@ class Trainer:
         cfg, rank = self.cfg, self.rank
         saved = checkpoint.load_state(self.records, rank, self.strategy, self.ledger,
                                       self.checkpoint_group)
-        state = LoopState(**saved) if saved else LoopState()
         window = MetricsWindow()
+        if saved and "window" in saved:  # a checkpoint between two metrics rows
+            window.load_state_dict(saved.pop("window"))
+        state = LoopState(**saved) if saved else LoopState()
+        saved_step = state.step if saved else None  # the step of the state on disk
         clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model,
                           self.strategy.critical_path())
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
@@ -159,7 +170,11 @@ class Trainer:
         state.add_one_off(self.warm_up(state.step))  # the same fresh or resumed
         first_step = state.step
         warm_end = min(first_step + cfg.run.warmup_steps, cfg.run.steps)  # one-off costs
+        stopped = False
         for step in range(state.step, cfg.run.steps):
+            if self.stop.reached(step):  # the boundary after `step` steps
+                stopped = True
+                break
             if fault is not None and step == fault[0]:
                 inject_fault(fault[1], rank, step, self.model)
             if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
@@ -170,7 +185,7 @@ class Trainer:
             state.comm_s += stats.comm_s
             state.idle_s += stats.idle_s
             window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
-            clock.add(step_s, stats, step_records)
+            clock.add(step_s, stats, step_records, state.compute_samples)
             if state.step == warm_end > first_step:  # the warm-up steps, settled apart
                 state.advance(clock.settle(), warmup_steps=warm_end - first_step)
 
@@ -198,15 +213,33 @@ class Trainer:
             if every and state.step % every == 0 and not last:
                 state.advance(clock.settle())
                 every = checkpoint.save_periodic(self.records, rank, state.step, self.strategy,
-                                                 self.ledger, asdict(state), cfg, every,
-                                                 self.checkpoint_group)
-        state.advance(clock.settle())
+                                                 self.ledger, self.loop_state(state, window),
+                                                 cfg, every, self.checkpoint_group)
+                saved_step = state.step if every else saved_step
+        state.advance(clock.settle())  # every rank has passed its last boundary
+        self.stop.close()
+        if stopped:
+            if saved_step != state.step and cfg.checkpoint.every != 0:
+                checkpoint.save_at_stop(self.records, rank, state.step, self.strategy,
+                                        self.ledger, self.loop_state(state, window),
+                                        self.checkpoint_group)
+            state.status = "failed"
 
         if state.status == "ok" and cfg.checkpoint.final:
-            checkpoint.save_eval_model(self.records, rank, self.strategy,
-                                       vars(self.model_config), cfg.data.tokenizer,
-                                       cfg.run.steps, self.checkpoint_group)
-        return self.summarise(state)
+            with self.comm.phase("eval"):  # e.g. GASLoC's average: not training traffic
+                checkpoint.save_eval_model(self.records, rank, self.strategy,
+                                           vars(self.model_config), cfg.data.tokenizer,
+                                           cfg.run.steps, self.checkpoint_group)
+        summary = self.summarise(state)
+        if stopped:  # partial (bench/records.py status_of): resumed, not kept as a failure
+            summary.update(interrupted=True, stopped_by=self.stop.reason,
+                           error=f"stopped by {self.stop.reason} at step {state.step}")
+        return summary
+
+    @staticmethod
+    def loop_state(state: LoopState, window: MetricsWindow) -> dict:
+        """What a checkpoint carries of the loop: LoopState and the open metrics window."""
+        return {**asdict(state), "window": window.state_dict()}
 
     def warm_up(self, step: int) -> float:
         """One-off work before this process's first step `step`, outside the timed steps:
@@ -278,6 +311,7 @@ class Trainer:
         steady_tokens, steady_s = state.steady()
         mfu = (self.flops_per_token * steady_tokens / steady_s / (peak * self.world)
                if peak and steady_s > 0 else None)
+        robust = self.robust_fields(state)
         return Summary(
             status=state.status, run_name=cfg.run.name, strategy=cfg.strategy.name,
             world_size=self.world, steps=state.step, total_tokens=state.tokens,
@@ -310,8 +344,33 @@ class Trainer:
             memory_estimate_bytes_per_rank=estimate,
             memory_estimate_terms=self.memory_plan.ranks[
                 self.memory_plan.rank_roles[estimate.index(max(estimate))]].terms,
-            **fields,
+            ranks_per_node=self.ranks_per_node, **robust, **fields,
         ).to_dict()
+
+    def robust_fields(self, state: LoopState) -> dict:
+        """summary.json's `compute_per_step` (every rank's compute per step kind: median,
+        10th/90th percentile, mean) and `projected_robust` (the overlap-aware projection
+        with each rank's median compute per step kind: bench/meter.py
+        `robust_projection`). Collective (outside the ledger)."""
+        stats = [None] * self.world
+        dist.all_gather_object(stats, compute_stats(state.compute_samples))
+        kinds = sorted({k for rank in stats for k in rank})
+        per_kind = {kind: {key: [rank.get(kind, {}).get(key) for rank in stats]
+                           for key in ("steps", "median_s", "p10_s", "p90_s", "mean_s")}
+                    for kind in kinds}
+        if not state.robust_stretches:
+            return {"compute_per_step": per_kind or None}
+        medians = [{k: v["median_s"] for k, v in rank.items()} for rank in stats]
+        names = list(self.profiles)
+        totals, compute = robust_projection(
+            state.robust_stretches, medians, 2 * len(names),
+            self.strategy.critical_path(), len(names))
+        steps = max(1, state.step)
+        projected = {name: Projection.of(totals[i], (totals[i] - compute) / steps,
+                                         state.step, state.tokens)
+                     for i, name in enumerate(names)}  # overlap-aware: the first columns
+        return {"compute_per_step": per_kind, "projected_robust": projected,
+                "robust_compute_s": compute}
 
 
     def per_rank(self, value: int) -> list[int]:
@@ -322,6 +381,7 @@ class Trainer:
 
 
 def main(run_dir: str) -> int:
+    die_with_parent()  # never outlive torchrun (bench/torchrun.py)
     announce_start()  # the launcher's bound on torchrun's rendezvous ends here
     run = RunDir(run_dir)
     cfg = from_dict(load_raw(run.config))
@@ -331,7 +391,12 @@ def main(run_dir: str) -> int:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:
-        trainer = Trainer(cfg, run.path, device, backend)
+        stop = StopRequest(rank, dist.get_world_size(), cfg.checkpoint.timeout_s)
+        handle_signals(stop)
+        if run.stop_request.exists():  # the launcher relayed a stop before the handlers
+            stop.request(run.stop_request.read_text().strip() or "a stop request")
+        write_node_record(run)
+        trainer = Trainer(cfg, run.path, device, backend, stop=stop)
         if rank == 0:
             write_json(run.env, capture_env(dist.get_world_size(), backend, device.type))
         summary = trainer.run()
@@ -351,6 +416,15 @@ def main(run_dir: str) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def write_node_record(run: RunDir) -> None:
+    """On each node's local rank 0: logs/nodeN.json, its host and ranks (torchrun's env)."""
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return
+    first, count = dist.get_rank(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    write_json(run.node_record(int(os.environ.get("GROUP_RANK", 0))),
+               {"host": socket.gethostname(), "ranks": list(range(first, first + count))})
 
 
 if __name__ == "__main__":

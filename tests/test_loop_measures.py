@@ -120,6 +120,10 @@ def test_projected_time_accumulates_step_by_step(straggler_run):
     last = rows[-1]["projected_elapsed_s"]
     for name in ("nvlink", "wan-1g"):
         assert summary["projected"][name]["total_s"] == pytest.approx(last[name])
+        # the robust projection: rank 1's median compute is at least its sleep
+        assert summary["projected_robust"][name]["total_s"] >= STEPS * SLEEP_S
+    assert min(summary["compute_per_step"]["no traffic"]["median_s"]) >= 0
+    assert summary["compute_per_step"]["no traffic"]["median_s"][1] >= SLEEP_S
     wan_total = summary["projected"]["wan-1g"]["total_s"]
     at_target = summary["projected_time_to_target_s"]["wan-1g"]
     val3 = next(r for r in rows if r["step"] == 3 and "val_loss" in r)
@@ -152,3 +156,30 @@ def test_coupled_max_takes_the_slowest_rank_per_stretch_not_per_step():
                         dtype=torch.float64)
     assert coupled_max(swap, torch.tensor([False, True, False, False])).tolist() == [12.0]
     assert coupled_max(swap, torch.zeros(4, dtype=torch.bool)).tolist() == [8.0]
+
+
+def test_robust_projection_replaces_a_spike_by_the_median():
+    """Issue 26: a load spike in one step moves `projected` by the spike but the robust
+    projection by nothing (each rank's median compute per step kind, the same stretches
+    and modelled communication)."""
+    from bench.meter import coupled_max, kind_id, robust_projection, stretches
+
+    kind = "inner:all_reduce"
+    compute = [[1.0, 1.0, 1.0, 9.0, 1.0, 1.0, 1.0, 1.0],  # rank 0: a spike in step 3
+               [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]]
+    coupled = torch.tensor([0, 0, 0, 1, 0, 0, 0, 1], dtype=torch.bool)
+    width = 2  # one profile, overlap-aware and not
+    robust = torch.zeros(2, 8, 2 + 2 * width, dtype=torch.float64)
+    robust[:, :, 0] = kind_id(kind)
+    robust[:, :, 1] = torch.tensor(compute, dtype=torch.float64)
+    robust[:, [3, 7], 3] = 0.5  # column 0's (tau, other): other 0.5 s at the coupled steps
+    robust[:, [3, 7], 5] = 0.7  # column 1's
+    found = stretches(robust, coupled, width)
+    assert list(found.values()) == [2]  # two equal stretches of 4 steps
+    totals, compute_s = robust_projection(found, [{kind: 1.0}, {kind: 2.0}], width)
+    assert compute_s == 2 * 8.0  # rank 1's 4 x 2 s per stretch, twice
+    assert totals == [2 * 8.5, 2 * 8.7]
+    # the projection itself (coupled_max) pays rank 0's spike: 9 + 3 + 0.5 > 8.5
+    values = torch.tensor(compute, dtype=torch.float64).unsqueeze(-1).repeat(1, 1, 2)
+    values[:, [3, 7], 0] += 0.5
+    assert coupled_max(values, coupled).tolist()[0] == 12.5 + 8.5

@@ -10,7 +10,9 @@ before launch); a refused combination must name a config key in its message. Fro
 accepted combinations a greedy all-pairs cover is chosen (every pair of values that occurs
 in some accepted combination occurs in a chosen one), and each chosen combination trains
 3 steps on a tiny model on real gloo ranks through the loop's own `Trainer`: the run ends
-`ok`, its loss and validation loss are finite, its records are written, and where it
+`ok`, its loss and validation loss are finite, its records are written, the what-if's
+traffic description of its config (`StrategyConfig.traffic`) is its ledger's training
+records step by step (or the strategy has none, refused naming a key), and where it
 checkpoints, a resume from step 2 ends bit-identical to the uninterrupted run.
 
 The product is too large to validate in the default run (0.5 ms a combination), so the
@@ -239,17 +241,47 @@ def _train(cfg, run_dir: Path):
     if cfg.model.compile:
         torch.compile = functools.partial(COMPILE, backend="eager")
 
-    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, run_dir, torch.device("cpu"), "gloo", keep_records=True)
     trained, timed_step = [], trainer.timed_step
     trainer.timed_step = lambda step: (trained.append(step), timed_step(step))[1]
     try:
         summary = trainer.run()
+        records = list(trainer.ledger.records)  # export_state below communicates (GASLoC)
         state = {k: v.detach().clone() for k, v in trainer.strategy.export_state().items()}
     finally:
         trainer.strategy.close()
         torch.compile = COMPILE
         torch._dynamo.reset()
-    return summary, state, trained
+    return summary, state, trained, traffic_verdict(cfg, records, trained)
+
+
+def traffic_verdict(cfg, records, trained: list[int]) -> str | None:
+    """The what-if's traffic description (`StrategyConfig.traffic`) against this rank's
+    ledger: None when they agree record for record (phase, op, bytes, group size) on
+    the steps trained (in any order within a step: its pricing does not depend on it), "refused: ..." when the strategy has no description, else the
+    first difference."""
+    from bench.train import TRAIN_PHASES
+    from bench.whatif.engine import as_records, traffic_facts
+
+    try:
+        traffic = cfg.strategy.traffic(cfg, traffic_facts(cfg))
+    except ValueError as err:
+        return f"refused: {err}"
+    rank, world = dist.get_rank(), cfg.parallel.world_size
+    rpn = cfg.network.ranks_per_node or 1
+    recorded = sorted((r.step, r.phase, r.op, r.nbytes, r.group_size) for r in records
+                      if r.phase in TRAIN_PHASES)  # a step's order is not priced
+    described = sorted((r.step, r.phase, r.op, r.nbytes, r.group_size) for step in trained
+                       for t in traffic.transfers(rank, step)
+                       for r in as_records(t, rank, step, world, rpn))
+    if described == recorded:
+        return None
+    pairs = zip(described, recorded, strict=False)
+    diff = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                min(len(described), len(recorded)))
+    return (f"rank {rank}: record {diff} described "
+            f"{described[diff] if diff < len(described) else None}, recorded "
+            f"{recorded[diff] if diff < len(recorded) else None}")
 
 
 def _run_rows(rank, world, rows: list[Combination], base_dir: str):
@@ -261,8 +293,8 @@ def _run_rows(rank, world, rows: list[Combination], base_dir: str):
         run_dir = Path(base_dir) / combo.id
         started = time.perf_counter()
         try:
-            summary, state, _ = _train(cfg, run_dir)
-            row = {"status": summary["status"], "loss_finite": None,
+            summary, state, _, traffic = _train(cfg, run_dir)
+            row = {"status": summary["status"], "loss_finite": None, "traffic": traffic,
                    "projection_model": summary.get("projection_model", ""),
                    "val": summary.get("final_val_loss"), "steps": summary["steps"],
                    "tokens": summary["total_tokens"]}
@@ -278,7 +310,7 @@ def _run_rows(rank, world, rows: list[Combination], base_dir: str):
                 dist.barrier()
                 os.environ["COMMBENCH_RESUME"] = "1"
                 try:
-                    resumed_summary, resumed_state, trained = _train(cfg, resumed_dir)
+                    resumed_summary, resumed_state, trained, _ = _train(cfg, resumed_dir)
                 finally:
                     del os.environ["COMMBENCH_RESUME"]
                 row["resumed_status"] = resumed_summary["status"]
@@ -307,6 +339,8 @@ def run_rows(rows: list[Combination], tmp_path: Path, timeout: float) -> dict:
                 continue
             if combo.named["resume"]:
                 found["resume_exact"] = all(r[i]["resume_exact"] for r in per_rank)
+            found["traffic"] = next((r[i]["traffic"] for r in per_rank
+                                     if r[i]["traffic"] is not None), None)
             results[combo] = found
     return results
 
@@ -318,6 +352,13 @@ def check(combo: Combination, found: dict) -> None:
     assert found["steps"] == 3 and found["tokens"] > 0, (named, found)
     assert found["loss_finite"] and math.isfinite(found["val"]), (named, found)
     assert found["final_pt"], named
+    traffic = found["traffic"]  # the what-if describes what the run sent, or says why not
+    if traffic is not None and traffic.startswith("refused: "):
+        assert any(key in traffic for key in ("strategy.backend=deepspeed",
+                                              "strategy.schedule=interleaved-1f1b")), (
+            named, traffic)
+    else:
+        assert traffic is None, f"what-if traffic differs from the ledger: {named}: {traffic}"
     # a sharded run's projection says FSDP's collectives are priced with no overlap
     assert ("FSDP" in found["projection_model"]) == (named["parallel.shard"] == "fsdp"), named
     if named["resume"]:

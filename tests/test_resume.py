@@ -113,3 +113,84 @@ def test_resume_on_4_ranks_through_44_steps_is_bit_exact(tmp_path, case):
                               timeout=880)
     check_resumed(results, checkpoint_step)
 
+
+
+# ------------------------------------------------------------------------ stop signals
+
+STOPS = {  # family -> (config, overrides): a stop asked on rank 1 in step 5, rows every 4
+    "data-parallel": ("configs/ddp-tiny.yaml", ["run.steps=10", "run.log_every=4"]),
+    # ranks free-run a round: the other rank may be at its end (8) when it hears the stop;
+    # rows every 5, so that any stop step (6, 7 or 8) is off the rows' grid
+    "outer-step": ("configs/diloco-tiny.yaml", ["run.steps=10", "strategy.inner_steps=4",
+                                                "run.log_every=5"]),
+    "gossip": ("configs/gasloc-tiny.yaml", ["run.steps=10", "strategy.inner_steps=3",
+                                            "run.log_every=4"]),
+    "pipeline": ("configs/2bw-tiny.yaml", ["run.steps=10", "parallel.num_microbatches=2",
+                                           "run.log_every=4"]),
+    "delayed-optimizer": ("configs/ddp-tiny.yaml", ["run.steps=10", "run.log_every=4",
+                                                    "optim.delay=1", "optim.delay_correction=ef"]),
+}
+
+
+def straight_stopped_resumed(rank, world_size, config, overrides, base):
+    """The run straight through; the same run stopped by a SIGTERM that only rank 1
+    receives, at step 5; then resumed. Returns what the test compares."""
+    from bench.stop import handle_signals
+
+    overrides = [*overrides, "checkpoint.every=100"]  # the stop's checkpoint is the only one
+    straight = make_trainer(world_size, config, overrides, f"{base}/straight")
+    straight.run()
+    straight.strategy.close()
+    os.environ["COMMBENCH_FAULT"] = "1:5:sigterm"
+    try:
+        stopped = make_trainer(world_size, config, overrides, f"{base}/cut")
+        handle_signals(stopped.stop)
+        summary = stopped.run()
+        stopped.strategy.close()
+    finally:
+        del os.environ["COMMBENCH_FAULT"]
+    os.environ["COMMBENCH_RESUME"] = "1"
+    try:
+        resumed = make_trainer(world_size, config, overrides, f"{base}/cut")
+        saved = torch.load(resumed.records.state_checkpoint(rank), weights_only=False)["step"]
+        resumed.run()
+    finally:
+        del os.environ["COMMBENCH_RESUME"]
+    return {"summary": summary, "checkpoint_step": saved,
+            "straight": params_of(own_model(straight.strategy)),
+            "resumed": params_of(own_model(resumed.strategy)),
+            "straight_eval": params_of(straight.strategy.eval_model()),
+            "resumed_eval": params_of(resumed.strategy.eval_model())}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", [  # ~30 s each: one family in the default tests
+    family if family == "data-parallel" else pytest.param(family, marks=pytest.mark.slow)
+    for family in STOPS])
+def test_a_stop_signal_checkpoints_where_all_ranks_agree_and_resumes_bit_exact(tmp_path,
+                                                                             family):
+    """bench/stop.py: one rank's SIGTERM stops every rank at one step boundary (the first
+    after it that all can reach), with a checkpoint there; the resumed run ends with the
+    uninterrupted run's parameters, and its metrics rows (a stop between two rows: the
+    open window is in the checkpoint) hold the same losses."""
+    from bench.records import RunDir
+
+    config, overrides = STOPS[family]
+    results = run_distributed(straight_stopped_resumed, 2, config, overrides, str(tmp_path),
+                              timeout=180)
+    steps = {r["summary"]["steps"] for r in results}
+    assert len(steps) == 1, steps  # one boundary for every rank
+    (step,) = steps
+    # the first boundary both ranks can reach: at most the next synchronisation after step 5
+    assert 5 < step <= 8
+    log_every = int(next(o for o in overrides if o.startswith("run.log_every=")).split("=")[1])
+    assert step % log_every, step  # off the rows' grid: the checkpoint carries an open window
+    for r in results:
+        assert r["checkpoint_step"] == step  # saved at the stop, and resumed from there
+        assert r["summary"]["interrupted"] is True and r["summary"]["stopped_by"] == "SIGTERM"
+        assert r["summary"]["status"] == "failed"
+        assert_same_params(r["resumed"], r["straight"], atol=0, rtol=0)
+        assert_same_params(r["resumed_eval"], r["straight_eval"], atol=0, rtol=0)
+    straight, cut = RunDir(tmp_path / "straight"), RunDir(tmp_path / "cut")
+    rows = [(r["step"], r.get("loss"), r.get("val_loss")) for r in straight.read_metrics()]
+    assert [(r["step"], r.get("loss"), r.get("val_loss")) for r in cut.read_metrics()] == rows

@@ -4,6 +4,7 @@ the harness's layering (only the command line imports `eval`)."""
 import ast
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -127,7 +128,7 @@ import os, signal, sys, time
 from bench import launch
 from bench.config import load_config
 
-def fake_torchrun(cmd, env, log_path, progress, start_timeout_s):
+def fake_torchrun(cmd, env, run, progress, start_timeout_s):
     {body}
 
 launch._run_torchrun = fake_torchrun
@@ -137,6 +138,8 @@ try:
     print("returned", summary["status"])
 except launch.Terminated:
     print("terminated")
+except launch.Stopped as stop:
+    print("stopped", stop)
 """
 
 
@@ -148,18 +151,21 @@ def fake_launch(tmp_path: Path, body: str, *sets: str) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("sig,error", [("SIGTERM", "terminated (SIGTERM)"),
-                                       ("SIGHUP", "terminated (SIGHUP: the terminal closed)")])
-def test_sigterm_is_recorded_like_ctrl_c(tmp_path, sig, error):
-    """Issue 16, defect 10: SIGTERM (Slurm's stop) left summary.json at "running"; issue 29:
-    so did SIGHUP (a closed terminal or ssh connection)."""
-    proc = fake_launch(tmp_path, f"os.kill(os.getpid(), signal.{sig}); time.sleep(30)\n"
+@pytest.mark.parametrize("sig, printed, error", [
+    (signal.SIGTERM, "terminated", "terminated (SIGTERM)"),
+    (signal.SIGHUP, "stopped SIGHUP", "stopped by SIGHUP")], ids=["sigterm", "sighup"])
+def test_a_stop_signal_is_recorded_like_ctrl_c(tmp_path, sig, printed, error):
+    """Issue 16, defect 10: SIGTERM (Slurm's stop) left summary.json at "running"; issue
+    29: so did SIGHUP (a closed terminal or ssh session)."""
+    proc = fake_launch(tmp_path, f"os.kill(os.getpid(), signal.{sig.name}); time.sleep(30)\n"
                                  "    return 0, [], None")
-    assert proc.returncode == 0 and proc.stdout.strip() == "terminated", proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip() == printed, proc.stderr
     summary = RunDir(tmp_path / "run").read_summary()
     assert summary["status"] == "failed" and summary["interrupted"] is True
     assert summary["error"] == error
     assert "no checkpoint was saved yet" in proc.stderr  # nothing to resume: no promise
+    (attempt,) = summary["attempts"]
+    assert attempt["reason"] == error and attempt["end"] >= attempt["start"]
 
 
 def test_a_node_without_rank_0_succeeds_on_exit_code_0(tmp_path):

@@ -368,6 +368,71 @@ def test_resume_after_a_killed_sweep_completes_only_the_missing_runs(tmp_path, e
     assert (killed / "config.yaml").exists()  # moved aside, never deleted
 
 
+resumed: list[tuple[str, bool, str]] = []
+
+
+def resuming_runner(cfg, run_dir, progress=True, resume=False) -> dict:
+    """fake_runner, noting (run name, resume, run dir): what the sweep asked for."""
+    resumed.append((cfg.run.name, resume, str(run_dir)))
+    return fake_runner(cfg, run_dir, progress)
+
+
+def _stop(run_dir: Path, checkpoint_step: int | None, world_size: int = 2) -> None:
+    """Leave a run as a stop leaves it: interrupted, with every rank's state at a step."""
+
+    run = RunDir(run_dir)
+    run.update_summary({"status": "failed", "interrupted": True, "error": "stopped by SIGTERM",
+                        "steps": checkpoint_step, "attempts": [{"job_id": None}]})
+    for stale in run.state_files():
+        stale.unlink()
+    for rank in range(world_size if checkpoint_step else 0):
+        run.save_torch({"step": checkpoint_step}, run.state_checkpoint(rank))
+
+
+def test_a_stopped_run_continues_from_its_checkpoint_in_its_own_directory(tmp_path, env,
+                                                                        capsys):
+    """Issue 25: a stopped run with every rank's checkpoint is resumed in place (the
+    runner gets resume=True, as `commbench run --resume`); one without is trained from step
+    0 after its record is moved aside, and the sweep says why; --status shows both."""
+    from bench.sweep import sweep_status
+
+    path = write_spec(tmp_path, {"name": "s", "variants": {"a": {"optim.lr": 1e-3},
+                                                           "b": {"optim.lr": 2e-3},
+                                                           "c": {"optim.lr": 3e-3}}})
+    first = run_sweep(path, runner=fake_runner, report=False)
+    dirs = {o.run.variant: o.run_dir for o in first.outcomes}
+    _stop(dirs["a"], 20)
+    _stop(dirs["b"], None)
+    capsys.readouterr()
+    rows = {r["variant"]: r for r in sweep_status(path)}
+    assert rows["a"]["state"] == "stopped, resumes from step 20"
+    assert rows["b"]["state"] == "stopped, no checkpoint" and rows["c"]["state"] == "ok"
+    assert rows["a"]["attempts"] == 1 and rows["a"]["last_step"] == 20
+    assert "resumes from step 20" in capsys.readouterr().out
+    assert not _trained(env)[3:]  # --status started nothing
+
+    resumed.clear()
+    again = run_sweep(path, runner=resuming_runner, report=False)
+    assert again.ok and again.num_launched == 2
+    assert sorted(resumed) == [("a", True, str(dirs["a"])), ("b", False, str(dirs["b"]))]
+    (retired,) = (tmp_path / "results" / "s" / "_retired").iterdir()
+    assert retired.name.startswith(dirs["b"].name)  # only b's record was moved aside
+    err = capsys.readouterr().err
+    assert "no checkpoint was saved; trains from step 0" in err and "resuming ->" in err
+    assert {r["state"] for r in sweep_status(path)} == {"ok"}
+
+
+def test_retry_failed_resumes_a_failed_run_from_its_checkpoint(tmp_path, env):
+    path = write_spec(tmp_path, {"name": "f"})
+    (outcome,) = run_sweep(path, runner=fake_runner, report=False).outcomes
+    _stop(outcome.run_dir, 30)
+    RunDir(outcome.run_dir).update_summary({"interrupted": False})  # failed, not stopped
+    resumed.clear()
+    assert run_sweep(path, runner=resuming_runner, report=False).num_launched == 0
+    assert run_sweep(path, runner=resuming_runner, report=False, retry_failed=True).ok
+    assert resumed == [("base", True, str(outcome.run_dir))]
+
+
 def wait_for_ctrl_c(run_dir: Path, press=lambda: False) -> None:
     """Block like a training run (after a Ctrl-C to this process if `press()`); on Ctrl-C,
     do what bench.launch.run_config does: record the run as interrupted, re-raise."""
@@ -423,8 +488,10 @@ def test_ctrl_c_reaches_the_runs_in_flight_of_a_parallel_sweep(tmp_path, env):
     assert result.ok and result.num_launched == 3
 
 
-def test_ctrl_c_in_the_real_launcher_stops_torchrun_and_records_the_run(tmp_path, env,
-                                                                        monkeypatch):
+def test_a_second_ctrl_c_in_the_real_launcher_stops_torchrun_at_once(tmp_path, env,
+                                                                      monkeypatch):
+    """The first Ctrl-C asks the ranks to checkpoint and stop (bench/stop.py); the second
+    kills torchrun (and its ranks) at once, and the run is recorded interrupted."""
     # bench.launch.run_config, with torchrun replaced by a child that only waits
     marker = tmp_path / "child.pid"
     child = [sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + '.tmp', 'w')"
@@ -437,6 +504,8 @@ def test_ctrl_c_in_the_real_launcher_stops_torchrun_and_records_the_run(tmp_path
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.05)
         if marker.exists():
+            os.kill(os.getpid(), signal.SIGINT)  # relayed to the (absent) ranks
+            time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGINT)
 
     path = write_spec(tmp_path, {"name": "rc"})
@@ -559,13 +628,13 @@ def test_a_registered_executor_gets_the_runs_to_train(tmp_path, env, monkeypatch
     seen = {}
 
     class Recording(executors.Executor):
-        def prepare(self, runs):
-            seen["prepared"] = [r.run_id for r in runs]
+        def prepare(self, tasks):
+            seen["prepared"] = [t.run_id for t in tasks]
             return set()
 
-        def run(self, todo, runner, progress):
-            seen["ran"] = [r.run_id for r, _ in todo]
-            return {r.run_id: fake_runner(r.config, d) for r, d in todo}
+        def run(self, tasks, runner, progress):
+            seen["ran"] = [t.run_id for t in tasks]
+            return {t.run_id: fake_runner(t.config, t.run_dir) for t in tasks}
 
     monkeypatch.setitem(executors.EXECUTORS, "local", Recording)
     result = run_sweep(write_spec(tmp_path, {"seeds": [0, 1]}), report=False)

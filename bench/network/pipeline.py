@@ -28,7 +28,7 @@ instead of 2(S - 1)) and under-prices a flushed schedule by its (S - 1) idle slo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from algorithms.comm import CommRecord
 from bench.network.costs import P2P
@@ -40,16 +40,28 @@ def critical_path_step_s(compute_s: float, records: Iterable[CommRecord], profil
                          slots: int, work_slots: int, hops: int, rank: int = 0,
                          ranks_per_node: int = 1, *, backend: str | None = None) -> float:
     """Modelled seconds of one pipeline step of this rank (module docstring's formula)."""
-    if work_slots < 1 or slots < work_slots or hops < 0:
-        raise ValueError(f"critical path: need 1 <= work_slots <= slots and hops >= 0, got "
-                         f"slots={slots}, work_slots={work_slots}, hops={hops}")
-    price = pricer(profile, rank, ranks_per_node, backend=backend)
+    tau, other = critical_path_inputs(records, pricer(profile, rank, ranks_per_node,
+                                                      backend=backend))
+    return critical_path_time(compute_s, tau, other, slots, work_slots, hops)
+
+
+def critical_path_inputs(records: Iterable[CommRecord],
+                         price: Callable[[CommRecord], float]) -> tuple[float, float]:
+    """(tau, t_other) of a step's records: the largest point-to-point transfer's modelled
+    seconds and every other record's, summed (`price`: `bench.network.model.pricer`)."""
     p2p, other = [], 0.0
     for r in records:
         if r.op in P2P:
             p2p.append(price(r))
         else:
             other += price(r)
-    tau = max(p2p, default=0.0)
-    slot = max(compute_s / work_slots, 2 * tau)
-    return slots * slot + hops * tau + other
+    return max(p2p, default=0.0), other
+
+
+def critical_path_time(compute_s: float, tau: float, other: float, slots: int,
+                       work_slots: int, hops: int) -> float:
+    """slots * max(c, 2 tau) + hops * tau + t_other, c = compute_s / work_slots."""
+    if work_slots < 1 or slots < work_slots or hops < 0:
+        raise ValueError(f"critical path: need 1 <= work_slots <= slots and hops >= 0, got "
+                         f"slots={slots}, work_slots={work_slots}, hops={hops}")
+    return slots * max(compute_s / work_slots, 2 * tau) + hops * tau + other

@@ -32,11 +32,15 @@ they belong to another algorithm.
 Identity and resume. A run's id is `config_hash` of its resolved config; its record is
 OUTPUT_DIR/NAME/RUN_NAME-ID/ (RUN_NAME = the variant name). Re-running a sweep skips runs
 recorded ok or diverged (a diverged run is a result, not an accident), keeps failed runs
-with their error unless `--retry-failed`, and re-runs partial ones (killed or Ctrl-C). A record
-that is re-run is moved to NAME/_retired/ first, never deleted, and never while another
-process (a hand `--resume`, `eval`) holds it: the sweep stops first. One failing run never
-stops the sweep. One sweep process at a time per sweep directory (NAME/.sweep.lock, a
-flock: a killed sweep leaves no stale lock).
+with their error unless `--retry-failed`, and continues partial ones (killed, stopped by a
+signal, timed out or preempted) from their last checkpoint, in their own directory, as
+`commbench run --resume` does: the result is bit-identical to an uninterrupted run. A run
+without a usable checkpoint is trained from step 0, and the sweep says why; its old
+record is moved to NAME/_retired/ first, never deleted. No record is moved or continued
+while another process (a hand `--resume`, `eval`) holds it: the sweep stops first. One
+failing run never stops the sweep. One sweep process at a time per sweep directory
+(NAME/.sweep.lock, a flock: a killed sweep leaves no stale lock).
+`commbench sweep SPEC --status` lists each run's state, attempts and last step.
 NAME/sweep.json maps each run id to its variant, seed and grid point; the report reads
 it. Renaming a variant changes run.name, hence the id: that run is trained again.
 
@@ -48,9 +52,8 @@ orchestrate.py (run_sweep), progress.py (the bars). Executors (`local`, or `slur
 submitit) train the runs: see bench/executors.py.
 """
 
-from bench.sweep.orchestrate import SweepResult, run_sweep
+from bench.sweep.orchestrate import RunOutcome, SweepResult, run_sweep, sweep_status
 from bench.sweep.spec import SweepRun, SweepSpec, expand, load_spec
-from bench.sweep.store import RunOutcome
 
 __all__ = ["RunOutcome", "SweepResult", "SweepRun", "SweepSpec", "expand", "load_spec",
-           "run_sweep"]
+           "run_sweep", "sweep_status"]

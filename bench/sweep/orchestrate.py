@@ -1,9 +1,14 @@
 """Sweep orchestration: which runs of a spec to train, training them, then the report.
 
     commbench sweep configs/quickstart.yaml [--dry-run] [--retry-failed] [--output-dir DIR]
+    commbench sweep configs/quickstart.yaml --status     # where each run stands; starts nothing
 
 Reads the spec (bench/sweep/spec.py), looks up each run's record (bench/sweep/store.py),
 hands the runs to train to the spec's executor (bench/executors.py) and builds the report.
+A stopped run (interrupted, timed out, preempted; failed, with --retry-failed) continues
+from its checkpoint in its own directory, as `commbench run --resume` does; only a run
+without a usable checkpoint is retrained from step 0 (its old record moved aside), and the
+sweep says why.
 """
 
 from __future__ import annotations
@@ -17,13 +22,33 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench import records
 from bench.config import Config, check_output_dir
-from bench.executors import Executor, Runner, make_executor
+from bench.executors import Executor, Task, make_executor
+from bench.jobentry import Runner
+from bench.records import DONE_STATUSES, RunDir, read_jsonl
 from bench.sweep import store
 from bench.sweep.progress import Progress
 from bench.sweep.spec import SweepRun, SweepSpec, format_value, load_spec
-from bench.sweep.store import RunOutcome
+
+
+@dataclass
+class RunOutcome:
+    run: SweepRun
+    run_dir: Path
+    status: str
+    """ok, failed, diverged, partial (killed), or new (dry run: not started)."""
+    launched: bool
+    """Whether this invocation trained it (False: skipped, already recorded)."""
+    error: str | None = None
+    resume_from: int | None = None
+    """To train: continue from the checkpoint at this step (None: from step 0)."""
+    why_restart: str = ""
+    """To train from step 0 over an earlier record: why its checkpoint is not usable."""
+
+    @property
+    def task(self) -> Task:
+        return Task(self.run.run_id, self.run.config, self.run_dir,
+                    f"{self.run.label} seed={self.run.seed}", self.resume_from is not None)
 
 
 @dataclass
@@ -50,31 +75,30 @@ class SweepResult:
 # --------------------------------------------------------------------------- execution
 
 
-def _launch(spec: SweepSpec, outcomes: list[RunOutcome], todo: list[tuple[SweepRun, Path]],
+def _launch(spec: SweepSpec, outcomes: list[RunOutcome], todo: list[RunOutcome],
             runner: Runner | None, executor: Executor, active: set[str]) -> None:
-    """Move old records of the runs to redo aside, train them, update `outcomes`."""
+    """Move aside the old records of the runs to train from step 0, train, update `outcomes`."""
     sweep_dir = spec.sweep_dir
-    store.check_not_held([run_dir for run, run_dir in todo if run.run_id not in active])
-    launch_dirs: dict[str, Path] = {}
-    for run, run_dir in todo:
-        if run.run_id in active:  # a job of an earlier invocation still runs: wait for it
-            launch_dirs[run.run_id] = run_dir
-            continue
-        if run_dir.exists():
-            moved = store.retire(run_dir, sweep_dir)
-            tqdm.write(f"moved the earlier record of {run.label} seed={run.seed} to {moved}",
-                       file=sys.stderr)
-        launch_dirs[run.run_id] = sweep_dir / run.dir_name
-    todo = [(run, launch_dirs[run.run_id]) for run, _ in todo]
-    for outcome in outcomes:
-        if outcome.run.run_id in launch_dirs:
-            outcome.launched = True
-            outcome.run_dir = launch_dirs[outcome.run.run_id]
+    # a run another process holds (a hand --resume, eval) stops the sweep before any record
+    # moves: retiring or continuing it would mix two writers' records
+    store.check_not_held([o.run_dir for o in todo if o.run.run_id not in active])
+    for outcome in todo:
+        outcome.launched = True
+        run = outcome.run
+        if run.run_id in active or outcome.resume_from is not None:
+            continue  # a job of an earlier invocation still runs, or it resumes in place
+        if outcome.run_dir.exists():
+            moved = store.retire(outcome.run_dir, sweep_dir)
+            tqdm.write(f"{run.label} seed={run.seed}: {outcome.why_restart}; trains from step "
+                       f"0 (the earlier record moved to {moved})", file=sys.stderr)
+        outcome.run_dir = sweep_dir / run.dir_name
     store.write_sweep_json(spec, {o.run.run_id: o.run_dir for o in outcomes})
 
-    progress = Progress(spec.name, outcomes, len(todo))
+    kept = [o for o in outcomes if not o.launched]
+    progress = Progress(spec.name, len(outcomes), sum(o.status in DONE_STATUSES for o in kept),
+                        sum(o.status == "failed" for o in kept), len(todo))
     try:
-        summaries = executor.run(todo, runner, progress) if todo else {}
+        summaries = executor.run([o.task for o in todo], runner, progress) if todo else {}
     finally:
         progress.close()
     for outcome in outcomes:
@@ -84,44 +108,53 @@ def _launch(spec: SweepSpec, outcomes: list[RunOutcome], todo: list[tuple[SweepR
             outcome.error = summary.get("error")
 
 
+def plan(spec: SweepSpec, retry_failed: bool = False) -> list[RunOutcome]:
+    """Each run's record and what a sweep would do with it (changes nothing)."""
+    outcomes = []
+    for run in spec.runs:
+        run_dir = store.find_run_dir(spec.sweep_dir, run)
+        status = store.record_state(run_dir)
+        outcome = RunOutcome(run, run_dir, status, launched=False)
+        if status == "failed":
+            outcome.error = (store.read_summary(run_dir) or {}).get("error")
+        if status == "partial" or (status == "failed" and retry_failed):
+            outcome.resume_from, outcome.why_restart = store.resumable(
+                run_dir, run.config.parallel.world_size)
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _to_train(outcome: RunOutcome, retry_failed: bool) -> bool:
+    return outcome.status in ("new", "partial") or (outcome.status == "failed" and retry_failed)
+
+
 def run_sweep(spec_path: str | os.PathLike, *, dry_run: bool = False, retry_failed: bool = False,
               executor: str | None = None, max_parallel: int | None = None, report: bool = True,
               runner: Runner | None = None, output_dir: str | os.PathLike | None = None,
               overrides: list[str] | tuple[str, ...] = (),
               check_run: Callable[[Config], None] | None = None) -> SweepResult:
-    """Run the runs of a sweep that are not recorded yet, then build the report.
+    """Run the runs of a sweep that are not recorded yet, continue the stopped ones from
+    their checkpoints, then build the report.
 
     `executor` ('local' or 'slurm'), `max_parallel` and `output_dir` override the spec;
     `overrides` (KEY=VALUE) are set on every run. `check_run(config)` is called on every
     run before anything is written (the command line checks eval tasks with it). `runner`
     replaces bench.launch.run_config (tests pass a fake). Prints the report path.
     """
-    spec = load_spec(spec_path, output_dir=output_dir, overrides=overrides)
+    spec = _load(spec_path, executor, max_parallel, output_dir, overrides)
     for run in spec.runs if check_run else ():
         check_run(run.config)
-    changes = {"name": executor, "max_parallel": max_parallel}
-    spec.executor = dataclasses.replace(  # re-checked like the spec's own values
-        spec.executor, **{k: v for k, v in changes.items() if v is not None})
     sweep_dir = spec.sweep_dir
-
-    outcomes: list[RunOutcome] = []
-    todo: list[tuple[SweepRun, Path]] = []
-    for run in spec.runs:
-        run_dir = store.find_run_dir(sweep_dir, run)
-        status = store.record_state(run_dir)
-        summary = records.read_summary(run_dir) if status == "failed" else None
-        outcome = RunOutcome(run, run_dir, status, launched=False,
-                             error=(summary or {}).get("error"))
-        outcomes.append(outcome)
-        if status == "new" or status == "partial" or (status == "failed" and retry_failed):
-            todo.append((run, run_dir))
+    outcomes = plan(spec, retry_failed)
+    todo = [o for o in outcomes if _to_train(o, retry_failed)]
 
     if dry_run:
-        _print_plan(spec, outcomes, {r.run_id for r, _ in todo})
+        _print_plan(spec, outcomes, {o.run.run_id for o in todo})
         return SweepResult(spec.name, sweep_dir, outcomes, dry_run=True)
 
     executor = make_executor(spec.executor, spec.name, sweep_dir)
-    active = executor.prepare([run for run, _ in todo]) if todo else set()  # nothing written yet
+    # nothing written yet
+    active = executor.prepare([o.task for o in todo]) if todo else set()
     check_output_dir(str(sweep_dir), "the sweep's output_dir")
     with store.sweep_lock(sweep_dir):
         _launch(spec, outcomes, todo, runner, executor, active)
@@ -146,12 +179,70 @@ def run_sweep(spec_path: str | os.PathLike, *, dry_run: bool = False, retry_fail
     return result
 
 
+def _load(spec_path, executor, max_parallel, output_dir, overrides) -> SweepSpec:
+    spec = load_spec(spec_path, output_dir=output_dir, overrides=overrides)
+    changes = {"name": executor, "max_parallel": max_parallel}
+    spec.executor = dataclasses.replace(  # re-checked like the spec's own values
+        spec.executor, **{k: v for k, v in changes.items() if v is not None})
+    return spec
+
+
+def sweep_status(spec_path: str | os.PathLike, *, executor: str | None = None,
+                 output_dir: str | os.PathLike | None = None,
+                 overrides: list[str] | tuple[str, ...] = ()) -> list[dict]:
+    """Where every run of a sweep stands, printed as a table (and returned as rows):
+    recorded ok / failed / diverged, running, queued in Slurm (with its job id), stopped
+    (resumable from a step), or not started; its attempts and last step. Starts nothing."""
+    spec = _load(spec_path, executor, None, output_dir, overrides)
+    outcomes = plan(spec)
+    queued = make_executor(spec.executor, spec.name, spec.sweep_dir).queued(
+        {o.run.run_id for o in outcomes})
+    sweeping = store.lock_holder(spec.sweep_dir)
+    rows = []
+    for o in outcomes:
+        summary = store.read_summary(o.run_dir) or {}
+        state = {"new": "not started", "partial": "stopped"}.get(o.status, o.status)
+        if o.run.run_id in queued:
+            state = queued[o.run.run_id]
+        elif summary.get("status") == "running" and sweeping is not None:
+            state = (f"running (sweep process {sweeping.get('pid')} on "
+                     f"{sweeping.get('host')})")
+        elif o.status == "partial":
+            state = (f"stopped, resumes from step {o.resume_from}" if o.resume_from
+                     else "stopped, no checkpoint")
+        rows.append({"run_id": o.run.run_id, "variant": o.run.variant, "seed": o.run.seed,
+                     "state": state, "attempts": len(summary.get("attempts") or []),
+                     "last_step": _last_step(o.run_dir, summary), "run_dir": str(o.run_dir)})
+    header = ("run id", "variant", "seed", "state", "attempts", "last step")
+    table = [header] + [(r["run_id"], r["variant"], str(r["seed"]), r["state"],
+                         str(r["attempts"]), str(r["last_step"] if r["last_step"] is not None
+                                                 else "-")) for r in rows]
+    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    print(f"sweep {spec.name}: {len(rows)} runs in {spec.sweep_dir} (executor "
+          f"{spec.executor.name})")
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return rows
+
+
+def _last_step(run_dir: Path, summary: dict) -> int | None:
+    """The run's last recorded step: its summary's, else its last metrics row's."""
+    if isinstance(summary.get("steps"), int):
+        return summary["steps"]
+    rows = read_jsonl(RunDir(run_dir).metrics, skipped=[])
+    return max((r["step"] for r in rows if isinstance(r.get("step"), int)), default=None)
+
+
 def _print_plan(spec: SweepSpec, outcomes: list[RunOutcome], todo: set[str]) -> None:
     rows = []
     for i, o in enumerate(outcomes, 1):
         action = "run" if o.run.run_id in todo else "skip"
         if o.status == "failed" and o.run.run_id not in todo:
             action = "skip (failed; --retry-failed)"
+        elif o.run.run_id in todo and o.resume_from is not None:
+            action = f"resume from step {o.resume_from}"
+        elif o.run.run_id in todo and o.status != "new":
+            action = "run from step 0"
         shown = {k: v for k, v in o.run.overrides.items() if k not in ("run.name", "run.seed")}
         text = " ".join(f"{k}={format_value(v)}" for k, v in shown.items())
         rows.append((str(i), o.run.run_id, o.run.variant, str(o.run.seed), o.status, action, text))

@@ -2,7 +2,7 @@
 
     commbench sweep configs/quickstart.yaml    # on a terminal: the bars; in logs: one line a run
 
-Executors (bench/executors.py) call `start(run, run_dir)` and `finish(run, summary)`.
+Executors (bench/executors.py) call `start(task)` and `finish(task, summary)`.
 """
 
 from __future__ import annotations
@@ -10,25 +10,20 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from bench import records
-
-if TYPE_CHECKING:
-    from bench.sweep.spec import SweepRun
-    from bench.sweep.store import RunOutcome
+from bench.executors import Task
+from bench.records import RunDir
 
 
 class _RunLine:
     """One running run's line: steps done, loss and tokens/s, read from its metrics.jsonl."""
 
-    def __init__(self, run: SweepRun, run_dir: Path):
-        self.path = records.RunDir(run_dir).metrics
+    def __init__(self, task: Task):
+        self.path = RunDir(task.run_dir).metrics
         self.offset = 0
-        self.bar = tqdm(total=run.config.run.steps, desc=f"  {run.label} seed={run.seed}",
+        self.bar = tqdm(total=task.config.run.steps, desc=f"  {task.label}",
                         unit="step", leave=False, dynamic_ncols=True)
 
     def poll(self) -> None:
@@ -62,10 +57,10 @@ class Progress:
     train with their own progress printing off). Elsewhere (logs, CI, batch jobs) there
     are no bars: one line per run start and end, and the runs print their own progress."""
 
-    def __init__(self, name: str, outcomes: list[RunOutcome], num_todo: int):
-        self.total = len(outcomes)
-        self.ok = sum(o.status in records.DONE_STATUSES for o in outcomes if not o.launched)
-        self.failed = sum(o.status == "failed" for o in outcomes if not o.launched)
+    def __init__(self, name: str, total: int, num_done: int, num_failed: int, num_todo: int):
+        """`total` runs, of which `num_done` are recorded done and `num_failed` failed (kept,
+        not trained now), and `num_todo` to train."""
+        self.total, self.ok, self.failed = total, num_done, num_failed
         self.started = 0
         self.num_todo = num_todo
         self.lock = threading.RLock()
@@ -90,18 +85,19 @@ class Progress:
                 for line in self.lines.values():
                     line.poll()
 
-    def start(self, run: SweepRun, run_dir: Path) -> None:
+    def start(self, task: Task, note: str = "") -> None:
         with self.lock:
             self.started += 1
-            tqdm.write(f"[{self.started}/{self.num_todo}] {run.label} seed={run.seed}: "
-                       f"training -> {run_dir}", file=sys.stderr)
+            what = "resuming" if task.resume else "training"
+            tqdm.write(f"[{self.started}/{self.num_todo}] {task.label}: {what} -> "
+                       f"{task.run_dir}{f' ({note})' if note else ''}", file=sys.stderr)
             if self.live:
-                self.lines[run.run_id] = _RunLine(run, run_dir)
+                self.lines[task.run_id] = _RunLine(task)
 
-    def finish(self, run: SweepRun, summary: dict) -> None:
+    def finish(self, task: Task, summary: dict) -> None:
         status = summary.get("status", "failed")
         with self.lock:
-            line = self.lines.pop(run.run_id, None)
+            line = self.lines.pop(task.run_id, None)
             if line is not None:
                 line.bar.close()
             if status == "failed":
@@ -113,8 +109,7 @@ class Progress:
             if status == "failed":
                 detail = (summary.get("error") or "").strip().splitlines()[:1]
                 detail = detail[0] if detail else "no error text"
-            tqdm.write(f"  {run.label} seed={run.seed}: {status} {detail}".rstrip(),
-                       file=sys.stderr)
+            tqdm.write(f"  {task.label}: {status} {detail}".rstrip(), file=sys.stderr)
             self._postfix()
             self.bar.update(1)
 

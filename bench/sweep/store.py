@@ -1,49 +1,53 @@
-"""The sweep's record store: which runs are recorded, moving old records aside, the lock,
-and NAME/sweep.json (run id -> variant, seed, grid point), which the report reads.
+"""The sweep's record store: which runs are recorded, which can continue from a
+checkpoint, moving old records aside, the lock, and NAME/sweep.json (run id -> variant,
+seed, grid point), which the report reads.
 
-    commbench sweep configs/quickstart.yaml    # skips runs recorded here, retires partial ones
+    commbench sweep configs/quickstart.yaml    # skips runs recorded here, resumes stopped ones
 
 A run's record is OUTPUT_DIR/NAME/RUN_NAME-ID/ (see bench/sweep/__init__.py); records are
-never deleted: a record that is trained again moves to NAME/_retired/ first.
+never deleted: a record that is trained again from step 0 moves to NAME/_retired/ first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench import records
+from bench import checkpoint, records
+from bench.records import RunDir
 
 if TYPE_CHECKING:
     from bench.sweep.spec import SweepRun, SweepSpec
 
 
-@dataclass
-class RunOutcome:
-    """A run of the sweep, its record and what this invocation did with it."""
-
-    run: SweepRun
-    run_dir: Path
-    status: str
-    """ok, failed, diverged, partial (killed), or new (dry run: not started)."""
-    launched: bool
-    """Whether this invocation trained it (False: skipped, already recorded)."""
-    error: str | None = None
-
-
 def record_state(run_dir: Path) -> str:
     """`new` when nothing is recorded at run_dir, else records.status_of its summary
     (a torn summary.json, from a run killed while writing it, reads as partial)."""
-    if not records.RunDir(run_dir).holds_records():
+    if not RunDir(run_dir).holds_records():
         return "new"
+    return records.status_of(read_summary(run_dir))
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    """summary.json, or None when it is missing or torn."""
     try:
-        summary = records.read_summary(run_dir)
+        return RunDir(run_dir).read_summary()
     except ValueError:
-        summary = None
-    return records.status_of(summary)
+        return None
+
+
+def resumable(run_dir: Path, world_size: int) -> tuple[int | None, str]:
+    """(the step a stopped run continues from, or None; why not, in words): the run's
+    checkpoints, every rank's, loaded and at one step (bench/checkpoint.py)."""
+    try:
+        step = checkpoint.verify_states(RunDir(run_dir), world_size)
+    except ValueError as err:
+        return None, str(err)
+    if not step:
+        return None, "no checkpoint was saved"
+    return step, ""
 
 
 def find_run_dir(sweep_dir: Path, run: SweepRun) -> Path:
@@ -87,6 +91,12 @@ def sweep_lock(sweep_dir: Path):
     with records.hold(sweep_dir / ".sweep.lock", "commbench sweep",
                       f"sweep directory {str(sweep_dir)!r}"):
         yield
+
+
+def lock_holder(sweep_dir: Path) -> dict | None:
+    """The sweep process that holds the sweep directory now (purpose, pid, host, since),
+    or None."""
+    return records.holder_of(sweep_dir / ".sweep.lock")
 
 
 def write_sweep_json(spec: SweepSpec, run_dirs: dict[str, Path]) -> None:

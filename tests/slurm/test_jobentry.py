@@ -60,9 +60,10 @@ def test_a_queued_job_references_only_the_stable_entry_point(tmp_path, monkeypat
         delayed = recorder.load()
     ours = {name for name in recorder.imports if not name.startswith(("submitit.", "builtins."))}
     assert ours == {"bench.jobentry.run_job"}
-    config_data, run_dir, runner = delayed.args
+    config_data, run_dir, runner, resume, max_requeues, warning_signal = delayed.args
     assert isinstance(config_data, dict) and isinstance(run_dir, str)
     assert runner == "tests.slurm.runners.instant_runner"
+    assert (resume, max_requeues, warning_signal) == (False, 3, "USR2")  # plain data too
 
 
 def test_runner_names_round_trip_and_bad_ones_are_refused():

@@ -1,4 +1,4 @@
-"""Sweeps through the submitit executor on a real one-node Slurm (tools/slurm/start-cluster.sh).
+"""Sweeps through the submitit executor on a real Slurm (tools/slurm/start-cluster.sh).
 
     COMMBENCH_SLURM=1 tox -e slurm                 # starts the cluster, runs these tests
     sudo tools/slurm/start-cluster.sh && pytest tests/slurm -m slurm
@@ -10,50 +10,24 @@ in COMMBENCH_TEST_HANG hang instead, to be cancelled or to outlive their time li
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from bench import records
-from bench.sweep import expand, load_spec, run_sweep
-from tests.slurm.runners import hanging_runner
+from bench.sweep import run_sweep
+from tests.slurm.runners import hanging_runner, in_thread, job_id, wait_running
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
-
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("slurm_cluster")]
 
 BASE = {"run": {"name": "tiny", "steps": 6, "log_every": 2, "val_every": 6, "val_sequences": 4},
         "model": {"preset": "tiny", "seq_len": 32, "n_layer": 1},
         "data": {"corpus": "embedded", "batch_size": 2},
         "parallel": {"world_size": 2}, "strategy": {"name": "ddp", "backend": "torch"}}
-
-
-def _node_state() -> str:
-    if not shutil.which("sinfo"):
-        return "no sinfo on PATH"
-    done = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True)
-    return done.stdout.strip() or done.stderr.strip()
-
-
-@pytest.fixture(autouse=True)
-def cluster(tmp_path, monkeypatch):
-    state = _node_state()
-    if state not in ("idle", "mixed", "allocated"):
-        message = f"no idle Slurm node here ({state}); start one: tools/slurm/start-cluster.sh"
-        if os.environ.get("COMMBENCH_SLURM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    # jobs inherit the environment (sbatch --export=ALL): the repo and the hang list
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.delenv("COMMBENCH_TEST_HANG", raising=False)
 
 
 def _spec(tmp_path: Path, name: str, variants: dict, **executor) -> Path:
@@ -65,49 +39,13 @@ def _spec(tmp_path: Path, name: str, variants: dict, **executor) -> Path:
     return path
 
 
-def _job_id(path: Path, variant: str, timeout_s: float = 120) -> str:
-    """The Slurm job id of a run once it is submitted (from NAME/_slurm/jobs.json)."""
-    spec = load_spec(path)
-    run_id = next(r.run_id for r in expand(spec) if r.variant == variant)
-    jobs_path = spec.sweep_dir / "_slurm" / "jobs.json"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if jobs_path.exists():
-            jobs = json.loads(jobs_path.read_text())
-            if run_id in jobs:
-                return str(jobs[run_id])
-        time.sleep(0.5)
-    raise AssertionError(f"run {variant} was not submitted within {timeout_s}s")
-
-
-def _wait_running(job_id: str, run_dir_glob: Path, timeout_s: float = 120) -> None:
-    """Wait until Slurm runs the job and the runner has recorded status running."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"],
-                               capture_output=True, text=True).stdout.strip()
-        started = any((records.read_summary(d) or {}).get("status") == "running"
-                      for d in run_dir_glob.parent.glob(run_dir_glob.name))
-        if state == "RUNNING" and started:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} did not start running within {timeout_s}s")
-
-
-def _in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, list]:
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(fn(*args, **kwargs)), daemon=True)
-    thread.start()
-    return thread, out
-
-
 def test_two_run_sweep_cancel_and_retry(tmp_path, monkeypatch):
     path = _spec(tmp_path, "pair", {"a": {"optim.lr": 1e-3}, "b": {"optim.lr": 2e-3}},
                  array=True, timeout_min=10)
     monkeypatch.setenv("COMMBENCH_TEST_HANG", "b")
-    thread, out = _in_thread(run_sweep, path, runner=hanging_runner, report=False)
-    b_job = _job_id(path, "b")
-    _wait_running(b_job, tmp_path / "results" / "pair" / "b-*")
+    thread, out = in_thread(run_sweep, path, runner=hanging_runner, report=False)
+    b_job = job_id(path, "b")
+    wait_running(b_job, tmp_path / "results" / "pair" / "b-*")
     subprocess.run(["scancel", b_job], check=True)
     thread.join(timeout=600)
     assert not thread.is_alive(), "the sweep did not notice the cancelled job"
@@ -119,24 +57,31 @@ def test_two_run_sweep_cancel_and_retry(tmp_path, monkeypatch):
     metrics = (by_variant["a"].run_dir / "metrics.jsonl").read_text().splitlines()
     assert any("val_loss" in line for line in metrics)
     b_summary = records.read_summary(by_variant["b"].run_dir)
-    assert b_summary["status"] == "failed"
-    assert b_job in b_summary["error"] and "CANCELLED" in b_summary["error"], b_summary["error"]
+    # a cancelled job stops its run (SIGTERM) and is never requeued: interrupted, resumable
+    assert b_summary["status"] == "failed" and b_summary["interrupted"] is True
+    assert f"stopped by SIGTERM (job {b_job})" in b_summary["error"], b_summary["error"]
     print(f"\ncancelled run recorded: {b_summary['error'].splitlines()[0]}")
 
     monkeypatch.delenv("COMMBENCH_TEST_HANG")
-    retried = run_sweep(path, runner=hanging_runner, report=False, retry_failed=True)
+    retried = run_sweep(path, runner=hanging_runner, report=False)  # partial: trained again
     assert retried.ok and retried.num_launched == 1
-    assert _job_id(path, "b") != b_job
+    assert job_id(path, "b") != b_job
     assert records.read_summary(by_variant["b"].run_dir)["status"] == "ok"
 
 
-def test_a_job_past_its_time_limit_is_recorded_failed(tmp_path, monkeypatch):
-    path = _spec(tmp_path, "late", {"late": {"optim.lr": 1e-3}}, timeout_min=1)
+def test_a_job_past_its_time_limit_without_requeues_is_left_to_resume(tmp_path, monkeypatch):
+    """Slurm's warning before the time limit stops the run; with executor.max_requeues 0
+    the job is not requeued and the run is recorded interrupted (the next sweep resumes
+    it), not failed. Slurm may send the warning up to 60 s early: a 2-minute limit keeps it
+    after the job's start-up (with 1 minute, it can come before the job's Python has a
+    handler, and kill it)."""
+    path = _spec(tmp_path, "late", {"late": {"optim.lr": 1e-3}}, timeout_min=2,
+                 signal_delay_s=30, max_requeues=0)
     monkeypatch.setenv("COMMBENCH_TEST_HANG", "late")
     result = run_sweep(path, runner=hanging_runner, report=False)
     [outcome] = result.outcomes
     summary = records.read_summary(outcome.run_dir)
-    assert outcome.status == "failed" and summary["status"] == "failed"
-    # submitit turns Slurm's warning signal into "timed-out"; a hard kill shows TIMEOUT
-    assert re.search(r"timed-out|TIMEOUT", summary["error"]), summary["error"]
+    assert outcome.status == "failed" and summary["interrupted"] is True, summary
+    assert re.search(r"stopped by SIGUSR2 \(job \d+\)", summary["error"]), summary["error"]
+    assert records.status_of(summary) == "partial"
     print(f"\nrun past its time limit recorded: {summary['error'].splitlines()[0]}")
