@@ -23,10 +23,35 @@ Conventions (the meaning of each field is also documented on `CommRecord`):
   spent waiting for slower peers and any emulation sleep.
 - `barrier()` is not recorded: it carries no payload and the harness uses it for
   alignment; a straggler's wait shows up in the next real op's seconds anyway.
+
+Averages in a compressed format (the outer step's pseudo-gradients,
+`algorithms/compress.py`): quantized values cannot be summed inside an all-reduce without
+overflowing their format, so `average(..., codec=RowQuantizer)` does what real systems do:
+an all-to-all of the quantized shards (rank j receives every rank's rows of shard j), a
+local reduce of the shard in fp32, its mean re-quantized, and an all-gather of the
+quantized means; recorded as ONE op, `quantized_all_reduce`, whose `nbytes` is this rank's
+whole quantized buffer (codes and scales; wire: 2(n-1)/n of it, as a ring all-reduce).
+`average_sparse` all-gathers each rank's top-k (values and indices) and sums them in rank
+order; recorded as an `all_gather` of the bytes this rank contributes.
+
+Ops that span steps (`launch` -> `Pending.wait` -> `Pending.record`): started at the end
+of one step, waited for some steps later (Streaming DiLoCo's overlapped outer exchange).
+The work runs where the calling thread's compute cannot wait for it: on the CPU on a
+thread of its own (gloo blocks the thread that calls it), on CUDA on a side stream (the
+host only enqueues). On CUDA this is not enabled yet: the loop and the clocks synchronise
+the whole device every step (bench/env.py `synchronize`), which would wait for the side
+stream, so `strategy.overlap_steps > 0` is refused there (algorithms/diloco.py); the
+CUDA branch is unexercised until they synchronise the current stream. It must run on a group no
+other thread uses (collectives on one group must be issued in the same order on every
+rank). The record is made at the wait, in the waiting step, with `launch_step` and
+`tail_s` (CommRecord): the network model prices its overlap with the compute of the steps
+in between (docs/network-model.md, "Ops that span steps").
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -64,6 +89,13 @@ class CommRecord:
     peer_nbytes: tuple[int, ...] | None = None
     """exchange: bytes sent to each rank of `peers`, in the same order (0 for a peer only
     received from); sums to `nbytes`. None for every other op."""
+    launch_step: int | None = None
+    """Ops that span steps (`Communicator.launch`): the step at whose end the op was
+    launched (`step` is the one that waited for it); the compute of the steps after the
+    launch runs concurrently with it. None for ops launched and finished in one step."""
+    tail_s: float | None = None
+    """With `launch_step`: the seconds of the waiting step's compute that came after the
+    wait (the outer step on the result), which the op did not overlap."""
 
 
 class CommLedger:
@@ -180,6 +212,8 @@ class Communicator:
         self._phase = "train"
         self.groups: list[Group] = []
         """Every group made by `new_group`, in creation order (the same on every rank)."""
+        self._side_stream = None
+        """CUDA: the stream launched ops run on (made at the first launch)."""
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -288,14 +322,11 @@ class Communicator:
         if op == "avg" and not tensor.is_floating_point():
             raise TypeError(f"all_reduce op='avg' needs a floating tensor, got {tensor.dtype}")
         pg = self._pg(group)
-        size = len(self.group_ranks(group))
-        # gloo has no ReduceOp.AVG: sum, then divide.
-        native_avg = op == "avg" and dist.get_backend(pg) == "nccl"
-        reduce_op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         with self._timed("all_reduce", _nbytes(tensor), group):
-            dist.all_reduce(tensor, op=reduce_op, group=pg)
-            if op == "avg" and not native_avg:
-                tensor.div_(size)
+            if op == "avg":
+                _mean_in_place(tensor, pg, len(self.group_ranks(group)))
+            else:
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group | None = None) -> torch.Tensor:
@@ -314,6 +345,75 @@ class Communicator:
         with self._timed("all_gather", _nbytes(tensor), group):
             dist.all_gather(out, tensor.contiguous(), group=pg)
         return out
+
+    def average(self, flat: torch.Tensor, group: Group | None = None, codec=None,
+                launch: bool = False) -> torch.Tensor | Pending:
+        """The mean of the flat float tensor `flat` over the group, in the format `codec`
+        (None: an all-reduce of `flat` as it is, in place; an `algorithms.compress.
+        RowQuantizer`: the quantized exchange of the module docstring, into a new fp32
+        tensor). `launch=True`: start it and return a `Pending` (ops that span steps)."""
+        size = len(self.group_ranks(group))
+        if codec is None:
+            op, nbytes = "all_reduce", _nbytes(flat)
+            work = functools.partial(_mean_in_place, flat, size=size)
+        else:
+            op, nbytes = "quantized_all_reduce", codec.coded_bytes(flat.numel(), size)
+            work = functools.partial(quantized_average, flat, codec, size=size)
+        return self._run(op, nbytes, work, group, launch, inputs=(flat,))
+
+    def average_sparse(self, indices: torch.Tensor, values: torch.Tensor, numel: int,
+                       group: Group | None = None, launch: bool = False
+                       ) -> torch.Tensor | Pending:
+        """The mean over the group of every rank's sparse tensor (`indices`, `values`: the
+        same count on every rank) as a dense fp32 tensor of `numel`: one all-gather of the
+        values and indices, summed in rank order. `launch` as in `average`."""
+        size = len(self.group_ranks(group))
+        work = functools.partial(sparse_average, indices, values, numel, size=size)
+        return self._run("all_gather", _nbytes(indices) + _nbytes(values), work, group, launch,
+                         inputs=(indices, values))
+
+    def _run(self, op: str, nbytes: int, work: Callable, group: Group | None,
+             launch: bool, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | Pending:
+        if launch:
+            return self.launch(op, nbytes, work, group, inputs)
+        pg = self._pg(group)
+        with self._timed(op, nbytes, group):
+            result = work(pg)
+        return result
+
+    def launch(self, op: str, nbytes: int, work: Callable[[object], torch.Tensor],
+               group: Group | None = None, inputs: tuple[torch.Tensor, ...] = ()) -> Pending:
+        """Start `work(process group)` (raw torch.distributed calls returning a tensor) and
+        return at once (module docstring: ops that span steps). `group` must be one only
+        this op uses; `inputs` are the tensors `work` reads (kept alive for the side stream
+        on CUDA). Nothing is recorded until `Pending.record`."""
+        pg = self._pg(group)
+        pending = Pending(self, op, nbytes, group, self.step, time.perf_counter())
+        if self.device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+            stream = self._side_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in inputs:
+                t.record_stream(stream)
+            pending.start_event = torch.cuda.Event(enable_timing=True)
+            pending.done_event = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                pending.start_event.record()
+                pending.result = work(pg)
+                pending.done_event.record()
+            return pending
+
+        def run():
+            try:
+                pending.result = work(pg)
+            except BaseException as err:  # re-raised by wait, on the calling thread
+                pending.error = err
+            pending.done_at = time.perf_counter()
+
+        pending.thread = threading.Thread(target=run, name=f"commbench-{op}", daemon=True)
+        pending.thread.start()
+        return pending
 
     def barrier(self, group: Group | None = None) -> None:
         """Wait for every rank of the group; not recorded (see the module docstring)."""
@@ -393,6 +493,130 @@ class Communicator:
         with self._timed("exchange", sum(peer_nbytes), peers=peers, peer_nbytes=peer_nbytes):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
+
+class Pending:
+    """An op started by `Communicator.launch`: `wait()` for its result (where the caller
+    needs it), then `record(tail_s)` once the caller's work after the wait is done."""
+
+    def __init__(self, comm: Communicator, op: str, nbytes: int, group: Group | None,
+                 step: int, started: float):
+        self.comm, self.op, self.nbytes, self.group = comm, op, nbytes, group
+        self.step, self.started = step, started
+        self.result: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.done_at: float | None = None
+        self.start_event = self.done_event = None
+        self.seconds: float | None = None
+        """After `wait`: launch to completion (emulation: at least the modelled time)."""
+        self.exposed_s = 0.0
+        """After `wait`: how long the caller waited (CUDA: its stream stalled)."""
+
+    def wait(self) -> torch.Tensor:
+        """Block the caller (CUDA: its stream) until the op has finished; its result. A
+        second wait (after `state_dict`, or restored by `from_state`) waits for nothing."""
+        if self.seconds is not None:
+            self.exposed_s = 0.0
+            return self.result
+        comm, cuda = self.comm, self.comm.device.type == "cuda"
+        if cuda:
+            current = torch.cuda.current_stream(comm.device)
+            before = torch.cuda.Event(enable_timing=True)
+            before.record()
+            current.wait_event(self.done_event)
+        else:
+            before = time.perf_counter()
+            self.thread.join()
+            if self.error is not None:
+                raise self.error
+        modelled = comm.modelled_seconds(self.op, self.nbytes, self.group,
+                                         started=self.started)
+        remaining = self.started + modelled - time.perf_counter()
+        if remaining > 0:  # emulation: the op takes its modelled time from launch
+            time.sleep(remaining)
+        if cuda:
+            after = torch.cuda.Event(enable_timing=True)
+            after.record()
+            after.synchronize()
+            self.exposed_s = before.elapsed_time(after) / 1e3
+            measured = self.start_event.elapsed_time(self.done_event) / 1e3
+            self.result.record_stream(current)
+        else:
+            self.exposed_s = time.perf_counter() - before
+            measured = self.done_at - self.started
+        self.seconds = max(measured, modelled)
+        return self.result
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of it: its record's fields and its result (waited for)."""
+        result = self.wait()
+        return {"op": self.op, "nbytes": self.nbytes, "step": self.step,
+                "seconds": self.seconds, "result": result.detach().clone()}
+
+    @classmethod
+    def local(cls, comm: Communicator, result: torch.Tensor) -> Pending:
+        """A launched op with nothing to send (one replica): finished, never recorded."""
+        return cls.from_state(comm, None, {"op": None, "nbytes": 0, "step": comm.step,
+                                           "seconds": 0.0, "result": result})
+
+    @classmethod
+    def from_state(cls, comm: Communicator, group: Group | None, state: dict) -> Pending:
+        """A finished op restored from `state_dict` (resume): waiting for it is free."""
+        pending = cls(comm, state["op"], state["nbytes"], group, state["step"], 0.0)
+        pending.seconds = state["seconds"]
+        pending.result = state["result"].to(comm.device)
+        return pending
+
+    def record(self, tail_s: float = 0.0) -> CommRecord | None:
+        """The op's ledger record, made now (this step, the current phase); None for a
+        `local` one."""
+        if self.op is None:
+            return None
+        return self.comm.record(self.op, self.nbytes, self.seconds, self.group,
+                                launch_step=self.step, tail_s=tail_s)
+
+
+# ---------------------------------------------------------------------- raw collectives
+# The work of `Communicator.average`/`average_sparse` on a process group, unrecorded (the
+# caller records it); the same on every rank of the group.
+
+
+def _mean_in_place(flat: torch.Tensor, pg, size: int) -> torch.Tensor:
+    native_avg = dist.get_backend(pg) == "nccl"  # gloo has no ReduceOp.AVG: sum, divide
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM, group=pg)
+    return flat if native_avg else flat.div_(size)
+
+
+def quantized_average(flat: torch.Tensor, codec, pg, size: int) -> torch.Tensor:
+    """The group's mean of `flat` through `codec` (a RowQuantizer): all-to-all of the coded
+    shards, each rank's shard reduced in fp32 (in rank order) and re-coded, all-gather."""
+    numel = flat.numel()
+    padded = torch.zeros(codec.padded(numel, size), dtype=torch.float32, device=flat.device)
+    padded[:numel] = flat
+    coded = codec.encode(padded)
+    received = torch.empty_like(coded)
+    dist.all_to_all_single(received, coded, group=pg)
+    shard = codec.decode(received).view(size, -1).sum(dim=0).div_(size)
+    gathered = torch.empty_like(coded)
+    dist.all_gather_into_tensor(gathered, codec.encode(shard), group=pg)
+    return codec.decode(gathered)[:numel]
+
+
+def sparse_average(indices: torch.Tensor, values: torch.Tensor, numel: int, pg,
+                   size: int) -> torch.Tensor:
+    """The group's mean of the sparse tensors (every rank's `indices`, `values`): one
+    all-gather of both, as bytes, summed in rank order into a dense fp32 tensor."""
+    value_bytes = _nbytes(values)
+    payload = torch.cat([values.contiguous().view(torch.uint8),
+                         indices.contiguous().view(torch.uint8)])
+    gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)
+    dist.all_gather_into_tensor(gathered, payload, group=pg)
+    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    for part in gathered.view(size, -1):
+        out.index_add_(0, part[value_bytes:].view(indices.dtype).long(),
+                       part[:value_bytes].view(values.dtype).float())
+    return out.div_(size)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -12,6 +12,12 @@ so the network model prices intra-group and cross-group traffic on their own lin
 With `parallel.shard: fsdp` a replica is one FSDP2 group instead of a DDP group
 (algorithms/shard.py): inner steps sharded inside it, and each rank's outer step on its
 own shards across the replicas, so a rank's outer all-reduce carries |θ| / group_size.
+
+Streaming DiLoCo (arXiv 2501.18512; `strategy.fragments`, `overlap_steps`, `mix_alpha`)
+and compressed outer communication (`strategy.outer_compression`) are options of this
+strategy (and so of Pier): the fragments and their schedule are algorithms/streaming.py,
+the codecs algorithms/compress.py, the compressed and the launched exchanges
+algorithms/comm.py. Defaults (1 fragment, no overlap, α = 0, none) are DiLoCo exactly.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from algorithms.base import (
     require_data_parallel,
     unwrap,
 )
-from algorithms.ddp import make_ddp
+from algorithms.compress import QUANTIZERS, bytes_per_element, make_codec
+from algorithms.ddp import clock_for, make_ddp
 from algorithms.memory import HOST, fsdp_terms, require_shard_ranks
-from algorithms.outer import WIRE_BYTES, OuterOptimizer, RoundStats, replica_groups
+from algorithms.outer import WIRE_BYTES, WIRE_DTYPES, OuterOptimizer, RoundStats, replica_groups
+from algorithms.streaming import Fragments, StreamingSchedule, fragment_indices
 from algorithms.traffic import (
     Traffic,
     Transfer,
@@ -68,6 +76,33 @@ class DiLoCoConfig(StrategyConfig):
     """Keep the global θ and the outer optimizer state in CPU memory (large models)."""
     bucket_cap_mb: float = 25.0
     """Bucket size in MiB of the intra-group DDP gradient all-reduce (group_size > 1)."""
+    fragments: int = 1
+    """Streaming DiLoCo (arXiv 2501.18512): P, the fragments the model is cut into (over
+    its transformer blocks, by fragment_pattern). One fragment syncs every H/P inner steps,
+    round-robin, so each syncs every H steps (inner_steps must be a multiple of P) and a
+    sync sends about |θ|/P. 1 = DiLoCo (the whole model every H steps)."""
+    fragment_pattern: Literal["strided", "sequential"] = "strided"
+    """Which blocks form a fragment: strided (block b in fragment b mod P, the paper's) or
+    sequential (P contiguous runs of blocks). The embedding goes with block 0's fragment,
+    the head and final norm with the last block's."""
+    overlap_steps: int = 0
+    """τ: a fragment's pseudo-gradient is taken τ steps before its sync point and its
+    exchange runs during those τ inner steps (only the wait at the sync point is exposed);
+    0 <= τ < inner_steps / fragments; 0 = blocking exchange."""
+    mix_alpha: float = 0.0
+    """α in [0, 1]: at a sync, θ_i ← (1 − α) θ_global + α θ_i, θ_i the replica's fragment
+    then (it has trained τ steps past its pseudo-gradient). 0 = restart from θ_global
+    (DiLoCo); the paper's overlapped runs use 0.5."""
+    outer_compression: Literal["none", "int8", "fp8", "fp4", "topk"] = "none"
+    """How the pseudo-gradient travels: none (outer_grad_dtype), int8, fp8 (e4m3), fp4
+    (e2m1) with per-row absmax scales (all-to-all, fp32 reduce, all-gather), or topk
+    (topk_fraction of the entries with error feedback, all-gathered)."""
+    compression_row: int = 128
+    """int8/fp8/fp4: elements of the flat pseudo-gradient sharing one fp32 absmax scale
+    (even; the buffer is zero-padded to whole rows per replica)."""
+    topk_fraction: float = 0.05
+    """topk: fraction of the entries sent per round (values in outer_grad_dtype, int32
+    indices); the rest is fed back into the next round (error feedback)."""
 
     def __post_init__(self):
         if self.inner_steps < 1:
@@ -79,11 +114,55 @@ class DiLoCoConfig(StrategyConfig):
                 raise ValueError(f"strategy.{key} must be in [0, 1), got {getattr(self, key)!r}")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"strategy.bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        if self.fragments < 1:
+            raise ValueError(f"strategy.fragments must be >= 1, got {self.fragments!r}")
+        if self.inner_steps % self.fragments:
+            raise ValueError(f"strategy.inner_steps ({self.inner_steps}) must be a multiple of "
+                             f"strategy.fragments ({self.fragments}): each fragment syncs "
+                             "every inner_steps steps, one every inner_steps / fragments")
+        period = self.inner_steps // self.fragments
+        if not 0 <= self.overlap_steps < period:
+            raise ValueError(f"strategy.overlap_steps must be in [0, inner_steps / fragments "
+                             f"= {period}), got {self.overlap_steps!r}")
+        if not 0 <= self.mix_alpha <= 1:
+            raise ValueError(f"strategy.mix_alpha must be in [0, 1], got {self.mix_alpha!r}")
+        if self.compression_row < 2 or self.compression_row % 2:
+            raise ValueError(f"strategy.compression_row must be an even number >= 2, "
+                             f"got {self.compression_row!r}")
+        if not 0 < self.topk_fraction <= 1:
+            raise ValueError(f"strategy.topk_fraction must be in (0, 1], "
+                             f"got {self.topk_fraction!r}")
+        if self.outer_compression in QUANTIZERS and self.outer_grad_dtype != "fp32":
+            raise ValueError(f"strategy.outer_grad_dtype={self.outer_grad_dtype!r} with "
+                             f"strategy.outer_compression={self.outer_compression!r}: the "
+                             "codec sets the wire format (fp32 in, its own codes out); use "
+                             "outer_grad_dtype fp32 (topk sends its values in outer_grad_dtype)")
 
     def check(self, cfg) -> None:
-        # group_size dividing world_size is bench.config.validate's general rule
+        # group_size dividing world_size is bench.config.validate's general rule; more
+        # fragments than the model has blocks is checked there too (it knows the model)
         require_data_parallel(self, cfg)
         require_shard_ranks(cfg, cfg.parallel.group_size, "parallel.group_size")
+        device = cfg.parallel.device
+        if self.overlap_steps > 0 and (device == "cuda" or (device == "auto"
+                                                            and torch.cuda.is_available())):
+            raise ValueError(
+                f"strategy.overlap_steps={self.overlap_steps} on CUDA (parallel.device "
+                f"{device!r}): not supported yet. The loop and the clocks synchronise the "
+                "whole device every step, which would wait for the exchange on its side "
+                "stream and count it as compute; use overlap_steps 0 on GPUs, or "
+                "parallel.device cpu")
+
+    def codec(self):
+        """The codec of outer_compression (algorithms/compress.py; None for none)."""
+        return make_codec(self.outer_compression, self.compression_row, self.topk_fraction,
+                          WIRE_DTYPES[self.outer_grad_dtype])
+
+    def outer_bytes_per_element(self) -> float:
+        """Payload bytes one element of the pseudo-gradient costs in an outer exchange
+        (before the collective's own factor): the wire dtype, or the codec's."""
+        return bytes_per_element(self.outer_compression, self.compression_row,
+                                 self.topk_fraction, WIRE_BYTES[self.outer_grad_dtype])
 
     def outer_states(self) -> int:
         """Tensors of outer optimizer state per parameter (SGD momentum, Adam's two)."""
@@ -113,11 +192,44 @@ class DiLoCoConfig(StrategyConfig):
               else "evaluation copy of θ"] = theta
         if cfg.parallel.group_size > 1 and not sharded:
             terms["DDP gradient buckets (inside the replica)"] = facts.param_bytes
+        terms.update(self.streaming_terms(facts, theta))
         return terms
+
+    def streaming_terms(self, facts, theta: int) -> dict[str, int]:
+        """Compression and overlap: the codec's buffers (a fragment's coded Δ sent and
+        received, its fp32 decode, the top-k error feedback of all of θ); an exchange in
+        flight (its Δ and result, the largest fragment's)."""
+        terms: dict[str, int] = {}
+        blocks = max(1, (facts.param_bytes - facts.root_param_bytes)
+                     // max(1, facts.unit_param_bytes))
+        largest = min(theta, (facts.root_param_bytes + -(-blocks // self.fragments)
+                              * facts.unit_param_bytes) // facts.shard)
+        if self.outer_compression != "none":
+            coded = int(largest // 4 * self.outer_bytes_per_element())
+            terms["outer: coded pseudo-gradient (sent, received)"] = 2 * coded
+            terms["outer: fp32 pseudo-gradient being coded"] = largest
+        if self.outer_compression == "topk":
+            terms["outer: top-k error feedback"] = theta
+        if self.overlap_steps > 0:
+            terms["outer: exchange in flight (Δ and its result)"] = 2 * largest
+        return terms
+
+    def require_plain_outer(self) -> None:
+        """The traffic description covers DiLoCo's whole-model, uncompressed outer round
+        only: Streaming DiLoCo's fragments, overlap and compressed exchanges are refused
+        rather than priced as that round (which would over-state their bytes)."""
+        streaming = {"fragments": (self.fragments, 1), "overlap_steps": (self.overlap_steps, 0),
+                     "outer_compression": (self.outer_compression, "none")}
+        for key, (value, plain) in streaming.items():
+            if value != plain:
+                raise ValueError(f"strategy.{key}={value!r} has no traffic description yet "
+                                 "(DiLoCoConfig.traffic): commbench whatif cannot price "
+                                 f"it; {key}={plain!r} can be")
 
     def traffic(self, cfg, facts) -> Traffic:
         """Every step the replica's inner traffic (phase "inner"); a round's last step
         adds `outer_transfers` (algorithms/traffic.py)."""
+        self.require_plain_outer()
         return local_update_traffic(cfg, self.inner_steps,
                                     replica_inner(cfg, facts, self.bucket_cap_mb),
                                     lambda rank: self.outer_transfers(cfg, facts, rank),
@@ -130,7 +242,8 @@ class DiLoCoConfig(StrategyConfig):
 
 
 class DiLoCo(DataParallelStrategy):
-    """DiLoCo (Douillard et al. 2023, arXiv 2311.08105), with hierarchical replica groups.
+    """DiLoCo (Douillard et al. 2023, arXiv 2311.08105), with hierarchical replica groups,
+    and Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512) as its options.
 
     Every replica starts a round from the global θ, runs H inner optimizer steps on its
     own shard (inner optimizer state is per replica, never synchronised, never reset), then
@@ -140,8 +253,18 @@ class DiLoCo(DataParallelStrategy):
     paper's "replica" made of several ranks. Our one choice: when the run's steps are not
     a multiple of H, a last, shorter round closes at the final step (no inner work is lost).
 
-    Identities (tests/test_diloco.py): outer lr 1, momentum 0 == Local SGD (parameter
-    averaging every H steps); H = 1, outer lr 1, momentum 0, inner SGD == DDP with SGD.
+    Streaming (docs/algorithms.md): the same round per fragment, one fragment every H/P
+    steps, each with its own outer optimizer state; with overlap τ the fragment's Δ is
+    taken and its exchange launched τ steps before its sync point; at the sync point:
+    wait, outer step from the backup (the fragment's global θ, untouched meanwhile), which
+    becomes the new θ, then the merge θ_i ← (1 − α) θ + α θ_i. The inner optimizer's
+    state is untouched. At the last step every fragment syncs (blocking, after the one in
+    flight). Our choices: the fragment pattern's treatment of embedding and head
+    (algorithms/streaming.py), the final round, round-robin from fragment 0.
+
+    Identities (tests/test_diloco.py, tests/test_streaming.py): outer lr 1, momentum 0 ==
+    Local SGD (parameter averaging every H steps); H = 1, outer lr 1, momentum 0, inner SGD
+    == DDP with SGD; fragments 1, overlap 0 (any α = 0) == DiLoCo bit for bit.
     """
 
     Config = DiLoCoConfig
@@ -152,20 +275,32 @@ class DiLoCo(DataParallelStrategy):
             self.train_model, self.comm_hook = self.register_ddp(
                 make_ddp(self.model, self.comm, self.group, config.bucket_cap_mb))
         # sharded: each rank's outer step works on its shards, |θ| / group_size
-        params = (self.model.parameters() if self.sharded is None
-                  else self.sharded.local_parameters())
-        self.outer = OuterOptimizer(
-            params, self.comm, self.cross_group, self.num_replicas,
+        params = list(self.model.parameters() if self.sharded is None
+                      else self.sharded.local_parameters())
+        indices = fragment_indices(self.model, config.fragments, config.fragment_pattern)
+        codec = config.codec()
+        self.outer = Fragments([OuterOptimizer(
+            [params[i] for i in part], self.comm, self.cross_group, self.num_replicas,
             kind=config.outer_optimizer, lr=config.outer_lr, momentum=config.outer_momentum,
             nesterov=config.nesterov, beta2=config.outer_beta2,
-            wire_dtype=config.outer_grad_dtype, offload=config.offload_outer,
-        )
+            wire_dtype=config.outer_grad_dtype, offload=config.offload_outer, codec=codec,
+        ) for part in indices], indices)
+        self.schedule = StreamingSchedule(config.fragments, config.inner_steps,
+                                          config.overlap_steps, setup.total_steps)
+        self.clock = clock_for(self.comm.device)
         self.round = 0
+        """Fragment syncs so far (outer rounds, one model's worth every P of them)."""
         self._eval_copy: nn.Module | None = None
 
     def replica_group(self):
         self.group, self.cross_group, self.num_replicas = replica_groups(
             self.comm, self.setup.group_size)
+        self.launch_group = None
+        """The cross group again, for launched exchanges only (a thread of their own issues
+        them: no other op may share their group)."""
+        if self.config.overlap_steps > 0 and self.num_replicas > 1:
+            g, world = self.setup.group_size, self.comm.world_size
+            self.launch_group = self.comm.split([range(p, world, g) for p in range(g)])
         return self.group
 
     # ------------------------------------------------------------- inner steps
@@ -176,33 +311,63 @@ class DiLoCo(DataParallelStrategy):
 
     # ------------------------------------------------------------- outer rounds
 
-    def round_ends(self) -> bool:
-        """Whether the step just taken closes an outer round (every H, and the last step)."""
-        return (self.step_index % self.config.inner_steps == 0
-                or self.step_index == self.setup.total_steps)
-
     def in_sync(self) -> bool:
         """Whether the replica's weights equal the global θ (before the first step, and
-        right after a round)."""
-        return self.round_ends()
+        right after every fragment synced with α = 0)."""
+        return self.config.mix_alpha == 0 and self.schedule.all_synced(self.step_index)
 
     def outer_hyperparameters(self) -> tuple[float, float]:
-        """(outer lr, outer momentum) for the round closing now."""
+        """(outer lr, outer momentum) for the syncs at the current step."""
         return self.config.outer_lr, self.config.outer_momentum
 
-    def outer_step(self, lr: float, momentum: float) -> RoundStats:
-        return self.outer.step(lr, momentum)
+    def exchanges_at(self, step: int) -> bool:
+        """Whether a sync at `step` exchanges pseudo-gradients (Pier: not in its lazy start,
+        where the momentum fill is local), i.e. whether overlap launches one before it."""
+        return True
+
+    def outer_step(self, fragment: int, lr: float, momentum: float) -> RoundStats:
+        """One blocking sync of `fragment`: exchange, outer step, merge."""
+        return self.outer.parts[fragment].step(lr, momentum, self.config.mix_alpha)
 
     def after_inner_step(self) -> tuple[float, dict[str, float]]:
-        if not self.round_ends():
+        step, alpha = self.step_index, self.config.mix_alpha
+        launch = self.schedule.launch(step)
+        if launch is not None and self.exchanges_at(step + self.config.overlap_steps):
+            with self.comm.phase("outer"):  # Δ now, its exchange during the next τ steps
+                self.outer.in_flight = launch, self.outer.parts[launch].exchange(
+                    self.launch_group, launch=True)
+        syncs = self.schedule.syncs(step)
+        if not syncs:
             return 0.0, {}
         lr, momentum = self.outer_hyperparameters()
-        stats = self.outer_step(lr, momentum)
-        self.round += 1
-        return stats.seconds, {
-            "outer_round": self.round, "outer_lr": lr, "outer_momentum": momentum,
-            "pseudo_grad_norm": stats.pseudo_grad_norm, "outer_bytes": stats.nbytes,
-            "outer_s": stats.seconds,
+        done: list[tuple[int, RoundStats]] = []
+        finished = None
+        if self.outer.in_flight is not None and self.outer.in_flight[0] in syncs:
+            fragment, pending = self.outer.in_flight  # first: its link is then free
+            self.outer.in_flight = None
+            delta = pending.wait()
+            after = self.clock.mark()
+            norm = self.outer.parts[fragment].finish(delta, lr, momentum, alpha)
+            done.append((fragment, RoundStats(norm, pending.nbytes, pending.exposed_s)))
+            finished = pending, after
+        waited = done[0][0] if done else None
+        for fragment in syncs:
+            if fragment != waited:
+                done.append((fragment, self.outer_step(fragment, lr, momentum)))
+        if finished is not None:  # recorded now: the work after its wait is known
+            pending, after = finished
+            end = self.clock.mark()
+            self.clock.synchronize()
+            blocking_s = sum(stats.seconds for _, stats in done[1:])
+            with self.comm.phase("outer"):
+                pending.record(tail_s=max(0.0, self.clock.seconds(after, end) - blocking_s))
+        self.round += len(done)
+        seconds = sum(stats.seconds for _, stats in done)
+        fragment, last = done[-1]
+        return seconds, {
+            "outer_round": self.round, "outer_fragment": fragment, "outer_lr": lr,
+            "outer_momentum": momentum, "pseudo_grad_norm": last.pseudo_grad_norm,
+            "outer_bytes": sum(stats.nbytes for _, stats in done), "outer_s": seconds,
         }
 
     # ------------------------------------------------------------- evaluation, state
@@ -238,5 +403,5 @@ class DiLoCo(DataParallelStrategy):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.outer.load_state_dict(state["outer"])
+        self.outer.load_state_dict(state["outer"], self.comm, self.launch_group)
         self.round = state["round"]

@@ -1,7 +1,8 @@
 """Outer-optimizer pieces shared by the local-update strategies (DiLoCo, Pier).
 
-Exercised by `pytest tests/test_diloco.py`; the math is docs/algorithms.md (DiLoCo, Pier).
-Two things live here:
+Exercised by `pytest tests/test_diloco.py tests/test_streaming.py`; the math is
+docs/algorithms.md (DiLoCo, Pier, Streaming DiLoCo). Two things live here (the streaming
+schedule over fragments, each with its own `OuterOptimizer`, is algorithms/streaming.py):
 
 - `replica_groups`: the hierarchical layout. `world = num_replicas * group_size`; the
   `group_size` consecutive ranks `[r*g, (r+1)*g)` form replica `r` and run DDP inside it;
@@ -11,8 +12,9 @@ Two things live here:
 - `OuterOptimizer`: the global θ, a torch optimizer on it (SGD with optional Nesterov
   momentum, or Adam), and one outer round: `Δ = mean_i(θ − θ_i)` cast to the wire dtype
   and all-reduced as ONE flat buffer (phase "outer"), handed to the optimizer as θ's
-  `.grad`, and the new θ copied back into the replica. In PyTorch's SGD(nesterov=True)
-  form the step is `m ← μ m + Δ; θ ← θ − η (Δ + μ m)`.
+  `.grad`, and the new θ copied back into the replica (or merged with it: `mix_alpha`).
+  In PyTorch's SGD(nesterov=True) form the step is `m ← μ m + Δ; θ ← θ − η (Δ + μ m)`.
+  With a codec (algorithms/compress.py) Δ travels quantized or sparse instead.
 
 The global θ lives on the model's device, or on the CPU with `offload=True` (large
 models: θ and the outer optimizer state then cost no accelerator memory, at the price of
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from algorithms.comm import Communicator, Group
+from algorithms.comm import Communicator, Group, Pending
+from algorithms.compress import RowQuantizer, TopK
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Pseudo-gradient dtypes on the wire (config value -> torch dtype)."""
@@ -55,29 +58,36 @@ def replica_groups(comm: Communicator, group_size: int) -> tuple[Group | None, G
 
 @dataclass
 class RoundStats:
-    """What one outer round reports (this rank's view)."""
+    """What one outer round (of one fragment) reports (this rank's view)."""
 
     pseudo_grad_norm: float
     """L2 norm of the averaged pseudo-gradient Δ (as the outer optimizer sees it)."""
     nbytes: int
-    """Logical bytes of this rank's outer all-reduce (0 when nothing was sent)."""
+    """Logical bytes this rank sent in the round's exchange (0 when nothing was sent)."""
     seconds: float
-    """Measured seconds of the outer all-reduce."""
+    """Exposed seconds of the exchange (launched ones: the wait at the sync point)."""
 
 
 class OuterOptimizer:
-    """The global θ of a local-update strategy and its outer optimizer.
+    """The global θ of a local-update strategy (or of one fragment of it) and its outer
+    optimizer.
 
     `params` are the replica's parameters θ_i (updated in place at every round). The global
     θ starts as their copy; `kind` is "sgd" (momentum, optional Nesterov) or "adam"
     (betas = (momentum, beta2)). The optimizer's lr and momentum are set per round, so
-    schedules (Pier) need nothing else.
+    schedules (Pier) need nothing else. `codec` (algorithms/compress.py, None = none)
+    compresses the exchange of Δ; a top-k codec keeps this replica's error-feedback buffer.
+
+    A round is `exchange` (Δ_i and its average, or a `Pending` one when launched) then
+    `finish(Δ, lr, μ, α)` (the outer step on θ, then the replica's merge); `step` is both,
+    at once.
     """
 
     def __init__(self, params, comm: Communicator, cross_group: Group | None,
                  num_replicas: int, *, kind: str = "sgd", lr: float = 0.7,
                  momentum: float = 0.9, nesterov: bool = True, beta2: float = 0.999,
-                 wire_dtype: str = "fp32", offload: bool = False):
+                 wire_dtype: str = "fp32", offload: bool = False,
+                 codec: RowQuantizer | TopK | None = None):
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"outer wire dtype must be one of {list(WIRE_DTYPES)}, "
                              f"got {wire_dtype!r}")
@@ -85,6 +95,9 @@ class OuterOptimizer:
         self.comm, self.cross_group, self.num_replicas = comm, cross_group, num_replicas
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.kind = kind
+        self.codec = codec
+        self.error: torch.Tensor | None = None
+        """Top-k: what earlier rounds did not send (error feedback); None before the first."""
         home = torch.device("cpu") if offload else self.params[0].device
         self.global_params = [p.detach().to(home, copy=True) for p in self.params]
         if kind == "sgd":
@@ -96,6 +109,9 @@ class OuterOptimizer:
             self.optimizer = torch.optim.Adam(self.global_params, lr=lr, betas=(momentum, beta2))
         else:
             raise ValueError(f"outer optimizer must be 'sgd' or 'adam', got {kind!r}")
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
 
     # ---------------------------------------------------------------- the round
 
@@ -109,11 +125,11 @@ class OuterOptimizer:
             group["betas"] = (momentum, group["betas"][1])
 
     @torch.no_grad()
-    def pseudo_gradient(self) -> torch.Tensor:
-        """This replica's Δ_i = θ − θ_i, flattened into one buffer of the wire dtype."""
+    def pseudo_gradient(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This replica's Δ_i = θ − θ_i, flattened into one buffer of `dtype` (default:
+        the wire dtype)."""
         device = self.params[0].device
-        flat = torch.empty(sum(p.numel() for p in self.params), dtype=self.wire_dtype,
-                           device=device)
+        flat = torch.empty(self.numel(), dtype=dtype or self.wire_dtype, device=device)
         offset = 0
         for p, g in zip(self.params, self.global_params, strict=True):
             n = p.numel()
@@ -122,28 +138,64 @@ class OuterOptimizer:
         return flat
 
     @torch.no_grad()
-    def step(self, lr: float, momentum: float) -> RoundStats:
-        """One outer round: all-reduce Δ, step θ, copy θ into the replica."""
-        flat = self.pseudo_gradient()
-        nbytes, seconds = 0, 0.0
-        if self.num_replicas > 1:
-            ledger = self.comm.ledger
-            first = len(ledger)
-            with self.comm.phase("outer"):
-                self.comm.all_reduce(flat, op="avg", group=self.cross_group)
-            nbytes, seconds = ledger.totals(("outer",), start=first)
-        norm = torch.linalg.vector_norm(flat, dtype=torch.float32).item()
+    def exchange(self, group: Group | None = None, launch: bool = False
+                 ) -> torch.Tensor | Pending:
+        """Δ = mean_i Δ_i over the replicas, through the codec (phase: the caller's).
+
+        `group`: the one to exchange on (default: the cross group; a launched exchange
+        needs a group only it uses). `launch=True`: return the `Pending` exchange. One
+        replica sends nothing, so nothing is compressed (Δ is its own, in the wire dtype;
+        launched: a finished `Pending.local`).
+        """
+        if launch and self.num_replicas == 1:
+            return Pending.local(self.comm, self.pseudo_gradient())
+        group = self.cross_group if group is None else group
+        if self.codec is None:
+            flat = self.pseudo_gradient()
+            if self.num_replicas == 1:
+                return flat
+            return self.comm.average(flat, group, launch=launch)
+        if self.num_replicas == 1:
+            return self.pseudo_gradient()
+        if isinstance(self.codec, TopK):
+            flat = self.pseudo_gradient(torch.float32)
+            indices, values, self.error = self.codec.select(flat, self.error)
+            return self.comm.average_sparse(indices, values, flat.numel(), group, launch)
+        return self.comm.average(self.pseudo_gradient(torch.float32), group, self.codec,
+                                 launch)
+
+    @torch.no_grad()
+    def finish(self, delta: torch.Tensor, lr: float, momentum: float,
+               alpha: float = 0.0) -> float:
+        """The outer step on θ with the averaged `delta` as its gradient, then the merge
+        `θ_i ← (1 − α) θ + α θ_i` (α = 0: the replica restarts from θ, exactly). Returns
+        the norm of `delta`."""
+        norm = torch.linalg.vector_norm(delta, dtype=torch.float32).item()
         offset = 0
         for g in self.global_params:
             n = g.numel()
-            g.grad = flat[offset:offset + n].view_as(g).to(device=g.device, dtype=g.dtype)
+            g.grad = delta[offset:offset + n].view_as(g).to(device=g.device, dtype=g.dtype)
             offset += n
         self.set_hyperparameters(lr, momentum)
         self.optimizer.step()
         for g in self.global_params:
             g.grad = None
-        self.copy_global_to(self.params)
-        return RoundStats(norm, nbytes, seconds)
+        if alpha == 0:
+            self.copy_global_to(self.params)
+        else:  # θ_i + (1 − α)(θ − θ_i)
+            for p, g in zip(self.params, self.global_params, strict=True):
+                p.lerp_(g.to(p.device), 1 - alpha)
+        return norm
+
+    @torch.no_grad()
+    def step(self, lr: float, momentum: float, alpha: float = 0.0) -> RoundStats:
+        """One outer round at once: exchange Δ (phase "outer"), step θ, merge the replica."""
+        ledger = self.comm.ledger
+        first = len(ledger)
+        with self.comm.phase("outer"):
+            delta = self.exchange()
+        nbytes, seconds = ledger.totals(("outer",), start=first)
+        return RoundStats(self.finish(delta, lr, momentum, alpha), nbytes, seconds)
 
     @torch.no_grad()
     def accumulate_momentum(self, momentum: float) -> RoundStats:
@@ -176,10 +228,13 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict:
         return {"global_params": [g.detach().clone() for g in self.global_params],
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(),
+                "error": None if self.error is None else self.error.clone()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         for g, saved in zip(self.global_params, state["global_params"], strict=True):
             g.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
+        error = state.get("error")
+        self.error = None if error is None else error.to(self.params[0].device)

@@ -133,6 +133,7 @@ class PierConfig(DiLoCoConfig):
         ranks (phase "inner"): the world's buckets, or, sharded, the replica's FSDP2
         collectives, one all-reduce of the gradient shards across the replicas, then the
         clipping norm's."""
+        self.require_plain_outer()
         p = cfg.parallel
         world, g, M = p.world_size, p.group_size, p.num_microbatches
         inner = replica_inner(cfg, facts, self.bucket_cap_mb)
@@ -274,10 +275,13 @@ class Pier(DiLoCo):
             return 0.0, self.config.peak_momentum()
         return pier_schedule(self.config, self.step_index / self.setup.total_steps)
 
-    def outer_step(self, lr: float, momentum: float) -> RoundStats:
+    def exchanges_at(self, step: int) -> bool:
+        return step > self.warmup_steps  # a sync in the lazy start fills momentum locally
+
+    def outer_step(self, fragment: int, lr: float, momentum: float) -> RoundStats:
         if self.in_warmup():  # every step of this round was DDP over all ranks
-            return self.outer.accumulate_momentum(momentum)
-        return super().outer_step(lr, momentum)
+            return self.outer.parts[fragment].accumulate_momentum(momentum)
+        return super().outer_step(fragment, lr, momentum)
 
     def in_sync(self) -> bool:
         return self.in_warmup() or super().in_sync()  # during T_w the DDP weights are θ

@@ -448,6 +448,10 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.num_stages > blocks:
         raise ValueError(f"parallel.num_stages ({cfg.parallel.num_stages}) must be <= the "
                          f"model's number of blocks ({blocks})")
+    fragments = getattr(cfg.strategy, "fragments", 1)  # Streaming DiLoCo's, over the blocks
+    if fragments > blocks:
+        raise ValueError(f"strategy.fragments ({fragments}) must be <= the model's number of "
+                         f"blocks ({blocks}): a fragment is a set of blocks")
     for i, name in enumerate(cfg.network.profiles):
         if name not in PROFILES and not is_profile_path(name):
             raise _fail(f"network.profiles[{i}]", name,

@@ -27,11 +27,23 @@ the per-step maximum; with H local steps between outer steps (DiLoCo, GASLoC) it
 slowest rank's H steps, as on the measured clock, not the sum of per-step maxima (which
 over-states local-step methods' compute by the ranks' step-to-step jitter).
 Two projections are kept: overlap-aware (the headline: a DDP bucket's modelled all-reduce
-starts when the bucket was ready and only what runs past the end of backward counts) and
-no-overlap (every modelled op added to compute). A strategy with a `critical_path()` (the
+starts when the bucket was ready and only what runs past the end of backward counts; an
+op launched in an earlier step, Streaming DiLoCo's overlapped exchange, runs beside the
+measured compute of the steps since its launch, `span_window_s`) and no-overlap (every
+modelled op added to compute). A strategy with a `critical_path()` (the
 pipelines) is priced overlap-aware on its schedule instead (bench/network/pipeline.py:
 slots of max(compute, transfers) plus the exposed hops). Per-step values are buffered and reduced
 at settle points, so measuring adds no synchronisation to the steps.
+
+Bytes per step. Each step's training traffic is summed per rank (logical payload, and
+modelled wire bytes); at each settle point the maximum over ranks of every step joins
+`LoopState.bytes_series` (run-length encoded: [first step, steps, bytes, wire bytes]).
+`peak_sync_bytes(series)` is the largest bytes any rank sent in one step, i.e. in one
+synchronisation (DDP: every step; DiLoCo: a round's end; Streaming DiLoCo: a fragment's
+sync, recorded in the step that waited for it), leaving out the run's last step when an
+earlier step sent anything: the last step closes every open round at once (DiLoCo's
+shorter last round, Streaming DiLoCo's final sync of every fragment), a one-off, not the
+rate a link must sustain; the series keeps it.
 
 Warm-up (one-off costs). A process's first steps hold costs a longer run does not pay
 again: torch.compile, NCCL communicator creation, kernel autotuning, optimizer-state
@@ -49,7 +61,7 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -133,12 +145,24 @@ class LoopState:
     warmup_projected_s: dict[str, float] = field(default_factory=dict)
     """Per profile: the warm-up steps' share of `projected_s`."""
     warmup_projected_no_overlap_s: dict[str, float] = field(default_factory=dict)
+    bytes_series: list[list[int]] = field(default_factory=list)
+    """Per step, the largest training traffic any rank sent in it, logical payload and
+    modelled wire bytes (bench.network.wire_bytes), run-length encoded: [first step
+    (1-based), steps, bytes, wire bytes] (module docstring, Bytes per step)."""
+    recent_compute_s: list[float] = field(default_factory=list)
+    """This rank's measured compute seconds of its last steps (at most `COMPUTE_HISTORY`),
+    for ops that span steps (`StepClock`); kept in checkpoints so a resumed run prices the
+    exchange in flight across the resume as the uninterrupted one does."""
     compute_samples: dict[str, list[float]] = field(default_factory=dict)
     """This rank's measured compute seconds of every step, by step kind (`step_kind`):
     the noise-robust projection's medians (`robust_projection`)."""
     robust_stretches: dict = field(default_factory=dict)
     """The run's stretches between coupled steps, by content (`Settled.stretches`) ->
     how many: what the robust projection prices with each rank's median compute."""
+    robust_dropped: bool = False
+    """The distinct stretches outgrew ROBUST_RECORD_LIMIT (a long run on many ranks: every
+    rank holds and checkpoints them all): the record was dropped and the run has no
+    `projected_robust`, rather than a memory that grows with every step."""
 
     def advance(self, settled: Settled, warmup_steps: int = 0) -> None:
         """Move the clock, tokens and projected clocks on by what the ranks did together;
@@ -159,8 +183,22 @@ class LoopState:
         for mine, theirs in pairs:
             for name, seconds in theirs.items():
                 mine[name] = mine.get(name, 0.0) + seconds
+        step = self.step - len(settled.step_bytes) + 1
+        for sent in zip(settled.step_bytes, settled.step_wire_bytes, strict=True):
+            sent = [round(x) for x in sent]
+            last = self.bytes_series[-1] if self.bytes_series else None
+            if last is not None and last[2:] == sent and last[0] + last[1] == step:
+                last[1] += 1
+            else:
+                self.bytes_series.append([step, 1, *sent])
+            step += 1
+        if self.robust_dropped:
+            return
         for stretch, count in settled.stretches.items():
             self.robust_stretches[stretch] = self.robust_stretches.get(stretch, 0) + count
+        if self.robust_stretches and len(self.robust_stretches) * _stretch_size(
+                next(iter(self.robust_stretches))) > ROBUST_RECORD_LIMIT:
+            self.robust_stretches, self.robust_dropped = {}, True
 
     def add_one_off(self, seconds: float) -> None:
         """One-off seconds outside any step (communicator creation), on the clock as warm-up
@@ -171,6 +209,19 @@ class LoopState:
     def steady(self) -> tuple[int, float]:
         """(tokens, seconds) of the steady state: the clock without its one-off costs."""
         return self.tokens - self.warmup_tokens, self.elapsed_s - self.warmup_s
+
+
+ROBUST_RECORD_LIMIT = 2_000_000
+"""Numbers the robust projection's stretch record may hold (`LoopState.robust_stretches`;
+~64 MB of Python tuples, on every rank and in every checkpoint). A stretch holds about
+2 x projection columns numbers per rank, and with measured overlap nearly every step is a
+new stretch: on 2 ranks the record reaches the limit after ~50,000 distinct stretches, on
+64 ranks after ~1,700."""
+
+
+def _stretch_size(stretch: tuple) -> int:
+    """Numbers in one stretch's content (`stretches`): per rank its kinds, taus, others."""
+    return sum(2 * len(kinds) + len(taus) + len(others) for kinds, taus, others in stretch)
 
 
 @dataclass
@@ -193,6 +244,10 @@ class Settled:
     rank did in it: per rank its step kinds (id, count) and, per projection column, the
     modelled seconds that are not compute (`other`) and the largest transfer (`tau`,
     critical-path columns) -> how many such stretches (`robust_projection` prices them)."""
+    step_bytes: list[float] = field(default_factory=list)
+    """Per step of the window: the max over ranks of its training traffic's logical bytes."""
+    step_wire_bytes: list[float] = field(default_factory=list)
+    """The same in modelled wire bytes."""
 
 
 def step_kind(phase_ops: Iterable[tuple[str, str]], reads_batch: bool = True) -> str:
@@ -240,12 +295,46 @@ class LinkClock:
         self.ramped.clear()
 
 
+def peak_sync_bytes(series: list[list[int]]) -> tuple[int, int]:
+    """(logical, wire) bytes of the largest step of `LoopState.bytes_series`, the run's last
+    step left out when an earlier one sent anything (module docstring, Bytes per step)."""
+    if not series:
+        return 0, 0
+    first, steps, *last_sent = series[-1]
+    earlier = [entry[2:] for entry in series[:-1]]
+    if steps > 1:
+        earlier.append(last_sent)
+    if not any(nbytes for nbytes, _ in earlier):
+        earlier = [last_sent]
+    return max(nbytes for nbytes, _ in earlier), max(wire for _, wire in earlier)
+
+
+COMPUTE_HISTORY = 1024
+"""Steps of compute seconds a StepClock keeps for ops that span steps (an op launched
+longer ago than this gets no window for the steps beyond)."""
+
+
+def span_window_s(record: CommRecord, compute_s: float, recent: Sequence[float]) -> float:
+    """The compute an op launched `record.launch_step` ran beside, waited for in the step of
+    `compute_s` (`recent`: this rank's compute seconds of the steps before it, latest
+    last): the whole compute of the steps between, and this step's compute before the
+    wait (all of it but `record.tail_s`). Only compute: the other traffic of those steps
+    is priced on its own, never as hiding this op (they may share its link)."""
+    between = record.step - record.launch_step - 1
+    earlier = sum(recent[len(recent) - between:]) if between > 0 else 0.0
+    return earlier + max(0.0, compute_s - (record.tail_s or 0.0))
+
+
 class StepClock:
     """This rank's timed steps since the last settle point; `settle` reduces them."""
 
     def __init__(self, profiles: dict[str, Profile], rank: int, ranks_per_node: int,
                  device: torch.device, model: str | None = None,
-                 critical_path: CriticalPath | None = None):
+                 critical_path: CriticalPath | None = None,
+                 recent_compute_s: list[float] | None = None):
+        """`recent_compute_s`: the list of this rank's last compute seconds to keep up to
+        date (`LoopState.recent_compute_s`, so checkpoints carry it)."""
+        self.recent_compute_s = [] if recent_compute_s is None else recent_compute_s
         self.critical_path = critical_path
         """Strategy.critical_path(): the overlap-aware projection prices the step on it."""
         self.profiles, self.rank, self.ranks_per_node = profiles, rank, ranks_per_node
@@ -254,6 +343,7 @@ class StepClock:
         self.projected: list[float] = []  # num_profiles values per pending step
         self.robust: list[float] = []  # per pending step: kind, compute, (tau, other) each
         self.coupled: list[float] = []  # per pending step: 1 if it recorded training traffic
+        self.sent: list[float] = []  # per pending step: logical bytes, wire bytes
         self.comm = [0.0] * len(OVERLAP_MODES) * self.num_profiles  # modelled, this window
         self.links = {name: LinkClock() for name in profiles}
         """Per profile: when each connection was last used (lives for the whole run)."""
@@ -269,6 +359,11 @@ class StepClock:
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
+        recent = self.recent_compute_s
+
+        def window(record: CommRecord) -> float:
+            return span_window_s(record, compute_s, recent)
+
         kind = step_kind(((r.phase, r.op) for r in step_records), stats.tokens > 0)
         if samples is not None:
             samples.setdefault(kind, []).append(compute_s)
@@ -280,7 +375,8 @@ class StepClock:
             for r, k in zip(step_records, keys, strict=True):
                 costs.append(self.pricers[name](r))
                 self.links[name].use(k)
-            inputs[True, name] = self.overlap_inputs(step_records, costs, profile)
+            inputs[True, name] = self.overlap_inputs(step_records, costs, profile,
+                                                     window)
             inputs[False, name] = (0.0, sum(costs))
             modelled[True][name] = self.step_time(compute_s, *inputs[True, name])
             modelled[False][name] = compute_s + sum(costs)
@@ -294,18 +390,25 @@ class StepClock:
         for name, links in self.links.items():
             links.advance(modelled[True][name])
         self.coupled.append(1.0 if step_records else 0.0)
+        self.sent += [float(sum(r.nbytes for r in step_records)),
+                      float(sum(wire_bytes(r, backend=self.model) for r in step_records))]
+        recent.append(compute_s)
+        del recent[:-COMPUTE_HISTORY]
         self.num_steps += 1
 
     def overlap_inputs(self, records: list[CommRecord], costs: list[float],
-                       profile: Profile) -> tuple[float, float]:
+                       profile: Profile,
+                       window: Callable[[CommRecord], float] | None = None
+                       ) -> tuple[float, float]:
         """(tau, other) of this rank's overlap-aware step on `profile`: the exposed part of
-        the records' modelled seconds `costs` (tau 0), or, with a critical path, its
-        largest transfer and the rest (bench/network/pipeline.py)."""
+        the records' modelled seconds `costs` (tau 0; `window`: an op that spans steps ran
+        beside that much compute), or, with a critical path, its largest transfer and the
+        rest (bench/network/pipeline.py)."""
         if self.critical_path is not None:
             return critical_path_inputs(records, pricer(profile, self.rank,
                                                         self.ranks_per_node,
                                                         backend=self.model))
-        return 0.0, exposed_s(records, costs)
+        return 0.0, exposed_s(records, costs, window)
 
     def step_time(self, compute_s: float, tau: float, other: float) -> float:
         """The overlap-aware step from its compute and `overlap_inputs`."""
@@ -323,25 +426,27 @@ class StepClock:
         step_s, *comm = all_reduce_floats([self.step_s, *self.comm], self.device,
                                           dist.ReduceOp.MAX)
         (tokens,) = all_reduce_floats([float(self.tokens)], self.device)
-        width = len(OVERLAP_MODES) * self.num_profiles
-        mine = torch.tensor([*self.coupled, *self.projected, *self.robust],
+        width, n = len(OVERLAP_MODES) * self.num_profiles, self.num_steps
+        mine = torch.tensor([*self.coupled, *self.sent, *self.projected, *self.robust],
                             dtype=torch.float64, device=self.device)
         ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(ranks, mine)
         every = torch.stack(ranks).cpu()
-        n = self.num_steps
         coupled = every[:, :n].amax(dim=0) > 0
-        values = every[:, n:n + n * width].reshape(len(ranks), n, width)
+        sent = every[:, n:3 * n].reshape(len(ranks), n, 2).amax(dim=0)
+        every = every[:, 3 * n:]  # then as without the bytes: projected, robust
+        values = every[:, :n * width].reshape(len(ranks), n, width)
         totals = coupled_max(values, coupled).tolist()
-        robust = every[:, n + n * width:].reshape(len(ranks), n, 2 + 2 * width)
+        robust = every[:, n * width:].reshape(len(ranks), n, 2 + 2 * width)
         overlap, no_overlap, comm_overlap, comm_no_overlap = (
             {name: column[offset + i] for i, name in enumerate(self.profiles)}
             for column in (totals, comm) for offset in (0, self.num_profiles))
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
-        self.projected, self.coupled, self.robust = [], [], []
+        self.projected, self.coupled, self.robust, self.sent = [], [], [], []
         self.comm = [0.0] * len(self.comm)
         return Settled(step_s, int(tokens), overlap, no_overlap, comm_overlap, comm_no_overlap,
-                       stretches(robust, coupled, width))
+                       stretches(robust, coupled, width), sent[:, 0].tolist(),
+                       sent[:, 1].tolist())
 
 
 def stretches(robust: torch.Tensor, coupled: torch.Tensor, width: int) -> dict:

@@ -80,6 +80,18 @@ class Summary:
     comm_wire_bytes_total: int | None = None
     """Modelled bytes on the wire (e.g. a ring all-reduce sends 2(n-1)/n of its payload),
     summed over ranks (bench.network.wire_bytes)."""
+    comm_peak_sync_bytes: int | None = None
+    """The largest logical payload of training traffic any rank sent in one step: one
+    synchronisation's bytes (DDP: a step's gradients; DiLoCo: a round's pseudo-gradient;
+    Streaming DiLoCo: a fragment's, in the step that waited for it), the last step's
+    closing sync left out (bench/meter.py, Bytes per step). Peak bandwidth is this over
+    the time a sync may take."""
+    comm_peak_sync_wire_bytes: int | None = None
+    """The same in modelled wire bytes (bench.network.wire_bytes)."""
+    comm_bytes_series: list[list[int]] | None = None
+    """Per step, the largest training traffic any rank sent in it, run-length encoded:
+    [[first step (1-based), steps, bytes, wire bytes], ...] (DDP: one run; DiLoCo: a spike
+    every H steps; Streaming DiLoCo: P smaller ones)."""
     final_val_loss: float | None = None
     best_val_loss: float | None = None
     val_set: dict | None = None
@@ -182,7 +194,8 @@ _LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "robust_compute_s", "compute_p
                        "peak_memory_bytes", "peak_memory_bytes_per_stage",
                        "peak_memory_bytes_per_rank", "peak_memory_above_start_bytes_per_rank",
                        "memory_estimate_bytes_per_rank", "memory_estimate_terms",
-                       "activation_bytes_per_boundary", "val_set")
+                       "activation_bytes_per_boundary", "val_set", "comm_peak_sync_bytes",
+                       "comm_peak_sync_wire_bytes", "comm_bytes_series")
 
 
 def make_summary(**fields: Any) -> dict[str, Any]:

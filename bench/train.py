@@ -61,6 +61,7 @@ from bench.meter import (
     StepClock,
     all_reduce_floats,
     compute_stats,
+    peak_sync_bytes,
     robust_projection,
     run_totals,
 )
@@ -163,7 +164,7 @@ class Trainer:
         state = LoopState(**saved) if saved else LoopState()
         saved_step = state.step if saved else None  # the step of the state on disk
         clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model,
-                          self.strategy.critical_path())
+                          self.strategy.critical_path(), state.recent_compute_s)
         progress = sys.stderr if rank == 0 and os.environ.get("COMMBENCH_PROGRESS") else None
         fault = fault_injection(rank)
         every = checkpoint.interval(cfg)
@@ -309,6 +310,7 @@ class Trainer:
         estimate = self.memory_plan.per_rank(on_cpu=self.device.type == "cpu")
         peak = peak_flops(self.device, cfg.model.precision)
         steady_tokens, steady_s = state.steady()
+        peak_sync = peak_sync_bytes(state.bytes_series)
         mfu = (self.flops_per_token * steady_tokens / steady_s / (peak * self.world)
                if peak and steady_s > 0 else None)
         robust = self.robust_fields(state)
@@ -319,6 +321,8 @@ class Trainer:
             warmup_tokens=state.warmup_tokens, compute_s_total=state.compute_s,
             comm_s_total=state.comm_s,
             comm_bytes_total=totals.logical_bytes, comm_wire_bytes_total=totals.wire_bytes,
+            comm_peak_sync_bytes=peak_sync[0], comm_peak_sync_wire_bytes=peak_sync[1],
+            comm_bytes_series=state.bytes_series,
             final_val_loss=state.last_val,
             val_set=self.val_set.record(),
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
@@ -358,7 +362,7 @@ class Trainer:
         per_kind = {kind: {key: [rank.get(kind, {}).get(key) for rank in stats]
                            for key in ("steps", "median_s", "p10_s", "p90_s", "mean_s")}
                     for kind in kinds}
-        if not state.robust_stretches:
+        if not state.robust_stretches:  # none, or dropped (meter.py ROBUST_RECORD_LIMIT)
             return {"compute_per_step": per_kind or None}
         medians = [{k: v["median_s"] for k, v in rank.items()} for rank in stats]
         names = list(self.profiles)

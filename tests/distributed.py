@@ -75,6 +75,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 60, backend: st
                     f"run_distributed({fn.__name__}, world_size={world_size}) did not finish "
                     f"within {timeout}s; ranks still running: {missing}"
                 )
+            failures = []
             for reader in wait(list(readers), timeout=remaining):
                 rank = readers.pop(reader)
                 try:
@@ -86,8 +87,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 60, backend: st
                         "without reporting a result"
                     ) from None
                 if not ok:
-                    _raise_remote(rank, *payload)
+                    failures.append((payload[2], rank, payload[:2]))
                 results[rank] = payload
+            if failures:
+                # The rank that failed first: a peer's "connection reset" is its consequence
+                # and may be read in the same wait.
+                _, rank, payload = min(failures)
+                _raise_remote(rank, *payload)
         for p in procs:
             p.join(max(0.1, deadline - time.monotonic()))
         return [results[r] for r in range(world_size)]
@@ -134,13 +140,14 @@ def _worker(rank, world_size, port, backend, group_timeout, writer, fn, args, kw
             exc_bytes = pickle.dumps(exc)
         except Exception:
             exc_bytes = None
-        message = (False, (exc_bytes, traceback.format_exc()))
+        message = (False, (exc_bytes, traceback.format_exc(), time.monotonic()))
     # Plain pickle, not the Connection's ForkingPickler: that one ships tensors as shared
     # memory handles that die with this process.
     try:
         data = pickle.dumps(message)
     except Exception as exc:
-        data = pickle.dumps((False, (None, f"rank {rank}: cannot pickle the result: {exc!r}")))
+        data = pickle.dumps((False, (None, f"rank {rank}: cannot pickle the result: {exc!r}",
+                                     time.monotonic())))
     writer.send_bytes(data)
     writer.close()
     if dist.is_initialized():

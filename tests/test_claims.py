@@ -196,7 +196,7 @@ def test_bad_claim_files_name_the_key(tmp_path, changes, message):
 
 def test_shipped_claim_files_load():
     claims = find_claims(REPO / "configs" / "claims")
-    assert len(claims) == 7
+    assert len(claims) == 8
     assert all(c.rules and "tiny" in c.scales for c in claims)
 
 

@@ -43,7 +43,8 @@ COMMON = ["run.steps=4", "run.log_every=1", "run.val_every=0", "run.val_sequence
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", ["torch", "deepspeed-zero1", "deepspeed-zero2"])
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("deepspeed-zero1", marks=pytest.mark.slow), "deepspeed-zero2"])
 def test_ddp_on_4_ranks_equals_one_process_with_4x_batch(tmp_path, backend):
     extra = []
     if backend.startswith("deepspeed"):
@@ -72,6 +73,7 @@ def test_ddp_ledger_bytes_per_step_equal_parameter_bytes(tmp_path):
     assert summary["comm_bytes_total"] == 2 * 4 * num_params * 4
 
 
+@pytest.mark.slow  # determinism: the resume tests compare bit for bit too
 @pytest.mark.timeout(120)
 def test_same_seed_same_losses(tmp_path):
     def run(tag, *extra):

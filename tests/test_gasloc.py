@@ -99,7 +99,8 @@ def reference_diloco(rank, world_size, overrides, groups, outer_lr, momentum, co
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name, outer_lr, momentum", [("gasloc", 0.7, 0.9), ("gossip", 1.0, 0.0)])
+@pytest.mark.parametrize("name, outer_lr, momentum", [
+    ("gasloc", 0.7, 0.9), pytest.param("gossip", 1.0, 0.0, marks=pytest.mark.slow)])
 def test_complete_graph_equals_diloco(tmp_path, name, outer_lr, momentum):
     """GASLoC on the complete graph with uniform weights == DiLoCo(eta, gamma); plain
     gossip on it == Local SGD (DiLoCo with outer lr 1, no momentum). Checked against the

@@ -83,6 +83,7 @@ def _compile_order(rank, world):
     return out
 
 
+@pytest.mark.slow  # a launch of ~10-50 s; tox -e slow
 @pytest.mark.timeout(240)
 def test_strategies_compile_what_they_train_after_wrapping_it():
     """compile(DDP(model)), never DDP(compile(model)): the bare model compiled first gives
@@ -108,6 +109,7 @@ def _trainer_hands_compile_to_the_strategy(rank, world, run_dir):
             type(trainer.strategy.train_model).__name__)
 
 
+@pytest.mark.slow  # a launch of ~10-50 s; tox -e slow
 @pytest.mark.timeout(120)
 def test_the_loop_does_not_compile_the_bare_model(tmp_path):
     for model, compile_set, trained in run_distributed(
@@ -164,6 +166,7 @@ def _deepspeed_precision(rank, world):
     return out
 
 
+@pytest.mark.slow  # a launch of ~10-50 s; tox -e slow
 @pytest.mark.timeout(300)
 def test_deepspeed_engines_run_model_precision():
     """ZeRO and the DeepSpeed pipeline ran fp32 beside bf16 torch DDP: the engine switches
@@ -346,6 +349,7 @@ def _deepspeed_pipe_on_a_device_clock(rank, world):
     return steps, comms_logger.enabled
 
 
+@pytest.mark.slow  # a launch of ~10-50 s; tox -e slow
 @pytest.mark.timeout(200)
 def test_deepspeed_pipeline_logger_is_off_after_the_first_step_on_cuda():
     """The comms logger synchronises the device after every op: on CUDA it is on for the
@@ -594,6 +598,7 @@ def _zero_item_calls(rank, world):
     return counts
 
 
+@pytest.mark.slow  # a launch of ~10-50 s; tox -e slow
 @pytest.mark.timeout(200)
 def test_zero_engine_syncs_the_host_once_a_step_not_per_microbatch():
     pytest.importorskip("deepspeed")
@@ -718,7 +723,9 @@ def _pipedream_op_kinds(rank, world, microbatches, delay):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("microbatches,delay", [(1, 0), (2, 0), (2, 1)])
+@pytest.mark.parametrize("microbatches,delay", [
+    pytest.param(1, 0, marks=pytest.mark.slow), pytest.param(2, 0, marks=pytest.mark.slow),
+    (2, 1)])
 def test_pipedream_executor_uses_one_op_kind_per_message(microbatches, delay):
     """The real executor on 3 gloo ranks (gloo tolerates a mix; NCCL hangs): the i-th
     message from rank a to rank b is sent and received with the same kind of op."""
@@ -796,6 +803,7 @@ def _final_export(rank, world, run_dir):
     return run.final_checkpoint.exists()  # every rank returns after rank 0 has written
 
 
+@pytest.mark.slow  # a launch of ~10-50 s; tox -e slow
 @pytest.mark.timeout(60)
 def test_final_export_gathers_on_rank_0_only(tmp_path):
     assert run_distributed(_final_export, 3, str(tmp_path), timeout=50) == [True] * 3
@@ -833,6 +841,7 @@ def _slow_checkpoint_write(rank, world, run_dir):
     return run.state_checkpoint(rank).exists()
 
 
+@pytest.mark.slow  # a launch of ~10-50 s; tox -e slow
 @pytest.mark.timeout(60)
 def test_checkpoint_waits_have_their_own_timeout(tmp_path):
     """A multi-GB state written slower than parallel.timeout_s timed the other ranks out

@@ -183,3 +183,25 @@ def test_robust_projection_replaces_a_spike_by_the_median():
     values = torch.tensor(compute, dtype=torch.float64).unsqueeze(-1).repeat(1, 1, 2)
     values[:, [3, 7], 0] += 0.5
     assert coupled_max(values, coupled).tolist()[0] == 12.5 + 8.5
+
+
+def test_robust_projection_record_is_bounded(monkeypatch):
+    """Every step with measured overlap is a new stretch: the robust projection's record
+    stops growing at ROBUST_RECORD_LIMIT numbers (dropped whole: no `projected_robust`
+    for the run, rather than a record that is complete for some stretches only)."""
+    from bench import meter
+
+    monkeypatch.setattr(meter, "ROBUST_RECORD_LIMIT", 100)
+
+    def settled(step):  # 2 ranks, one kind, 2 columns: 2 * (2 + 2 + 2) = 12 numbers
+        content = tuple((((0.0, 1),), (0.0, 0.0), (step * 1e-3, 0.0)) for _ in range(2))
+        return meter.Settled(0.1, 8, {}, {}, stretches={content: 1})
+
+    state = meter.LoopState()
+    for step in range(8):
+        state.advance(settled(step))
+    assert len(state.robust_stretches) == 8 and not state.robust_dropped  # 96 numbers
+    state.advance(settled(8))
+    assert state.robust_dropped and state.robust_stretches == {}
+    state.advance(settled(9))
+    assert state.robust_stretches == {} and state.tokens == 80  # the rest still counts

@@ -55,6 +55,7 @@ BASE = {
     "data": {"corpus": "embedded", "tokenizer": "byte", "batch_size": 4},
     "optim": {"lr": 1e-3, "warmup_steps": 1},
     "network": {"ranks_per_node": 1, "profiles": ["eth-10g"]},
+    "parallel": {"device": "cpu"},  # the rows train on CPU (and validate as they run)
     "checkpoint": {"every": 0, "final": True},
 }
 
@@ -79,6 +80,18 @@ STRATEGIES = {
     "2bw": {"strategy.name": "pipedream-2bw", "strategy.delay": 1},
     "2bw-sync": {"strategy.name": "pipedream-2bw", "strategy.delay": 0},
 }
+OUTER = {
+    "plain": {},
+    "fragments": {"strategy.fragments": 2, "strategy.fragment_pattern": "sequential"},
+    "overlap": {"strategy.inner_steps": 3, "strategy.overlap_steps": 1,
+                "strategy.mix_alpha": 0.5},  # launched at step 2: in flight at the checkpoint
+    "int8": {"strategy.outer_compression": "int8", "strategy.compression_row": 16},
+    "fp4-fragments": {"strategy.fragments": 2, "strategy.outer_compression": "fp4"},
+    "topk-overlap": {"strategy.inner_steps": 3, "strategy.overlap_steps": 1,
+                     "strategy.outer_compression": "topk", "strategy.topk_fraction": 0.1},
+}
+"""Streaming DiLoCo and compressed outer communication (issue 24): options of DiLoCo and
+Pier only (another strategy refuses them as keys it does not have)."""
 PIPELINES = {"1f1b", "gpipe", "interleaved", "deepspeed-pp", "2bw", "2bw-sync"}
 LOCAL_UPDATES = {"diloco", "pier"}
 
@@ -96,6 +109,7 @@ def layout(strategy: str, world: int) -> dict:
 
 DIMENSIONS: dict[str, list] = {
     "strategy": list(STRATEGIES),
+    "outer": list(OUTER),
     "world": [2, 4],
     "optim.name": ["adamw", "sgd", "muon", "lion", "adan", "soap", "nadamw"],
     "optim.delay": [0, 1],
@@ -125,7 +139,8 @@ class Combination:
     def config_dict(self) -> dict:
         named = self.named
         data = copy.deepcopy(BASE)
-        flat = {**layout(named["strategy"], named["world"]), **STRATEGIES[named["strategy"]]}
+        flat = {**layout(named["strategy"], named["world"]), **STRATEGIES[named["strategy"]],
+                **OUTER[named["outer"]]}
         for key, value in named.items():
             if "." in key:
                 flat[key] = value

@@ -491,3 +491,37 @@ def test_step_clock_prices_idle_connections():
     no_overlap = clock.projected[1]
     assert no_overlap == pytest.approx(1.0 + 3 * all_reduce_s(2, 20_000, tcp) + 2 * 0.053)
     assert clock.comm[0] == pytest.approx(2 * 0.053 + 3 * all_reduce_s(2, 20_000, tcp))
+
+
+# ------------------------------------------- compressed and launched outer exchanges (#24)
+
+
+def test_quantized_all_reduce_prices_all_to_all_then_all_gather_by_hand():
+    """S coded bytes on 4 ranks: the all-to-all sends 3 S/4 at once (a + 3 S/(4 b)), the
+    ring all-gather of each rank's S/4 coded mean 3 (a + S/(4 b)); wire 2 (n-1)/n S."""
+    from bench.network.costs import COLLECTIVES
+
+    price = COLLECTIVES["quantized_all_reduce"]
+    expected = (1e-5 + 3 * MB / (4 * 1e10)) + 3 * (1e-5 + MB / (4 * 1e10))
+    assert price(4, MB, TIER) == pytest.approx(expected)
+    assert price(4, MB, TIER, "gloo") == pytest.approx(expected + 1e-5 + 3 * 1e-5)
+    assert price(1, MB, TIER) == 0
+    assert wire_bytes(rec("quantized_all_reduce", 1200, 4)) == pytest.approx(1800)
+
+
+def test_launched_op_exposes_only_what_its_window_did_not_hide():
+    """An exchange launched at the end of step 3 and waited for in step 5 ran beside step
+    4's compute and step 5's up to the wait (all but tail_s)."""
+    from bench.meter import span_window_s
+
+    p = Profile("p", Tier(0.0, 1e6), Tier(0.0, 1e6))
+    launched = replace(rec("all_reduce", 3 * MB, 2), step=5, launch_step=3, tail_s=0.5)
+    window = span_window_s(launched, 2.0, [9.0, 0.75])  # step 4 took 0.75 s of compute
+    assert window == pytest.approx(0.75 + 1.5)
+    cost = record_seconds(launched, p)
+    assert cost == pytest.approx(3.0)
+    assert project_overlap([launched], p) == pytest.approx(3.0)  # no window known: exposed
+    from bench.network.model import exposed_s
+
+    assert exposed_s([launched], [cost], lambda r: window) == pytest.approx(0.75)
+    assert exposed_s([launched], [cost], lambda r: 5.0) == 0.0

@@ -486,6 +486,30 @@ def test_report_shows_logical_and_wire_bytes_under_separate_captions(tmp_path):
     assert "| diloco | diloco | 1 MB | 25 kB | n/a | n/a |" in md
 
 
+def test_report_shows_peak_bytes_per_sync_and_bytes_per_step(tmp_path):
+    """Issue 24: the peak per sync beside the totals, and the per-step series drawn (DDP
+    flat, DiLoCo a spike every H); records without them show n/a and no line."""
+    sweep_dir, sweep = _sweep(tmp_path)
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0,
+                  summary_extra={"comm_peak_sync_bytes": 250_000,
+                                 "comm_peak_sync_wire_bytes": 375_000,
+                                 "comm_bytes_series": [[1, 40, 250_000, 375_000]]})
+        write_run(sweep_dir, sweep, "diloco", "diloco", seed, DILOCO_VAL[seed], 0.5)
+    out = tmp_path / "out"
+    build_report(_save(sweep_dir, sweep), out)
+    md = (out / "report.md").read_text()
+    comm = pd.read_csv(out / "communication.csv").set_index("label")
+    assert comm.loc["ddp", "comm_peak_sync_bytes"] == 250_000
+    assert math.isnan(comm.loc["diloco", "comm_peak_sync_bytes"])
+    assert "peak payload B/rank/sync" in md and "peak wire B/rank/sync" in md
+    assert "| 250 kB | 375 kB |" in md
+    assert next(x for x in md.splitlines() if x.startswith("| diloco |") and "B" in x
+                and "n/a" in x).endswith("| n/a | n/a |")
+    assert (out / "figures" / "bytes_per_step.png").exists() and "Bytes per step over" in md
+    assert "comm_bytes_series" not in pd.read_csv(out / "runs.csv")
+
+
 def test_quickstart_runs_two_seeds_and_the_report_flags_small_samples(tmp_path):
     """Defect 11: the quickstart has 2+ seeds, so the report shows an interval, flagged
     n<3 (an interval from 2 seeds rests on one degree of freedom)."""

@@ -50,7 +50,7 @@ or train hundreds of thousands of runs."""
 
 METRICS = (
     "final_val_loss", "best_val_loss", "wall_s", "throughput_tokens_per_s", "total_tokens",
-    "comm_bytes_total", "comm_s_total", "compute_s_total",
+    "comm_bytes_total", "comm_s_total", "compute_s_total", "comm_peak_sync_bytes",
 )
 """Run-summary numbers a rule may use, besides `proj.PROFILE.KEY` and `eval.TASK/METRIC`."""
 VALIDATION_METRICS = ("final_val_loss", "best_val_loss")

@@ -26,6 +26,8 @@ Algorithms (`algorithm=` below; bench.network's `backend=` picks them):
 - `nccl-tree`: double binary tree all_reduce (reduce up, broadcast down, pipelined):
   2 L a + 2 S/b. NCCL uses trees only for all_reduce; other ops as nccl-ring.
 - `nccl`: what NCCL's tuner roughly does: the cheaper of ring and tree for all_reduce.
+- every backend: `quantized_all_reduce` (the compressed outer exchange) = an all-to-all,
+  h a + (n-1) S/(n b), then the all-gather of S/n per rank (that backend's formula).
 """
 
 from __future__ import annotations
@@ -147,6 +149,26 @@ def all_gather_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") ->
     return (n - 1) * (h * tier.latency_s + nbytes / tier.bandwidth_Bps)
 
 
+def all_to_all_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> float:
+    """All-to-all of an S-byte buffer (S/n to each rank): the n-1 messages leave over the
+    rank's one link together, h a + (n-1) S/(n b) (h = 2 on gloo: each waits for its
+    peer's ready-to-receive, all posted at once; as a symmetric exchange)."""
+    _check(n, nbytes)
+    if n == 1:
+        return 0.0
+    h = handshakes(check_algorithm(algorithm))
+    return h * tier.latency_s + (n - 1) * nbytes / (n * tier.bandwidth_Bps)
+
+
+def quantized_all_reduce_s(n: int, nbytes: float, tier: Tier,
+                           algorithm: str = "naive") -> float:
+    """A compressed mean of S coded bytes (algorithms/comm.py `quantized_average`): the
+    all-to-all of the coded shards, then the ring all-gather of each rank's coded mean
+    (S/n bytes), every backend's own formulas; the local decode and reduce are compute."""
+    return (all_to_all_s(n, nbytes, tier, algorithm)
+            + all_gather_s(n, nbytes / n, tier, algorithm))
+
+
 def broadcast_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> float:
     """Binomial tree L(h a + S/b) (naive, gloo); pipelined ring (n-1)a + S/b (nccl*).
 
@@ -212,7 +234,8 @@ def first_message_bytes(op: str, n: int, nbytes: float, algorithm: str) -> float
     all_gather, broadcast, the tree all_reduce and point-to-point."""
     if op == "barrier" or n <= 1:
         return 0.0
-    if op in ("all_reduce", "reduce_scatter") and algorithm != "nccl-tree":
+    if op in ("all_reduce", "reduce_scatter", "quantized_all_reduce") \
+            and algorithm != "nccl-tree":
         return nbytes / n
     return float(nbytes)
 
@@ -235,6 +258,7 @@ COLLECTIVES: dict[str, Callable[..., float]] = {
     "broadcast": broadcast_s,
     "all_gather": all_gather_s,
     "barrier": barrier_s,
+    "quantized_all_reduce": quantized_all_reduce_s,
 }
 P2P = ("send", "recv", "exchange")
 # Names DeepSpeed's comms logger uses for the same collectives (algorithms/zero.py copies
@@ -265,8 +289,9 @@ def wire_bytes(record, backend: str | None = None) -> float:
     all_reduce: ring 2(n-1)/n S, tree (nccl-tree) 2S; reduce_scatter (n-1)/n S;
     all_gather (n-1) S (S = this rank's contribution; ring forwarding); broadcast
     (n-1)/n S (the n-1 copies of S that cross the network, averaged over the ranks);
-    send S; recv 0 (received, not sent); exchange S (nbytes is already the sum sent to
-    all peers); barrier 0. A group of one sends nothing.
+    quantized_all_reduce 2(n-1)/n S (the all-to-all's (n-1)/n S, the all-gather's
+    (n-1) S/n); send S; recv 0 (received, not sent); exchange S (nbytes is already the sum
+    sent to all peers); barrier 0. A group of one sends nothing.
     """
     algorithm = check_algorithm(backend or "naive")
     op = canonical_op(record.op)
@@ -277,6 +302,8 @@ def wire_bytes(record, backend: str | None = None) -> float:
         return 0.0
     if op == "all_reduce":
         return 2 * s if algorithm == "nccl-tree" else 2 * (n - 1) / n * s
+    if op == "quantized_all_reduce":
+        return 2 * (n - 1) / n * s
     if op == "reduce_scatter" or op == "broadcast":
         return (n - 1) / n * s
     return (n - 1) * s  # all_gather

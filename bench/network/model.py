@@ -206,18 +206,23 @@ def project_overlap(records: Iterable[CommRecord], profile: Profile, rank: int =
                    idle=idle)
 
 
-def exposed_s(records: list[CommRecord], costs: list[float]) -> float:
+def exposed_s(records: list[CommRecord], costs: list[float],
+              window: Callable[[CommRecord], float] | None = None) -> float:
     """The exposed part of `records`' modelled seconds `costs` (one per record).
 
     Per step, the records carrying `lead_s` (seconds from the bucket's launch to the end of
     backward; set by the DDP hook) are queued in order on the link by `bucket_timeline`:
-    exposed = max(0, end of the last one). Records without `lead_s` do not overlap: their
-    modelled seconds are added in full.
+    exposed = max(0, end of the last one). A record of an op that spans steps
+    (`launch_step`) exposes max(0, cost - window(record)), its window being the compute it
+    ran beside (bench/meter.py `StepClock` knows it; without `window`, none: all exposed).
+    Other records do not overlap: their modelled seconds are added in full.
     """
     steps: dict[int, list[tuple[float, float]]] = {}
     exposed = 0.0
     for r, cost in zip(records, costs, strict=True):
-        if r.lead_s is None:
+        if r.launch_step is not None:
+            exposed += max(0.0, cost - (window(r) if window is not None else 0.0))
+        elif r.lead_s is None:
             exposed += cost
         else:
             steps.setdefault(r.step, []).append((r.lead_s, cost))

@@ -109,7 +109,8 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     comm = analysis.communication(runs, profiles)
     evals = analysis.downstream(runs)
 
-    figures.write_csv(runs, out_dir / "runs.csv")
+    figures.write_csv(runs.drop(columns=["comm_bytes_series"], errors="ignore"),
+                      out_dir / "runs.csv")
     figures.write_csv(res.steps, out_dir / "steps.csv")
     figures.write_csv(speedup, out_dir / "speedup.csv")
     figures.write_csv(convergence, out_dir / "convergence.csv")
@@ -119,7 +120,8 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     drawn = {}
     for name, fig in (("throughput", figures.throughput(comm, profiles)),
-                      ("communication", figures.communication(comm, profiles, palette))):
+                      ("communication", figures.communication(comm, profiles, palette)),
+                      ("bytes_per_step", figures.bytes_per_step(runs, palette))):
         if fig is not None:
             drawn[name] = _save(fig, out_dir, name)
 
@@ -260,6 +262,11 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
                               "communication seconds (measured = exposed, not overlapped "
                               "with compute; projected = modelled per profile) and "
                               "communication share of the step."),
+            ("bytes_per_step", "Bytes per step over the run (one run per group, the largest "
+                               "logical payload any rank sent in each step): DDP is flat, "
+                               "DiLoCo spikes every H steps, Streaming DiLoCo has P smaller "
+                               "spikes per H. The peak per sync is in the table below (the "
+                               "last step's closing sync left out)."),
         ):
             if name in drawn:
                 blocks.append(("figure", drawn[name], caption))

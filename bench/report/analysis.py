@@ -316,7 +316,8 @@ def communication(runs: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
     rank come in two kinds, never mixed: logical payload (`comm_bytes_per_rank`, the tensor
     bytes handed to each collective or send) and modelled wire bytes
     (`comm_wire_bytes_per_rank`, e.g. 2(n-1)/n x S per rank for a ring all-reduce; NaN in
-    records that predate it)."""
+    records that predate it). Peak bytes per sync (`comm_peak_sync_bytes`, and wire): the
+    most one rank sent in one step (bench/meter.py, Bytes per step; NaN in older records)."""
     ok = runs[runs["status"] == "ok"].copy()
     world = ok["world_size"].where(ok["world_size"] > 0)
     ok["comm_bytes_per_rank"] = ok["comm_bytes_per_rank"].fillna(ok["comm_bytes_total"] / world)
@@ -329,8 +330,9 @@ def communication(runs: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
     ok["throughput.measured"] = ok["throughput_tokens_per_s"]
     columns = ["throughput.measured", "comm_bytes_total", "comm_bytes_per_step",
                "comm_bytes_per_rank", "comm_bytes_per_rank_step", "comm_wire_bytes_per_rank",
-               "comm_wire_bytes_per_rank_step",
-               "comm_s_total", "compute_s_total", "comm_share.measured"]
+               "comm_wire_bytes_per_rank_step", "comm_peak_sync_bytes",
+               "comm_peak_sync_wire_bytes", "comm_s_total", "compute_s_total",
+               "comm_share.measured"]
     for profile in profiles:
         step, comm = f"proj.{profile}.step_s", f"proj.{profile}.comm_s"
         if f"proj.{profile}.throughput_tokens_per_s" in ok:
@@ -348,7 +350,7 @@ def communication(runs: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
         sweep=("sweep", "first"), label=("label", "first"), strategy=("strategy", "first"),
         runs=("run_id", "count"),
         # a group where some runs lack wire bytes shows none rather than a partial mean
-        **{c: (c, _strict_mean if "wire" in c else "mean") for c in columns})
+        **{c: (c, _strict_mean if "wire" in c or "peak" in c else "mean") for c in columns})
     return table.reset_index(drop=True)
 
 

@@ -227,6 +227,31 @@ def communication(comm: pd.DataFrame, profiles: list[str],
     return fig
 
 
+def bytes_per_step(runs: pd.DataFrame, palette: dict[str, str]) -> Figure | None:
+    """Steps: the bytes series (`comm_bytes_series`) of the first ok run of each group."""
+    if "comm_bytes_series" not in runs:
+        return None
+    ok = runs[(runs["status"] == "ok") & runs["comm_bytes_series"].notna()]
+    first = ok.drop_duplicates("group")
+    if first.empty:
+        return None
+    fig = _figure(8, 3.6)
+    ax = fig.add_subplot()
+    for _, run in first.iterrows():
+        steps, values = [], []
+        for start, count, nbytes, *_ in run["comm_bytes_series"]:
+            steps += [start, start + count]
+            values += [nbytes, nbytes]
+        ax.plot(steps, values, drawstyle="steps-post", linewidth=1,
+                color=palette.get(run["label"]), label=run["label"])
+    ax.yaxis.set_major_formatter(EngFormatter(unit="B"))
+    ax.set_xlabel("step")
+    ax.set_ylabel("bytes sent by a rank")
+    ax.set_title("Bytes per step (largest over ranks, logical payload)", fontsize=10)
+    ax.legend(fontsize=7)
+    return fig
+
+
 def delay_gaps(cells: pd.DataFrame) -> Figure | None:
     """Bars: gap to sync per sync reference (optimizer and mechanism), one bar per delayed
     setting (plain delay and each correction), 95% error bars.

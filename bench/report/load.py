@@ -59,7 +59,8 @@ IDENTITY = ["run_id", "sweep", "variant", "label", "group", "seed", "strategy", 
 SUMMARY_NUMBERS = [
     "num_params", "world_size", "steps", "total_tokens", "wall_s", "throughput_tokens_per_s",
     "compute_s_total", "comm_s_total", "comm_bytes_total", "comm_bytes_per_rank",
-    "comm_wire_bytes_per_rank", "final_val_loss", "best_val_loss",
+    "comm_wire_bytes_per_rank", "comm_peak_sync_bytes", "comm_peak_sync_wire_bytes",
+    "final_val_loss", "best_val_loss",
     "bubble_fraction_measured", "bubble_fraction_theory", "peak_memory_bytes",
 ]
 MEMORY_PER_RANK = ["memory_estimate_bytes_per_rank", "peak_memory_above_start_bytes_per_rank"]
@@ -392,6 +393,8 @@ def load_results(results_dir: str | os.PathLike) -> Results:
         for key in SUMMARY_NUMBERS:
             value = (summary or {}).get(key)
             row[key] = float(value) if _is_number(value) else math.nan
+        series = (summary or {}).get("comm_bytes_series")
+        row["comm_bytes_series"] = series if isinstance(series, list) else None
         for key in MEMORY_PER_RANK:
             values = (summary or {}).get(key)
             row[key.removesuffix("_per_rank")] = (

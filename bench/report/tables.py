@@ -133,6 +133,9 @@ def comm_table(comm: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
     for p in profiles:
         if f"comm_share.{p}" in comm:
             out[f"comm share {p}"] = [render.percent(v) for v in comm[f"comm_share.{p}"]]
+    if "comm_peak_sync_bytes" in comm:
+        out["peak payload B/rank/sync"] = _bytes(comm["comm_peak_sync_bytes"])
+        out["peak wire B/rank/sync"] = _bytes(comm["comm_peak_sync_wire_bytes"])
     return out
 
 
