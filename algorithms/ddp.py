@@ -57,6 +57,7 @@ from algorithms.base import (
     TrainSetup,
     require_data_parallel,
 )
+from algorithms.clocks import Clock, clock_for
 from algorithms.memory import fsdp_terms, require_shard_ranks, shard_terms
 from algorithms.traffic import (
     DDP_ASSUMPTION,
@@ -167,48 +168,6 @@ def require_deepspeed(cfg, zero_stage: int = 0, engine: str = "the DeepSpeed eng
             f"{cfg.optim.name!r} with optim.delay={cfg.optim.delay} is not supported ({why}); "
             "use strategy.backend=torch, or optim.name adamw/sgd/lion/adan/nadamw (soap: "
             "ZeRO stage 0 only) with optim.delay=0")
-
-
-# ---------------------------------------------------------------------------- clocks
-
-
-class HostClock:
-    """Marks are host `time.perf_counter()` values: right where ops block the host (CPU)."""
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def seconds(self, start: float, end: float) -> float:
-        return end - start
-
-    def synchronize(self) -> None:
-        pass
-
-
-class CudaClock:
-    """Marks are CUDA events recorded on the current stream; read after `synchronize`."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def mark(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return start.elapsed_time(end) / 1e3
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-
-Clock = HostClock | CudaClock
-
-
-def clock_for(device: torch.device) -> Clock:
-    """The clock whose marks follow the work on `device` (module docstring)."""
-    return CudaClock(device) if device.type == "cuda" else HostClock()
 
 
 def device_future(device: torch.device) -> torch.futures.Future:

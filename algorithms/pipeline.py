@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.base import TrainSetup, unwrap
-from algorithms.ddp import clock_for
+from algorithms.clocks import clock_for
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")

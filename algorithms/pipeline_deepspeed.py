@@ -34,7 +34,7 @@ import torch
 import torch.distributed
 from torch import nn
 
-from algorithms.ddp import HostClock, clock_for
+from algorithms.clocks import HostClock, clock_for
 from algorithms.partition import split_layers
 
 

@@ -47,8 +47,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.tensor import DTensor
 
+from algorithms.clocks import clock_for
 from algorithms.comm import Communicator, Group
-from algorithms.ddp import clock_for
 
 SHARDS = ("none", "fsdp")
 

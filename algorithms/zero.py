@@ -32,7 +32,11 @@ from __future__ import annotations
 import torch
 
 from algorithms.base import StepStats, _microbatches
-from algorithms.ddp import HostClock, clock_for
+from algorithms.clocks import HostClock, clock_for
+
+LOSS_SCALER, ZERO_STAGE, PARAM_SLICE_MAPPINGS = "loss_scaler", "zero_stage", "param_slice_mappings"
+"""DeepSpeed's keys of the objects in a ZeRO-1/2 optimizer state (deepspeed.checkpoint
+.constants; not imported here: DeepSpeed is imported only by the code that uses it)."""
 
 
 def autocast_config(precision: str) -> dict:
@@ -91,17 +95,32 @@ class ZeroEngine:
 
     def state_dict(self) -> dict:
         """The model and the engine's optimizer (ZeRO-1/2: this rank's partition of the fp32
-        master weights and optimizer state, DeepSpeed's own format)."""
-        return {"model": self.engine.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        master weights and optimizer state, DeepSpeed's own format with its objects made
+        plain, so the checkpoint loads with `torch.load(weights_only=True)`, which executes
+        nothing: the loss scaler's attributes, the stage's number, and without the
+        parameters' slice addresses, which the engine computes and its load never reads)."""
+        optimizer = dict(self.optimizer.state_dict())
+        if self.zero_stage > 0:
+            optimizer[LOSS_SCALER] = dict(vars(optimizer[LOSS_SCALER]))
+            optimizer[ZERO_STAGE] = int(optimizer[ZERO_STAGE])
+            optimizer.pop(PARAM_SLICE_MAPPINGS, None)
+        return {"model": self.engine.module.state_dict(), "optimizer": optimizer}
 
     def load_state_dict(self, state: dict) -> None:
         self.engine.module.load_state_dict(state["model"])
         if self.zero_stage == 0:
             self.optimizer.load_state_dict(state["optimizer"])
             return
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        optimizer = dict(state["optimizer"])
+        scaler = self.optimizer.loss_scaler  # the engine's own object, its saved attributes
+        vars(scaler).update(optimizer[LOSS_SCALER])
+        optimizer[LOSS_SCALER] = scaler
+        optimizer[ZERO_STAGE] = ZeroStageEnum(optimizer[ZERO_STAGE])
         # DeepSpeed reads the entry of this rank's data-parallel index from a list of every
         # rank's partition; each rank restores its own, from the fp32 master copy (exact)
-        states = [state["optimizer"]] * self.comm.world_size
+        states = [optimizer] * self.comm.world_size
         self.optimizer.load_state_dict(states, load_optimizer_states=True,
                                        load_from_fp32_weights=True)
 

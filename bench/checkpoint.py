@@ -27,6 +27,7 @@ CUDA the device's generator too, so a resumed run draws the same dropout masks.
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -54,8 +55,9 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
 
     Reads each file (memory-mapped: cheap for large states) and changes nothing. A rank
     may hold two files, its saved state and one being saved (a stop in the middle of a
-    save): the latest step that every rank holds wins. A missing, unreadable or
-    truncated file, or ranks with no step in common, raise ValueError naming the file."""
+    save): the latest step that every rank holds wins; the files of a first save that not
+    every rank finished (a full disk) count as none. A missing, unreadable or truncated
+    file, or ranks with no step in common, raise ValueError naming the file."""
     per_rank: list[dict[int, Path]] = []
     problems, seen = [], False
     for rank in range(world_size):
@@ -65,6 +67,10 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
                 seen = True
                 try:
                     held[_saved_step(path)] = path
+                except pickle.UnpicklingError:  # weights_only refused an object
+                    problems.append(f"checkpoint {path} holds objects other than tensors and "
+                                    "plain data (not loaded: loading them could run code); "
+                                    "it was not written by commbench")
                 except Exception as err:  # truncated zip, wrong content, I/O error
                     reason = str(err).split(". ")[0]  # torch adds paragraphs of advice
                     problems.append(f"checkpoint {path} is corrupt or truncated "
@@ -75,6 +81,8 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
     common = set.intersection(*(set(held) for held in per_rank))
     if common:
         return max(common)
+    if not problems and not any(run.state_checkpoint(r).exists() for r in range(world_size)):
+        return None  # the first save did not finish on every rank (a full disk): none saved
     where = f"--resume {run.path}"
     if problems:
         raise ValueError(f"{where}: {problems[0]}; delete the run's checkpoints/state-rank* "
@@ -103,7 +111,15 @@ def adopt_states(run: RunDir, world_size: int, step: int) -> None:
 
 
 def _saved_step(path) -> int:
-    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["step"])
+    return int(load_payload(path, map_location="cpu", mmap=True)["step"])
+
+
+def load_payload(path, map_location=None, mmap: bool = False) -> dict:
+    """A checkpoint file's content, loaded with `weights_only=True`: tensors and plain data
+    only. Run directories travel (tarballs, shared filesystems): a pickle that names any
+    other object would run code when loaded, so it is refused (pickle.UnpicklingError).
+    Every checkpoint commbench writes holds tensors, numbers, strings, lists and dicts."""
+    return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 def barrier_group(timeout_s: float):
@@ -200,7 +216,7 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
         dist.barrier(group=group)
         return None
     try:
-        payload = torch.load(path, weights_only=False)
+        payload = load_payload(path)
     except Exception as err:
         raise RuntimeError(f"resume: cannot load {path}: {type(err).__name__}: {err}") from err
     steps = [None] * dist.get_world_size()

@@ -14,7 +14,9 @@
 
 Heavy imports (torch, lm-eval, pandas) happen inside the command that needs them, so
 `--help` and input errors are fast. Any ValueError from validation exits with status 2
-and its message, before anything is launched.
+and its message, before anything is launched; an OSError (a full disk, a read-only
+target) exits with status 1 and names the file (every file is written atomically, so
+what was written is whole).
 """
 
 from __future__ import annotations
@@ -55,17 +57,19 @@ def _cmd_run(args) -> int:
     """`commbench run`: a new run, `--run-dir DIR`, or `--resume DIR` (what each promises:
     bench/launch.py's docstring and the README's "Resume and run directories")."""
     from bench.config import check_output_dir, load_config, preflight
+    from bench.records import RunDir
 
     if args.resume:
         run_dir = Path(args.resume)
         if args.run_dir:
             raise ValueError(f"--resume {args.resume!r} and --run-dir {args.run_dir!r}: give "
                              "one (--resume continues the run in its own directory)")
-        if not (run_dir / "config.yaml").exists():
+        recorded = RunDir(run_dir).config
+        if not recorded.exists():
             raise ValueError(f"--resume {args.resume!r}: not a run directory (no config.yaml; "
                              "give a directory written by `commbench run`)")
         # the recorded config, or the one given, which must match it (launch.check_resume)
-        cfg = load_config(args.config or run_dir / "config.yaml", args.set)
+        cfg = load_config(args.config or recorded, args.set)
     else:
         cfg = load_config(args.config, args.set)
         run_dir = Path(args.run_dir) if args.run_dir else None
@@ -121,9 +125,10 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_claims(args) -> int:
     from bench.claims import run_claims
+    from bench.claims.spec import MAX_SEEDS
 
-    if args.seeds is not None and args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
+        raise ValueError(f"--seeds must be from 1 to {MAX_SEEDS}, got {args.seeds}")
     page = run_claims(args.names or None, scale=args.scale, seeds=args.seeds,
                       claims_dir=args.claims_dir, output_dir=args.output_dir,
                       report_dir=args.report_dir, executor=args.executor,
@@ -148,28 +153,20 @@ def _cmd_export(args) -> int:
     return 0
 
 
-def _check_new_dir(path: str, key: str) -> None:
-    """Fail naming `key` when `path` cannot become a directory (a file in the way)."""
-    p = Path(path).expanduser().absolute()
-    for ancestor in (p, *p.parents):
-        if ancestor.exists():
-            if not ancestor.is_dir():
-                raise ValueError(f"{key} {path!r}: {str(ancestor)!r} is a file, not a directory "
-                                 "(give a directory path)")
-            return
-
-
 def _cmd_report(args) -> int:
-    _check_new_dir(args.output, "report -o")
-    from bench.report import build_report
+    from bench.records import check_report_dir
 
+    check_report_dir(args.output, "report -o")
+    from bench.report import build_report
 
     print(build_report(args.results_dir, args.output, target_loss=args.target_loss))
     return 0
 
 
 def _cmd_compare(args) -> int:
-    _check_new_dir(args.output, "compare -o")
+    from bench.records import check_report_dir
+
+    check_report_dir(args.output, "compare -o")
     from bench.compare import compare
 
     return compare(args.runs, args.output, tolerance=args.tolerance)
@@ -380,8 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"commbench: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a read-only or vanished target: what and where
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"commbench: error: {where}{err.strerror or err} (nothing more was written; "
+              "what was written is whole)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as stop:  # recorded so far is on disk; no traceback
-        # the conventional status of the signal: 130 Ctrl-C, 143 SIGTERM (bench.launch.Stopped)
+        # the conventional status of the signal: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+        # (bench.stop.Stopped)
         return 128 + getattr(stop, "signum", 2)
 
 

@@ -39,10 +39,10 @@ import pandas as pd
 
 from bench import records
 from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
-from bench.report import render
+from bench.report import figures, render
 from bench.report.load import load_results
 from bench.report.stats import mean_interval, ratio_interval
-from bench.tracking.sinks import flatten
+from bench.typed import flatten
 
 SIDES = "ABCDEFGHIJ"
 LOSSES = (("loss", "train"), ("val_loss", "val"))
@@ -76,7 +76,7 @@ class Pair:
 
 
 def _is_run(path: Path) -> bool:
-    return (path / "config.yaml").exists() or (path / "summary.json").exists()
+    return records.RunDir(path).holds_records()
 
 
 def load_side(name: str, arg: str) -> Side:
@@ -142,7 +142,7 @@ def differences(a_path: Path, b_path: Path) -> list[str]:
     checkpoint or tracking)."""
     def config(path: Path) -> dict:
         try:
-            data = load_raw(path / "config.yaml")
+            data = load_raw(records.RunDir(path).config)
         except ValueError:
             return {}
         return flatten(without_keys(data, NON_IDENTITY_KEYS))
@@ -227,8 +227,9 @@ def compare(args: list[str], out_dir: str | os.PathLike | None = None,
         raise ValueError(f"compare needs at least two runs, groups or sweeps, got {len(args)}")
     if len(args) > len(SIDES):
         raise ValueError(f"compare takes at most {len(SIDES)} arguments, got {len(args)}")
-    if tolerance is not None and not tolerance >= 0:
-        raise ValueError(f"--tolerance must be >= 0 (absolute loss, nats), got {tolerance}")
+    if tolerance is not None and not 0 <= tolerance < math.inf:
+        raise ValueError(f"--tolerance must be a finite number >= 0 (absolute loss, nats), "
+                         f"got {tolerance}")
     sides = [load_side(name, arg) for name, arg in zip(SIDES, args, strict=False)]
     ref = sides[0]
     for side in sides:
@@ -258,7 +259,7 @@ def compare(args: list[str], out_dir: str | os.PathLike | None = None,
                                                       p.differences for p in pairs}})
     out = Path(out_dir or "reports/compare")
     out.mkdir(parents=True, exist_ok=True)
-    overlay(sides).savefig(out / "compare.png")
+    figures.save(overlay(sides), out / "compare.png")
     report["tolerance"], report["exceeded"] = tolerance, failures
     records.write_json(out / "compare.json", report)
     print(f"\nfigure: {out / 'compare.png'}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,8 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from algorithms.base import STRATEGIES, StrategyConfig, config_class
-from bench.env import StragglerConfig, check_straggler
-from bench.optim import OptimConfig
+from algorithms.delay import CORRECTIONS
 from bench.tracking import TrackingConfig, check_tracking
 from bench.typed import (  # noqa: F401  (re-exported: the public names of bench.config)
     describe_sections,
@@ -37,6 +37,31 @@ from bench.typed import (  # noqa: F401  (re-exported: the public names of bench
     without_keys,
 )
 from bench.typed import fail as _fail
+
+
+@dataclass
+class StragglerConfig:
+    """`run.straggler`: one rank made slower on purpose, to measure how a strategy copes.
+
+        commbench run configs/diloco-tiny.yaml --set run.straggler.rank=1 \
+            --set run.straggler.slowdown=2
+    """
+
+    rank: int | None = None
+    """The slow rank; null = none."""
+    slowdown: float = 1.0
+    """Its steps take this many times their measured time (>= 1): after each step it
+    sleeps (slowdown - 1) x the step's seconds, inside the timed step like a slow GPU."""
+
+
+def check_straggler(straggler: StragglerConfig, world_size: int) -> None:
+    """Fail naming run.straggler.* unless the rank exists and slowdown >= 1."""
+    if straggler.rank is not None and not 0 <= straggler.rank < world_size:
+        raise ValueError(f"run.straggler.rank must be null or a rank in [0, {world_size}) "
+                         f"(parallel.world_size {world_size}), got {straggler.rank!r}")
+    if not (math.isfinite(straggler.slowdown) and straggler.slowdown >= 1):
+        raise ValueError(f"run.straggler.slowdown must be a finite number >= 1, got "
+                         f"{straggler.slowdown!r}")
 
 
 @dataclass
@@ -112,7 +137,8 @@ class ModelConfig:
 class DataConfig:
     corpus: str = "embedded"
     """embedded (ships with the install), openwebtext, a .txt file, a directory of .txt
-    files, or a directory prepared by `commbench data prepare`."""
+    files, or a directory prepared by `commbench data prepare` (a relative path is made
+    absolute when the config is read; the run records its text's sha256)."""
     tokenizer: Literal["byte", "gpt2"] = "byte"
     """byte (vocab 256) or gpt2 (GPT-2 BPE, offline)."""
     batch_size: int = 8
@@ -121,6 +147,82 @@ class DataConfig:
     """Fraction of the corpus held out for validation (the tail)."""
     cache_dir: str = "~/.cache/commbench"
     """Where tokenised corpora are cached."""
+
+
+MAX_EF_LAMBDA = 2.0
+"""The largest error-feedback weight: beyond it the correction overshoots the update's
+own change more than twice (docs/algorithms.md, Error-feedback correction)."""
+OPTIMIZERS = ("adamw", "sgd", "muon", "lion", "adan", "soap", "nadamw")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd", "muon", "lion", "adan", "soap", "nadamw"] = "adamw"
+    """Optimizer: adamw; sgd (optional momentum); muon (torch.optim.Muon on the hidden
+    matrices, AdamW on the rest); lion, adan, soap (from the pytorch-optimizer package);
+    nadamw (torch.optim.NAdam, Nesterov momentum, decoupled weight decay: with betas
+    [0.99, 0.999] the asynchronous-pipeline recipe of Ajanthan et al. 2025)."""
+    lr: float = 1e-3
+    """Peak learning rate (under muon: of the AdamW part)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine schedule)."""
+    warmup_steps: int = 10
+    """Linear warmup steps from 0 to the peak learning rate."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate shape after warmup."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas (also muon's AdamW part, lion's, soap's and nadamw's betas; adan keeps
+    the package's three defaults)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on biases and norms); under muon, on the
+    AdamW part's matrices (embeddings and head)."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables."""
+    muon_lr: float = 0.02
+    """muon: peak learning rate of the hidden matrices (same warmup and decay as lr)."""
+    muon_momentum: float = 0.95
+    """muon: momentum of the hidden matrices."""
+    muon_nesterov: bool = True
+    """muon: Nesterov momentum on the hidden matrices."""
+    muon_weight_decay: float = 0.0
+    """muon: decoupled weight decay of the hidden matrices (our default; the paper's is
+    not known)."""
+    nadam_momentum_decay: float = 0.004
+    """nadamw: torch NAdam's momentum_decay ψ (μ_t = β1 (1 - 0.5 · 0.96^(tψ)))."""
+    delay: int = 0
+    """0 = synchronous; 1 = one-step gradient delay (PipeDream-2BW's rule W(t+1) = W(t) -
+    opt(grad f(W(t-1)))) emulated on any single-replica or data-parallel run."""
+    delay_correction: Literal["none", "ef", "predict"] = "none"
+    """Correction of a delayed update (optim.delay 1, or pipedream-2bw's strategy.delay 1):
+    none; ef = error feedback on the optimizer's update, u + ef_lambda (u - u_prev); predict
+    = the gradient taken at the extrapolated weights W + u_prev (SpecTrain/PipeMare). Both
+    are RECONSTRUCTIONS (docs/algorithms.md)."""
+    ef_lambda: float = 1.0
+    """Weight λ of the error-feedback correction (reconstruction; 0 = plain delay)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optim.name must be one of {list(OPTIMIZERS)}, got {self.name!r}")
+        if self.delay not in (0, 1) or isinstance(self.delay, bool):
+            raise ValueError(f"optim.delay must be 0 (synchronous) or 1 (one-step delay), "
+                             f"got {self.delay!r}")
+        if self.delay_correction not in CORRECTIONS:
+            raise ValueError(f"optim.delay_correction must be one of {list(CORRECTIONS)}, "
+                             f"got {self.delay_correction!r}")
+        if self.muon_lr <= 0:
+            raise ValueError(f"optim.muon_lr must be > 0, got {self.muon_lr!r}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"optim.muon_momentum must be in [0, 1), got "
+                             f"{self.muon_momentum!r}")
+        for key in ("muon_weight_decay", "nadam_momentum_decay"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"optim.{key} must be >= 0, got {getattr(self, key)!r}")
+        if not 0 <= self.ef_lambda <= MAX_EF_LAMBDA:
+            raise ValueError(f"optim.ef_lambda must be in [0, {MAX_EF_LAMBDA:g}] (0 = plain "
+                             f"delay, 1 = the update extrapolated by its last change), got "
+                             f"{self.ef_lambda!r}")
 
 
 @dataclass
@@ -196,8 +298,12 @@ class LaunchConfig:
     """Nodes for multi-node torchrun (each runs world_size / nnodes ranks)."""
     rdzv_endpoint: str | None = None
     """host:port of the c10d rendezvous for multi-node runs."""
+    rdzv_timeout_s: float = 600.0
+    """Seconds to wait for the rendezvous (every node joined; one node: torchrun's ranks
+    started) before the run fails saying so (bench/torchrun.py)."""
     torchrun_args: list[str] = field(default_factory=list)
-    """Extra arguments passed through to torchrun."""
+    """Extra arguments passed through to torchrun (not those commbench sets from the
+    config: --nproc-per-node, --nnodes, --standalone, --rdzv-*, --node-rank)."""
     cuda_visible_devices: str | None = None
     """GPUs this run's ranks use on each node (CUDA_VISIBLE_DEVICES, e.g. "2,3"); null =
     the environment's. A local sweep running several runs at once gives each its own."""
@@ -311,9 +417,10 @@ def _in_range(path: str, value: float, low: float, high: float, closed: str = "[
 
 def validate(cfg: Config) -> None:
     """Checks that need more than one field's type: ranges, tables, cross-section rules."""
-    from bench.data import check_corpus_path
+    from bench.data import expand_path, resolve_corpus
     from bench.model import config_of
     from bench.network import PROFILES, get_profile, is_profile_path
+    from bench.torchrun import check_extra_args
 
     if not NAME_RE.match(cfg.run.name):
         raise _fail("run.name", cfg.run.name, "letters, digits, '.', '_' or '-', not starting "
@@ -321,7 +428,7 @@ def validate(cfg: Config) -> None:
     for key in ("run.steps", "run.log_every", "run.val_sequences", "model.seq_len",
                 "data.batch_size", "parallel.world_size", "parallel.group_size",
                 "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",
-                "checkpoint.timeout_s",
+                "checkpoint.timeout_s", "launch.rdzv_timeout_s",
                 "launch.nnodes", "eval.batch_size", "eval.limit"):  # None passes
         section, name = key.split(".")
         _at_least(key, getattr(getattr(cfg, section), name))
@@ -382,8 +489,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
     if cfg.parallel.shard == "fsdp":
         _check_sharded(cfg)
-    check_corpus_path(cfg.data.corpus)
+    cfg.data.corpus = resolve_corpus(cfg.data.corpus)  # relative: from here, at config time
+    expand_path(cfg.data.cache_dir, "data.cache_dir")
     check_tracking(cfg.tracking)
+    check_extra_args(cfg.launch.torchrun_args)
     check_straggler(cfg.run.straggler, cfg.parallel.world_size)
     cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
     if cfg.optim.delay_correction != "none" and cfg.strategy.update_delay(cfg) == 0:

@@ -141,13 +141,56 @@ def _source(corpus: str) -> tuple[str, Callable[[], Pieces]]:
     raise ValueError(f"data.corpus: {why}: {corpus!r} (valid: {_VALID_CORPORA})")
 
 
+def resolve_corpus(corpus: str) -> str:
+    """`data.corpus` as every process reads it, whatever its working directory: a named
+    corpus as it is, a path made absolute (a relative path resolved here, at config time,
+    so a `--resume` from another directory reads the same files). ValueError (naming
+    data.corpus, the value and what is valid) unless it names a corpus."""
+    if not corpus.strip():
+        raise ValueError(f"data.corpus must name a corpus, got {corpus!r} (valid: "
+                         f"{_VALID_CORPORA})")
+    if corpus in NAMED_CORPORA:
+        return corpus
+    check_corpus_path(corpus)
+    return str(expand_path(corpus, "data.corpus").absolute())
+
+
+def expand_path(path: str, key: str) -> Path:
+    """`path` with `~` / `~user` expanded; ValueError naming `key` when the user is unknown
+    (or HOME is unset)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{key} {path!r}: cannot expand {path.split('/')[0]!r} (no such "
+                         "user, or HOME is not set); give an absolute path") from None
+
+
+def corpus_identity(shard_dir: Path) -> dict:
+    """What the run's data are, from the shard directory it reads (`cached_corpus`):
+    the source, the sha256 of its text (meta.json), the tokenizer and the split sizes.
+    Recorded in summary.json `data` from the start; a resume whose data differ is refused
+    (bench/launch.py)."""
+    meta = json.loads((shard_dir / "meta.json").read_text())
+    return {key: meta.get(key) for key in DATA_IDENTITY}
+
+
+DATA_IDENTITY = ("source", "sha256", "tokenizer", "num_train_tokens", "num_val_tokens")
+"""The fields of summary.json `data` (meta.json) that say which tokens a run trains on."""
+
+
+def same_data(recorded: dict, now: dict) -> bool:
+    """Whether two `corpus_identity`s name the same tokens (the source's path may differ:
+    a corpus moved or read from another mount is the same data)."""
+    return all(recorded.get(k) == now.get(k) for k in DATA_IDENTITY if k != "source")
+
+
 def check_corpus_path(corpus: str) -> None:
     """Fail (naming data.corpus, the value and what is valid) unless `corpus` names a
     corpus: a named one, a non-empty .txt file, a directory of .txt files with some
     text, or a prepared shard directory. Cheap: reads no text."""
     if corpus in NAMED_CORPORA:
         return
-    path = Path(corpus).expanduser()
+    path = expand_path(corpus, "data.corpus")
     if (path / "meta.json").exists():
         return
     _source(corpus)  # a missing path or one that is not a corpus fails here
@@ -359,6 +402,10 @@ def cached_corpus(corpus: str, tokenizer_name: str, cache_dir: str | Path,
             except OSError:
                 if not (final / "meta.json").exists():
                     raise
+        except OSError as err:  # a read-only HOME, a full disk
+            raise ValueError(f"data.cache_dir {str(cache_dir)!r}: cannot write the tokenised "
+                             f"corpus there ({err.strerror or err}: {err.filename}); set "
+                             "data.cache_dir to a writable directory with room") from None
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return final

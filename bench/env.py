@@ -12,7 +12,6 @@ Used by every rank of `commbench run` (bench/train.py):
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import platform
 import signal
@@ -20,7 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from bench.config import Config
+    from bench.config import Config, StragglerConfig
 
 
 def git_identity(repo: Path) -> dict:
@@ -144,31 +142,6 @@ def inject_fault(mode: str, rank: int, step: int, model: torch.nn.Module) -> Non
                 p.fill_(float("nan"))
         return
     raise RuntimeError(f"injected fault on rank {rank} at step {step} (COMMBENCH_FAULT)")
-
-
-@dataclass
-class StragglerConfig:
-    """`run.straggler`: one rank made slower on purpose, to measure how a strategy copes.
-
-        commbench run configs/diloco-tiny.yaml --set run.straggler.rank=1 \
-            --set run.straggler.slowdown=2
-    """
-
-    rank: int | None = None
-    """The slow rank; null = none."""
-    slowdown: float = 1.0
-    """Its steps take this many times their measured time (>= 1): after each step it
-    sleeps (slowdown - 1) x the step's seconds, inside the timed step like a slow GPU."""
-
-
-def check_straggler(straggler: StragglerConfig, world_size: int) -> None:
-    """Fail naming run.straggler.* unless the rank exists and slowdown >= 1."""
-    if straggler.rank is not None and not 0 <= straggler.rank < world_size:
-        raise ValueError(f"run.straggler.rank must be null or a rank in [0, {world_size}) "
-                         f"(parallel.world_size {world_size}), got {straggler.rank!r}")
-    if not (math.isfinite(straggler.slowdown) and straggler.slowdown >= 1):
-        raise ValueError(f"run.straggler.slowdown must be a finite number >= 1, got "
-                         f"{straggler.slowdown!r}")
 
 
 def straggle(straggler: StragglerConfig, rank: int, step_s: float) -> float:

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.config import Config, config_hash, to_yaml
-from bench.records import DONE_STATUSES, RunDir, status_of, write_text
+from bench.records import DONE_STATUSES, Busy, RunDir, status_of, write_text
 
 DEFAULT_RUNNER = "bench.launch.run_config"
 """The runner jobs use unless the sweep was given another: a real training run."""
@@ -106,11 +106,15 @@ def record_failure(cfg: Config, run_dir: Path, error: BaseException | str) -> di
 def execute_run(cfg: Config, run_dir: Path, runner: Runner | None = None,
                 progress: bool = False, resume: bool = False) -> dict:
     """Train one run (`resume`: continue it from run_dir's checkpoint); never raises for
-    the run's own failure (records status failed). A stop (KeyboardInterrupt) propagates."""
+    the run's own failure (records status failed; a run directory another process holds,
+    `records.Busy`, is failed without a write into it). A stop (KeyboardInterrupt)
+    propagates."""
     if runner is None:
         from bench.launch import run_config as runner
     try:
         return runner(cfg, run_dir, progress=progress, **({"resume": True} if resume else {}))
+    except Busy as err:  # another process writes this run: its records are not ours to touch
+        return {"status": "failed", "error": str(err)}
     except Exception as err:
         return record_failure(cfg, run_dir, err)
 

@@ -34,6 +34,9 @@ What a run directory accepts (checked before anything in it changes):
   A finished run is refused unless its steps grow. Every rank's checkpoint must load and
   hold the same step; without checkpoints the run restarts at step 0, and says so.
 A resumed run that finishes has a clean summary (status ok, no stale error).
+From its check to its record the launcher holds the directory (`RunDir.lock`, which every
+writer of a run's records honours): a second `--resume` of it, a sweep moving it aside or
+`commbench eval` of it meanwhile is refused, naming this process.
 
 Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
 `commbench run CONFIG --run-dir SHARED_DIR` once per node (a Slurm sweep does it for you,
@@ -49,16 +52,16 @@ run: its record stays as rank 0 wrote it, with the failure under `teardown_error
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections import deque
 from pathlib import Path
 
-from bench import checkpoint
+from bench import checkpoint, torchrun
 from bench.config import (
     Config,
     check_gpus,
@@ -68,11 +71,12 @@ from bench.config import (
     load_config,
     to_yaml,
 )
-from bench.data import cached_corpus
+from bench.data import cached_corpus, corpus_identity, same_data
 from bench.failure import error_text
-from bench.records import DONE_STATUSES, RunDir, status_of, write_text
+from bench.records import DONE_STATUSES, NO_SPACE, RunDir, status_of, write_text
 from bench.stop import Stopped, Terminated, relaying, stop_received, stop_signals
 from bench.summary import running_header
+from bench.typed import flatten
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -88,32 +92,49 @@ def new_run_dir(cfg: Config) -> Path:
 
 def torchrun_command(cfg: Config, run_dir: Path) -> list[str]:
     nnodes = cfg.launch.nnodes
-    cmd = [sys.executable, "-m", "bench.torchrun",  # torchrun, minus its signal handling
-           f"--nproc-per-node={cfg.parallel.world_size // nnodes}"]
-    if nnodes == 1 and cfg.launch.rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        if cfg.launch.rdzv_endpoint is None:
-            raise ValueError("launch.rdzv_endpoint (host:port) is required when launch.nnodes > 1")
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={cfg.launch.rdzv_endpoint}",
-                f"--rdzv-id={config_hash(cfg)}"]
-    cmd += list(cfg.launch.torchrun_args)
-    return cmd + ["-m", "bench.train", str(run_dir)]
+    if nnodes > 1 and cfg.launch.rdzv_endpoint is None:
+        raise ValueError("launch.rdzv_endpoint (host:port) is required when launch.nnodes > 1")
+    return torchrun.command("bench.train", [str(run_dir)],
+                            cfg.parallel.world_size // nnodes, nnodes,
+                            cfg.launch.rdzv_endpoint, config_hash(cfg),
+                            cfg.launch.rdzv_timeout_s, cfg.launch.torchrun_args,
+                            launcher="bench.torchrun")  # torchrun, minus its signal handling
 
 
 def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
                resume: bool = False) -> dict:
     """Train one run into `run_dir` (a new directory when None); returns summary.json
     with `run_dir` added. Raises ValueError, before changing anything, when the directory
-    cannot take this run, and `Stopped` after recording a stopped run (module docstring)."""
+    cannot take this run (module docstring), `records.Busy` when another process holds it,
+    and `Stopped` after recording a stopped run."""
     run = RunDir(run_dir if run_dir is not None else new_run_dir(cfg))
-    header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
-    check_gpus(cfg)  # on this node, where torchrun starts its ranks (a Slurm job's too)
+    def check() -> dict:  # changes nothing: a refused directory is left as it was
+        header = check_resume(cfg, run) if resume else check_run_dir(cfg, run)
+        if resume:
+            check_same_data(cfg, run, data)
+        return {**header, "data": data}
+
     # tokenise here, in one process, before the ranks start: tokenising in rank 0 while the
     # others wait in a barrier times them out (parallel.timeout_s) on a large corpus
-    cached_corpus(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
-                  cfg.data.val_fraction)
+    data = corpus_identity(cached_corpus(cfg.data.corpus, cfg.data.tokenizer,
+                                         cfg.data.cache_dir, cfg.data.val_fraction))
+    check()
+    check_gpus(cfg)  # on this node, where torchrun starts its ranks (a Slurm job's too)
+    if cfg.launch.nnodes == 1 and cfg.launch.rdzv_endpoint is None:
+        torchrun.check_loopback()  # the standalone rendezvous: else torchrun retries mutely
+    run.path.mkdir(parents=True, exist_ok=True)
+    shared = (f"{config_hash(cfg)}@{cfg.launch.rdzv_endpoint}" if cfg.launch.nnodes > 1
+              else None)  # the nodes of one multi-node run hold it together
+    with run.lock("commbench run --resume" if resume else "commbench run", shared=shared):
+        return _train(cfg, run, check(), progress)  # checked again: now nobody else writes
+
+
+def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
+    """run_config's work once the run directory is checked and held (nothing in it has
+    changed yet)."""
+    if "resumed_from_step" in header and not header["resumed_from_step"]:
+        print(f"--resume {run.path}: no checkpoint was saved (checkpoint.every); the run "
+              "restarts at step 0 and its metrics rows are replaced", file=sys.stderr)
     first = first_node(cfg)
     with stop_signals():
         run.prepare()
@@ -132,8 +153,14 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
         if header.get("resumed_from_step"):
             env["COMMBENCH_RESUME"] = "1"
         started = time.perf_counter()
+        if cfg.launch.nnodes > 1:
+            print(f"waiting for the rendezvous of launch.nnodes={cfg.launch.nnodes} nodes at "
+                  f"{cfg.launch.rdzv_endpoint} (at most launch.rdzv_timeout_s="
+                  f"{cfg.launch.rdzv_timeout_s:g} s; start `commbench run` on every node)",
+                  file=sys.stderr)
         try:
-            rc, tail = _run_torchrun(torchrun_command(cfg, run.path), env, run, progress)
+            rc, tail, log_error = _run_torchrun(torchrun_command(cfg, run.path), env, run,
+                                                progress, cfg.launch.rdzv_timeout_s)
         except Stopped as stop:  # at once: torchrun and the ranks are killed
             what = {signal.SIGINT: "interrupted by the user",
                     signal.SIGTERM: "terminated (SIGTERM)"}.get(stop.signum, f"stopped by {stop}")
@@ -141,31 +168,39 @@ def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
                                           "launcher_wall_s": time.perf_counter() - started})
             if first:
                 end_attempt(run, what)
-            print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                print(f"\n{what}; {resume_hint(run, cfg.parallel.world_size)}",
+                      file=sys.stderr)
             raise
-        summary = _record_outcome(cfg, run, rc, tail, time.perf_counter() - started)
+        summary = _record_outcome(cfg, run, rc, tail, log_error, time.perf_counter() - started)
         if first:
             end_attempt(run, f"stopped by {summary['stopped_by']}" if summary.get("stopped_by")
                         else summary["status"])
         if stop_received() is not None:  # the ranks stopped (or finished) as asked
             if status_of(summary) == "partial":
-                print(f"\n{summary.get('error')}; {resume_hint(run, cfg.parallel.world_size)}",
-                      file=sys.stderr)
+                with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                    print(f"\n{summary.get('error')}; "
+                          f"{resume_hint(run, cfg.parallel.world_size)}", file=sys.stderr)
             signum = stop_received()
             raise (Terminated if signum == signal.SIGTERM else Stopped)(signum)
     return {**summary, "run_dir": str(run.path)}
 
 
-def _record_outcome(cfg: Config, run: RunDir, rc: int, tail: list[str], wall: float) -> dict:
+def _record_outcome(cfg: Config, run: RunDir, rc: int, tail: list[str] | None,
+                    log_error: OSError | None, wall: float) -> dict:
     """summary.json once torchrun has exited: rank 0's record, or a failure naming the
-    culprit (bench/failure.py), or this node's success on a multi-node run."""
+    culprit (bench/failure.py) or the rendezvous that never completed (tail None), with
+    what to do on a full disk, or this node's success on a multi-node run."""
     summary = run.read_summary() or {}
     if rc == 0 and cfg.launch.nnodes > 1 and summary.get("status") == "running":
         # rank 0 is on another node and writes the record; this node's ranks succeeded
         return {**summary, "status": "ok",
                 "note": "this node's ranks finished; rank 0's node writes summary.json"}
     if rc != 0 or summary.get("status") == "running":
-        error = error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s)
+        error = (error_text(run, rc, tail, cfg.parallel.world_size, cfg.parallel.timeout_s)
+                 if tail is not None else not_started(cfg))
+        if log_error is not None or any(f"[Errno {e}]" in error for e in NO_SPACE):
+            error = _no_space(error, log_error, run, cfg.parallel.world_size)
         if summary.get("status") in DONE_STATUSES and run.all_finished(cfg.parallel.world_size):
             # every rank finished the run and rank 0 wrote its record; a rank died at exit
             summary = run.update_summary({"teardown_error": error, "launcher_wall_s": wall})
@@ -240,7 +275,7 @@ def check_resume(cfg: Config, run: RunDir) -> dict:
     """What a resume may do (ValueError naming the keys otherwise); the header fields it adds:
     resumed_from_step (0 = restarts) and steps_extended_from."""
     old = _recorded_config(run, "--resume")
-    before, after = _flat(identity_dict(old)), _flat(identity_dict(cfg))
+    before, after = flatten(identity_dict(old)), flatten(identity_dict(cfg))
     changed = sorted(k for k in before.keys() | after.keys()
                      if k != "run.steps" and before.get(k) != after.get(k))
     if changed:
@@ -260,15 +295,30 @@ def check_resume(cfg: Config, run: RunDir) -> dict:
             "resume" + ("" if status == "diverged" else
                         f". To train it longer: --set run.steps=N with N > {old.run.steps}"))
     step = checkpoint.verify_states(run, cfg.parallel.world_size)
-    if step is None:
-        print(f"--resume {run.path}: no checkpoint was saved (checkpoint.every); the run "
-              "restarts at step 0 and its metrics rows are replaced", file=sys.stderr)
     summary = _read_summary(run)
     header = {"resumed_from_step": step or 0, "attempts": list(summary.get("attempts") or [])}
     if extended:
         header["steps_extended_from"] = [*summary.get("steps_extended_from", []),
                                          old.run.steps]
     return header
+
+
+def check_same_data(cfg: Config, run: RunDir, data: dict) -> None:
+    """ValueError when the data a resume would train on are not the run's (summary.json
+    `data`, recorded from the run's start): the same data.corpus may name other text, e.g.
+    a relative path read from another directory, or a file changed since."""
+    recorded = _read_summary(run).get("data")
+    if not isinstance(recorded, dict) or not recorded.get("sha256") or same_data(recorded,
+                                                                                  data):
+        return  # a record from before the data were recorded: nothing to compare with
+    def show(d):
+        return (f"{d.get('source')!r} (text sha256 {str(d.get('sha256'))[:12]}, "
+                f"{d.get('num_train_tokens')} training tokens)")
+
+    raise ValueError(
+        f"--resume {run.path}: its data differ from the run's: it trained on {show(recorded)}, "
+        f"data.corpus {cfg.data.corpus!r} now holds {show(data)}; a resume must train on the "
+        "same tokens (make data.corpus hold them again, or start a new run)")
 
 
 def resume_hint(run: RunDir, world_size: int) -> str:
@@ -281,6 +331,21 @@ def resume_hint(run: RunDir, world_size: int) -> str:
         return f"continue from step {step} with: commbench run --resume {run.path}"
     return (f"no checkpoint was saved yet: `commbench run --resume {run.path}` would "
             "restart it from step 0")
+
+
+def _no_space(error: str, log_error: OSError | None, run: RunDir, world_size: int) -> str:
+    """The failure's text with what a full disk (or a lost log) means for the user: the
+    line after the headline says what to do."""
+    headline, _, rest = error.partition("\n")
+    try:
+        step = checkpoint.verify_states(run, world_size)
+    except ValueError:
+        step = None
+    lost = f"logs/torchrun.log stopped: {log_error}; " if log_error is not None else ""
+    note = (f"{lost}free space on the filesystem of {run.path}, then run `commbench run "
+            f"--resume {run.path}` " + (f"(it continues from step {step})" if step else
+                                        "(no checkpoint was saved: it restarts at step 0)"))
+    return f"{headline}\n{note}\n{rest}".rstrip("\n")
 
 
 def _recorded_config(run: RunDir, flag: str) -> Config:
@@ -301,41 +366,75 @@ def _recorded_status(run: RunDir) -> str:
     return status_of(_read_summary(run))
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _run_torchrun(cmd: list[str], env: dict, run: RunDir, progress: bool):
+def _run_torchrun(cmd: list[str], env: dict, run: RunDir, progress: bool,
+                  start_timeout_s: float):
+    """(torchrun's exit code, the last lines of its output or None when its ranks never
+    started within `start_timeout_s`, the OSError that stopped the log file, if any: a
+    full disk must not stop the launcher, which records the run). Stop signals go to its
+    ranks meanwhile (bench/stop.py)."""
     tail: deque[str] = deque(maxlen=400)  # torchrun's failure summary is at the end
     interactive = progress and sys.stderr.isatty()
-    with open(run.torchrun_log, "a") as log:
-        log.write(" ".join(cmd) + "\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                text=True, bufsize=1)
+    log = _Log(run.torchrun_log)
+    log.write(" ".join(cmd) + "\n")
+
+    def on_line(line: str) -> None:
+        log.write(line)
+        if line.startswith("PROGRESS "):
+            if progress:
+                text = line[len("PROGRESS "):].rstrip()
+                print(f"\r{text}\033[K" if interactive else text, end="" if interactive
+                      else "\n", file=sys.stderr, flush=True)
+        else:
+            tail.append(line.rstrip())
+
+    try:
+        rc, stopped = torchrun.run(cmd, env, on_line, start_timeout_s,
+                                   relay=lambda proc: relaying(proc, run))
+    except KeyboardInterrupt as stop:  # torchrun is killed; run_config records the run
+        log.write(f"stopped at once ({stop!r})\n")
+        raise
+    finally:
+        log.close()
+        if interactive:
+            print(file=sys.stderr)
+    return rc, None if stopped == torchrun.NOT_STARTED else list(tail), log.error
+
+
+def not_started(cfg: Config) -> str:
+    """The error of a run whose ranks never started (torchrun stopped by the launcher)."""
+    bound = f"launch.rdzv_timeout_s={cfg.launch.rdzv_timeout_s:g} s"
+    if cfg.launch.nnodes > 1:
+        return (f"the rendezvous at {cfg.launch.rdzv_endpoint} did not complete within {bound}"
+                f": the endpoint did not answer, or not all launch.nnodes={cfg.launch.nnodes} "
+                "nodes started `commbench run` (raise launch.rdzv_timeout_s for slow queues)")
+    return (f"torchrun's ranks did not start within {bound} (its standalone rendezvous on "
+            "this machine did not complete; see logs/torchrun.log)")
+
+
+class _Log:
+    """logs/torchrun.log, appended line by line; after a failed write (a full disk) it
+    writes no more and keeps the error (`error`)."""
+
+    def __init__(self, path: Path):
+        self.error: OSError | None = None
         try:
-            with relaying(proc, run):  # stop signals go to its ranks (bench/stop.py)
-                for line in proc.stdout:
-                    log.write(line)
-                    if line.startswith("PROGRESS "):
-                        if progress:
-                            text = line[len("PROGRESS "):].rstrip()
-                            print(f"\r{text}\033[K" if interactive else text,
-                                  end="" if interactive else "\n", file=sys.stderr, flush=True)
-                    else:
-                        tail.append(line.rstrip())
-                rc = proc.wait()
-        except KeyboardInterrupt as stop:  # stop at once: torchrun ignores the stop signals
-            proc.kill()  # its ranks die with it (bench/torchrun.py)
-            proc.wait()
-            log.write(f"stopped at once ({stop!r})\n")
-            raise
-        finally:
-            if interactive:
-                print(file=sys.stderr)
-    return rc, list(tail)
+            self.file = open(path, "a", buffering=1)  # line-buffered: errors surface here
+        except OSError as err:
+            self.file, self.error = None, err
+
+    def write(self, text: str) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(text)
+        except OSError as err:
+            self.error = err
+            self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except OSError as err:
+                self.error = self.error or err

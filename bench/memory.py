@@ -103,7 +103,7 @@ def _gib(n: int) -> str:
 
 def optimizer_terms(o, module: nn.Module) -> dict[str, int]:
     """Bytes of the inner optimizer's state on `module`'s parameters (optim config `o`)."""
-    from bench.optim import hidden_matrices
+    from bench.model import hidden_matrices
 
     params = _unique(p for p in module.parameters() if p.requires_grad)
     total = sum(_bytes(p) for p in params)

@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
+from bench import torchrun
 from bench.network import costs
 from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B, Tier, parse_tier
 
@@ -49,10 +49,43 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         value = -1
-    if unit not in _UNITS or value <= 0:
-        raise ValueError(f"netprobe --sizes entries must be a positive size like 4096, 64KiB, "
-                         f"1MiB (units {sorted(_UNITS)}), got {text!r}")
-    return int(value * _UNITS[unit])
+    if unit not in _UNITS or not 0 < value < math.inf or value * _UNITS[unit] > MAX_SIZE:
+        raise ValueError(f"netprobe --sizes entries must be a size like 4096, 64KiB, 1MiB "
+                         f"(units {sorted(_UNITS)}; at most 4GiB), got {text!r}")
+    size = int(value * _UNITS[unit])
+    if size < ELEMENT:
+        raise ValueError(f"netprobe --sizes {text!r} is {size} bytes, less than one element "
+                         f"(the probe sends float32 tensors: valid sizes are >= {ELEMENT} "
+                         "bytes)")
+    return size
+
+
+ELEMENT = 4
+"""Bytes of one element of the probe's float32 tensors: the smallest message."""
+MAX_SIZE = 4 * 2**30
+"""The largest message netprobe sends (each rank holds a few of its buffers)."""
+
+
+def check_args(args) -> None:
+    """The `commbench netprobe` arguments, before torchrun starts (ValueError naming the
+    option, the value and what is valid)."""
+    for option, value, low in (("--world-size", args.world_size, 2), ("--iters", args.iters, 1),
+                               ("--nnodes", args.nnodes, 1),
+                               ("--ranks-per-node", args.ranks_per_node, 1)):
+        if value < low:
+            raise ValueError(f"netprobe {option} must be >= {low}, got {value}"
+                             + (" (a link needs two ranks)" if option == "--world-size" else ""))
+    if args.world_size % args.ranks_per_node or args.world_size % args.nnodes:
+        raise ValueError(f"netprobe --world-size ({args.world_size}) must be divisible by "
+                         f"--ranks-per-node ({args.ranks_per_node}) and --nnodes "
+                         f"({args.nnodes})")
+    for option in ("timeout", "rdzv_timeout"):
+        value = getattr(args, option)
+        if not 0 < value < math.inf:
+            raise ValueError(f"netprobe --{option.replace('_', '-')} must be a finite number "
+                             f"of seconds > 0, got {value}")
+    for size in args.sizes:
+        parse_size(size)
 
 
 # ---------------------------------------------------------------------- measuring (per rank)
@@ -275,31 +308,26 @@ def add_arguments(p) -> None:
     p.add_argument("--name", default="netprobe", help="profile name inside the YAML")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--rdzv-endpoint", help="host:port of the first node (multi-node)")
+    p.add_argument("--rdzv-timeout", type=float, default=120,
+                   help="seconds to wait for the ranks to start (every node joined)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before giving up")
 
 
 def torchrun_command(args) -> list[str]:
-    if args.world_size % args.nnodes:
-        raise ValueError(f"--world-size ({args.world_size}) must be divisible by --nnodes "
-                         f"({args.nnodes})")
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           f"--nproc-per-node={args.world_size // args.nnodes}"]
-    if args.nnodes == 1 and args.rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        if args.rdzv_endpoint is None:
-            raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
-        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={args.rdzv_endpoint}", "--rdzv-id=netprobe"]
-    return cmd + ["-m", "bench.netprobe", "--out", str(Path(args.out).resolve()),
-                  "--ranks-per-node", str(args.ranks_per_node), "--iters", str(args.iters),
-                  "--backend", args.backend, "--name", args.name, "--sizes", *args.sizes]
+    if args.nnodes > 1 and args.rdzv_endpoint is None:
+        raise ValueError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1")
+    return torchrun.command(
+        "bench.netprobe", ["--out", str(Path(args.out).resolve()), "--ranks-per-node",
+                           str(args.ranks_per_node), "--iters", str(args.iters), "--backend",
+                           args.backend, "--name", args.name, "--timeout", str(args.timeout),
+                           "--sizes", *args.sizes],
+        args.world_size // args.nnodes, args.nnodes, args.rdzv_endpoint, "netprobe",
+        args.rdzv_timeout)
 
 
 def run_cli(args) -> int:
     """`commbench netprobe`: start torchrun with this module as the ranks' program."""
-    for s in args.sizes:
-        parse_size(s)
+    check_args(args)
     if args.backend == "nccl":
         import torch
 
@@ -308,11 +336,24 @@ def run_cli(args) -> int:
             raise ValueError(f"netprobe --backend nccl starts {local} ranks on this node, one "
                              f"per GPU, but it has {torch.cuda.device_count()} CUDA devices; "
                              "lower --world-size (or raise --nnodes), or use --backend gloo")
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        torchrun.check_loopback()
+    else:
+        print(f"netprobe: waiting for the rendezvous of --nnodes {args.nnodes} at "
+              f"{args.rdzv_endpoint} (at most --rdzv-timeout {args.rdzv_timeout:g} s)",
+              file=sys.stderr)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    try:
-        rc = subprocess.run(torchrun_command(args), env=env, timeout=args.timeout).returncode
-    except subprocess.TimeoutExpired:
-        print(f"netprobe: no result after {args.timeout:.0f} s", file=sys.stderr)
+    rc, stopped = torchrun.run(torchrun_command(args), env, lambda line: print(line, end=""),
+                               args.rdzv_timeout, args.timeout)
+    if stopped == torchrun.NOT_STARTED:
+        print(f"netprobe: the ranks did not start within --rdzv-timeout {args.rdzv_timeout:g} "
+              "s: " + (f"the rendezvous at {args.rdzv_endpoint} did not complete (the "
+                       "endpoint did not answer, or not every node started netprobe)"
+                       if args.rdzv_endpoint else "torchrun's standalone rendezvous on "
+                       "this machine did not complete"), file=sys.stderr)
+        return 1
+    if stopped == torchrun.TIMED_OUT:
+        print(f"netprobe: no result after --timeout {args.timeout:g} s", file=sys.stderr)
         return 1
     return rc
 
@@ -342,6 +383,7 @@ def _worker(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.netprobe")
     add_arguments(p)
     args = p.parse_args(argv)
+    torchrun.announce_start()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = probe_device(args.backend)  # before the group: NCCL binds the current GPU
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))

@@ -21,79 +21,13 @@ from __future__ import annotations
 
 import math
 from collections import ChainMap
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
-from algorithms.delay import CORRECTIONS, DelayedOptimizer, rebind_parameters
-from bench.model import TransformerBlock
-
-if TYPE_CHECKING:
-    from bench.config import Config
-
-OPTIMIZERS = ("adamw", "sgd", "muon", "lion", "adan", "soap", "nadamw")
-
-
-@dataclass
-class OptimConfig:
-    name: Literal["adamw", "sgd", "muon", "lion", "adan", "soap", "nadamw"] = "adamw"
-    """Optimizer: adamw; sgd (optional momentum); muon (torch.optim.Muon on the hidden
-    matrices, AdamW on the rest); lion, adan, soap (from the pytorch-optimizer package);
-    nadamw (torch.optim.NAdam, Nesterov momentum, decoupled weight decay: with betas
-    [0.99, 0.999] the asynchronous-pipeline recipe of Ajanthan et al. 2025)."""
-    lr: float = 1e-3
-    """Peak learning rate (under muon: of the AdamW part)."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak (cosine schedule)."""
-    warmup_steps: int = 10
-    """Linear warmup steps from 0 to the peak learning rate."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """Learning-rate shape after warmup."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas (also muon's AdamW part, lion's, soap's and nadamw's betas; adan keeps
-    the package's three defaults)."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay on matrices (not on biases and norms); under muon, on the
-    AdamW part's matrices (embeddings and head)."""
-    momentum: float = 0.0
-    """SGD momentum."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables."""
-    muon_lr: float = 0.02
-    """muon: peak learning rate of the hidden matrices (same warmup and decay as lr)."""
-    muon_momentum: float = 0.95
-    """muon: momentum of the hidden matrices."""
-    muon_nesterov: bool = True
-    """muon: Nesterov momentum on the hidden matrices."""
-    muon_weight_decay: float = 0.0
-    """muon: decoupled weight decay of the hidden matrices (our default; the paper's is
-    not known)."""
-    nadam_momentum_decay: float = 0.004
-    """nadamw: torch NAdam's momentum_decay ψ (μ_t = β1 (1 - 0.5 · 0.96^(tψ)))."""
-    delay: int = 0
-    """0 = synchronous; 1 = one-step gradient delay (PipeDream-2BW's rule W(t+1) = W(t) -
-    opt(grad f(W(t-1)))) emulated on any single-replica or data-parallel run."""
-    delay_correction: Literal["none", "ef", "predict"] = "none"
-    """Correction of a delayed update (optim.delay 1, or pipedream-2bw's strategy.delay 1):
-    none; ef = error feedback on the optimizer's update, u + ef_lambda (u - u_prev); predict
-    = the gradient taken at the extrapolated weights W + u_prev (SpecTrain/PipeMare). Both
-    are RECONSTRUCTIONS (docs/algorithms.md)."""
-    ef_lambda: float = 1.0
-    """Weight λ of the error-feedback correction (reconstruction; 0 = plain delay)."""
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optim.name must be one of {list(OPTIMIZERS)}, got {self.name!r}")
-        if self.delay not in (0, 1) or isinstance(self.delay, bool):
-            raise ValueError(f"optim.delay must be 0 (synchronous) or 1 (one-step delay), "
-                             f"got {self.delay!r}")
-        if self.delay_correction not in CORRECTIONS:
-            raise ValueError(f"optim.delay_correction must be one of {list(CORRECTIONS)}, "
-                             f"got {self.delay_correction!r}")
-        if self.muon_lr <= 0:
-            raise ValueError(f"optim.muon_lr must be > 0, got {self.muon_lr!r}")
+from algorithms.delay import DelayedOptimizer, rebind_parameters
+from bench.config import OPTIMIZERS, Config, OptimConfig
+from bench.model import hidden_matrices
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -110,14 +44,6 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 # ---------------------------------------------------------------- parameter groups
-
-
-def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
-    """The 2-D weights of the `nn.Linear` modules inside `TransformerBlock`s, in
-    `module.parameters()` order: what Muon updates."""
-    inside = {id(m.weight) for block in module.modules() if isinstance(block, TransformerBlock)
-              for m in block.modules() if isinstance(m, nn.Linear) and m.weight.dim() == 2}
-    return [p for p in module.parameters() if id(p) in inside and p.requires_grad]
 
 
 def configure_optimizer_groups(model: nn.Module, weight_decay: float,

@@ -10,6 +10,7 @@ A run directory (`commbench run` prints its path) holds:
                     (its schema: bench/summary.py)
     eval.json       lm-eval results (after `commbench eval`)
     tracking.json   what each tracking sink already holds (bench/tracking/sync.py)
+    .lock           held by the process writing the run (`RunDir.lock`); names it
     checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
                     state at the last `checkpoint.every` step; .pt.next while saving)
     logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log,
@@ -22,9 +23,17 @@ last line. Nothing outside this module spells a file name of the run directory.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import socket
+import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +41,9 @@ ENDED_STATUSES = ("ok", "failed", "diverged")
 """How a run ended, as summary.json records it."""
 DONE_STATUSES = ("ok", "diverged")
 """Statuses of a finished run that a re-run keeps (a diverged run is a result)."""
+SUMMARY_ESSENTIALS = ("status", "error", "interrupted", "run_name", "config_hash", "strategy",
+                      "world_size", "started", "resumed_from_step", "steps_extended_from")
+"""What summary.json keeps when nothing else fits on a full disk (RunDir.update_summary)."""
 
 
 def status_of(summary: dict | None) -> str:
@@ -51,19 +63,109 @@ os.umask(_UMASK)
 
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write a file atomically: a reader sees the old content or the new, never a part."""
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """`write_text` for bytes. The new file replaces `path` itself: a symbolic link there
+    is replaced, never followed. A full disk raises OSError naming `path` and leaves the
+    old file as it was."""
     path = Path(path)
+    with _atomic(path) as f:
+        f.write(data)
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+"""A full filesystem, or the user's quota on it."""
+
+
+class _Writes:
+    """A binary file that remembers the first OSError of its writes (torch.save's zip
+    writer reports a failed write as a RuntimeError about a position, not as the disk
+    being full)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@contextlib.contextmanager
+def _atomic(path: Path) -> Iterator[_Writes]:
+    """A temporary file beside `path`, renamed over it when the block ends (fsync'd first);
+    on any failure removed, the write's OSError raised naming `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    f = os.fdopen(fd, "wb")
     try:
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are ordinary files
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        writes = _Writes(f)
+        try:
+            yield writes
             f.flush()
             os.fsync(f.fileno())
+        except Exception as err:
+            cause = writes.error or (err if isinstance(err, OSError) else None)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from err
+        finally:
+            with contextlib.suppress(OSError):  # flushed above, or failing: the file goes
+                f.close()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def overwrite(path: Path, data: bytes) -> None:
+    """Rewrite `path` in place (truncate, then write): not atomic, but it frees the old
+    content's blocks first, so on a full disk it stores what fits in them. The last resort
+    of a record that must say why the run failed (`RunDir.update_summary`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~_UMASK)
+    try:
+        os.ftruncate(fd, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_report_dir(path: str | os.PathLike, flag: str) -> Path:
+    """Where a command writes pages or figures (`report -o`, `compare -o`, `claims
+    --report-dir`): ValueError naming `flag` when a file stands in the way, when it is (or
+    is inside) a run directory, whose records a report would mix with, or when it already
+    holds a symbolic link or special file (a received directory: a link would make the
+    report write outside it). Creates nothing."""
+    p = Path(path).expanduser().absolute()
+    for ancestor in (p, *p.parents):
+        if not ancestor.exists():
+            continue
+        if not ancestor.is_dir():
+            raise ValueError(f"{flag} {str(path)!r}: {str(ancestor)!r} is a file, not a "
+                             "directory (give a directory path)")
+        if RunDir(ancestor).holds_records():
+            raise ValueError(f"{flag} {str(path)!r}: {str(ancestor)!r} is a run directory "
+                             "(it holds config.yaml or summary.json); write the report "
+                             "elsewhere, e.g. reports/NAME")
+    if p.is_dir():
+        for dirpath, dirnames, filenames in os.walk(p):
+            for name in dirnames + filenames:
+                entry = Path(dirpath) / name
+                if entry.is_symlink() or not (entry.is_dir() or entry.is_file()):
+                    raise ValueError(f"{flag} {str(path)!r}: {entry} is a symbolic link or "
+                                     "special file; give a new or plain directory")
+    return p
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -102,9 +204,22 @@ def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
 
 
 def append_jsonl(path: str | os.PathLike, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row, default=_jsonable) + "\n")
-        f.flush()
+    """Append one row, whole or not at all: a write cut short (a full disk) is truncated
+    away and raises OSError naming `path`, so the file never holds a torn row."""
+    data = (json.dumps(row, default=_jsonable) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                 0o666 & ~_UMASK)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):  # the rest would fail: a full disk
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        except OSError as err:
+            os.ftruncate(fd, size)
+            raise OSError(err.errno, err.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: str | os.PathLike, skipped: list[str] | None = None) -> list[dict]:
@@ -133,6 +248,134 @@ def read_jsonl(path: str | os.PathLike, skipped: list[str] | None = None) -> lis
     return rows
 
 
+# ------------------------------------------------------------------------------ locks
+
+
+class Busy(ValueError):
+    """Another process holds a lock (`hold`): the message names it (what, pid, host, since).
+    A ValueError: the command line prints it and exits 2, having changed nothing."""
+
+    def __init__(self, what: str, holder: dict | None):
+        self.holder = holder
+        super().__init__(f"{what} is in use by {describe_holder(holder)}; wait for it to "
+                         "end, or stop it (two writers would mix their records)")
+
+
+def describe_holder(holder: dict | None) -> str:
+    """`commbench run --resume (pid 123 on host h, since 2026-...)`, from a lock's content."""
+    if not holder:
+        return "another process (it has not said which yet)"
+    return (f"{holder.get('purpose', 'another process')} (pid {holder.get('pid')} on host "
+            f"{holder.get('host')}, since {holder.get('since')})")
+
+
+_HELD: dict[tuple[str, int], list] = {}  # (lock path, thread) -> [fd, depth]
+_HELD_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def hold(path: str | os.PathLike, purpose: str, what: str, shared: str | None = None
+         ) -> Iterator[None]:
+    """Hold the lock file `path` (created if absent) while the block runs; `Busy` (naming
+    the holder: `purpose`, pid, host, since) when another process holds it.
+
+    An advisory `flock` (released by the kernel when the holder dies, so a killed process
+    never leaves a stale lock; NFS v4 carries it between hosts). The holder's description
+    is the file's content. Re-entrant in one thread (the same process and thread may nest
+    `hold`s of one path); another thread or process is refused. `shared`: a key; holders
+    passing the same key hold the lock together (the nodes of one multi-node run), any
+    other holder is refused. `what` names the locked thing in the message."""
+    path = Path(path)
+    key = (os.path.realpath(path), threading.get_ident())
+    with _HELD_GUARD:
+        if key in _HELD:
+            _HELD[key][1] += 1
+            nested = True
+        else:
+            nested = False
+    if nested:
+        try:
+            yield
+        finally:
+            with _HELD_GUARD:
+                _HELD[key][1] -= 1
+        return
+    fd = _open_lock(path, what)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Busy(what, _lock_content(fd)) from None
+        holder = {"purpose": purpose, "pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shared": shared,
+                  "command": " ".join(sys.argv)}
+        present = _lock_content(fd) if shared else None
+        if present and present.get("shared") != shared:
+            raise Busy(what, present)
+        if not present:
+            _set_lock_content(fd, holder)
+        with _HELD_GUARD:
+            _HELD[key] = [fd, 1]
+        try:
+            yield
+        finally:
+            with _HELD_GUARD:
+                del _HELD[key]
+            if not shared:  # a shared holder cannot know whether it is the last one
+                _set_lock_content(fd, None)
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def holder_of(path: str | os.PathLike) -> dict | None:
+    """Who holds the lock file `path` now (its description), or None when nobody does.
+    Creates nothing; a lock held by this very thread reads as held."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a directory or unreadable: not a lock anyone holds
+        return None
+    try:  # any lock on another open file (this process's too) refuses this one
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return _lock_content(fd) or {}
+    finally:
+        os.close(fd)
+
+
+def _open_lock(path: Path, what: str) -> int:
+    try:  # never through a symlink: a received directory's lock may point anywhere
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~_UMASK)
+    except IsADirectoryError:
+        raise ValueError(f"{what}: its lock {path} is a directory; remove it (a lock is a "
+                         "file that commbench creates)") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ValueError(f"{what}: its lock {path} is a symbolic link; remove it (a "
+                             "lock is a file that commbench creates)") from None
+        raise ValueError(f"{what}: cannot create its lock {path} ({err.strerror}); the "
+                         "directory must be writable") from None
+
+
+def _lock_content(fd: int) -> dict | None:
+    try:
+        data = os.pread(fd, 4096, 0)
+        return json.loads(data) if data.strip() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _set_lock_content(fd: int, holder: dict | None) -> None:
+    try:
+        os.ftruncate(fd, 0)
+        if holder is not None:
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+    except OSError as err:  # a full disk: the lock holds; only its description is lost
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
 
 
 class RunDir:
@@ -167,9 +410,14 @@ class RunDir:
     tracking = property(lambda self: self.path / "tracking.json")
     checkpoints = property(lambda self: self.path / "checkpoints")
     final_checkpoint = property(lambda self: self.path / RunDir.FINAL_CHECKPOINT)
+    lock_file = property(lambda self: self.path / ".lock")
     logs = property(lambda self: self.path / "logs")
     torchrun_log = property(lambda self: self.logs / "torchrun.log")
     eval_log = property(lambda self: self.logs / "eval.log")
+
+    def holds_records(self) -> bool:
+        """Whether this directory holds a run's records (config.yaml or summary.json)."""
+        return self.config.is_file() or self.summary.is_file()
 
     def state_checkpoint(self, rank: int) -> Path:
         """Rank `rank`'s resumable state (strategy, loop state, RNG, ledger)."""
@@ -212,6 +460,40 @@ class RunDir:
         """Every rank's error text, first written first (the first is usually the cause)."""
         return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
 
+    # ------------------------------------------------------------------------ lock
+
+    @contextlib.contextmanager
+    def lock(self, purpose: str, shared: str | None = None) -> Iterator[None]:
+        """Hold this run directory while writing it (a context manager): every writer of a
+        run's records (`commbench run`, `--resume`, `eval`, `track`, a sweep moving it
+        aside) holds it, so a second one fails at once with `Busy` (a ValueError naming the
+        holder) instead of mixing records. The directory must exist, and hold only
+        directories and regular files (`check_contained`). Re-entrant in one thread;
+        `shared`: a key the nodes of one multi-node run share (`records.hold`)."""
+        with hold(self.lock_file, purpose, f"run directory {self.path}", shared):
+            self.check_contained()
+            yield
+
+    def check_contained(self) -> None:
+        """ValueError naming the first entry under the directory that is a symbolic link
+        or not a regular file: run directories travel (tarballs, shared filesystems), and
+        a link would make a writer of this run write outside it (a FIFO would hang it)."""
+        for dirpath, dirnames, filenames in os.walk(self.path):
+            for name in sorted(dirnames + filenames):
+                path = Path(dirpath) / name
+                if path.is_symlink():
+                    raise ValueError(
+                        f"run directory {self.path}: {path} is a symbolic link (to "
+                        f"{os.readlink(path)}); commbench writes a run's records only inside "
+                        "its directory: replace the link by what it points to (cp -rL)")
+                if not (path.is_dir() or path.is_file()):
+                    raise ValueError(f"run directory {self.path}: {path} is not a regular "
+                                     "file or directory; remove it")
+
+    def holder(self) -> dict | None:
+        """Who holds this run directory now (purpose, pid, host, since), or None."""
+        return holder_of(self.lock_file)
+
     # ----------------------------------------------------------------------- writes
 
     def prepare(self) -> None:
@@ -231,11 +513,34 @@ class RunDir:
         write_json(self.summary, summary)
 
     def update_summary(self, updates: dict) -> dict:
-        """Merge `updates` into summary.json atomically; returns the new summary."""
+        """Merge `updates` into summary.json atomically; returns the new summary.
+
+        On a full disk (no room for the new file beside the old) the summary is rewritten
+        in place, and if it does not fit there either, cut to the run's identity, status
+        and error (`SUMMARY_ESSENTIALS`, the error shortened): a run that failed because
+        the disk is full still says so."""
         summary = self.read_summary() or {}
         summary.update(updates)
-        write_json(self.summary, summary)
+        try:
+            write_json(self.summary, summary)
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            self._summary_in_place(summary)
         return summary
+
+    def _summary_in_place(self, summary: dict) -> None:
+        text = json.dumps(summary, indent=2, default=_jsonable) + "\n"
+        try:
+            overwrite(self.summary, text.encode())
+            return
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+        essentials = {k: summary[k] for k in SUMMARY_ESSENTIALS if k in summary}
+        if isinstance(essentials.get("error"), str):
+            essentials["error"] = essentials["error"][:1000]
+        overwrite(self.summary, (json.dumps(essentials) + "\n").encode())
 
     def append_metrics(self, row: dict) -> None:
         append_jsonl(self.metrics, row)
@@ -251,18 +556,8 @@ class RunDir:
         """`torch.save` atomically: a crash mid-write leaves the previous file intact."""
         import torch
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o666 & ~_UMASK)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with _atomic(path) as f:
+            torch.save(obj, f)
 
     # --------------------------------------------------------------------- fixtures
 

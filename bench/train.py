@@ -23,6 +23,7 @@ torch.distributed, never into the ledger, which holds only algorithm traffic.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -71,6 +72,7 @@ from bench.records import RunDir, write_json, write_jsonl, write_text
 from bench.stop import StopRequest, die_with_parent, handle_signals
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
 from bench.tokenizers import get_tokenizer
+from bench.torchrun import announce_start
 
 __all__ = ["TRAIN_PHASES", "Trainer", "lr_at", "make_optimizer_factory", "main"]
 
@@ -384,6 +386,7 @@ class Trainer:
 
 def main(run_dir: str) -> int:
     die_with_parent()  # never outlive torchrun (bench/torchrun.py)
+    announce_start()  # the launcher's bound on torchrun's rendezvous ends here
     run = RunDir(run_dir)
     cfg = from_dict(load_raw(run.config))
     device, backend = resolve_device(cfg)
@@ -411,9 +414,8 @@ def main(run_dir: str) -> int:
             os.abort()
         return 0
     except Exception:
-        log = run.error_log(rank)
-        log.parent.mkdir(exist_ok=True)
-        log.write_text(traceback.format_exc())
+        with contextlib.suppress(OSError):  # a full disk: torchrun's output has it too
+            write_text(run.error_log(rank), traceback.format_exc())
         raise
     finally:
         if dist.is_initialized():

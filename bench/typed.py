@@ -276,3 +276,14 @@ def describe_sections(obj: Any) -> list[str]:
             doc = docs.get(f.name, "")
             lines.append(f"  {f.name}: {rendered}" + (f"  # {doc}" if doc else ""))
     return lines
+
+
+def flatten(tree: dict, prefix: str = "", sep: str = ".") -> dict:
+    """Nested mappings as {dotted key: leaf} (lists and scalars are leaves)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}{sep}", sep))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -270,16 +270,14 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"export: {str(out_dir)!r} already exists and is not an empty directory")
-    checkpoint = checkpoint_path(run_dir)
+    model, tokenizer, info = load_checkpoint(checkpoint_path(run_dir))  # refused: nothing
     _import_transformers()
-    model, tokenizer, info = load_checkpoint(checkpoint)
     hf_model = to_hf_model(model, tokenizer.eot_token)
     hf_tok = hf_tokenizer(tokenizer.name, model.cfg.seq_len)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        hf_model.save_pretrained(work)
-        hf_tok.save_pretrained(work)
+        _save_pretrained(hf_model, hf_tok, work, out_dir)
         provenance = {
             "run_dir": str(Path(run_dir).resolve()),
             "step": info.get("step"),
@@ -287,9 +285,30 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
             "architecture": type(hf_model).__name__,
         }
         (work / "commbench_export.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above); os.rename needs the name free
-        os.rename(work, out_dir)
+        publish(work, out_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out_dir
+
+
+def _save_pretrained(hf_model, hf_tok, work: Path, out_dir: Path) -> None:
+    """The model and tokenizer into `work`; an OSError (a full disk) names `out_dir`."""
+    try:
+        hf_model.save_pretrained(work)
+        hf_tok.save_pretrained(work)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(out_dir)) from err
+
+
+def publish(work: Path, out_dir: Path) -> None:
+    """Rename the finished export `work` to `out_dir` (absent or empty), atomically; a
+    ValueError when another process filled `out_dir` meanwhile (two exports into one
+    directory: the first one wins, the other leaves nothing)."""
+    try:
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked before the export); os.rename needs the name
+        os.rename(work, out_dir)
+    except OSError as err:
+        raise ValueError(f"export: {str(out_dir)!r} was written by another process meanwhile "
+                         f"(another export into it?); this export kept nothing "
+                         f"({err.strerror})") from None

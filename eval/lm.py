@@ -15,6 +15,7 @@ token, as lm-eval's perplexity tasks expect. `generate_until` decodes greedily.
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
+from bench.checkpoint import load_payload
 from bench.model import CausalLM, build_model, config_from_dict
 from bench.records import RunDir
 from bench.tokenizers import get_tokenizer
@@ -53,21 +55,44 @@ def checkpoint_path(run_dir: str | Path) -> Path:
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[CausalLM, object, dict]:
     """(model in eval mode on `device`, its tokenizer, the checkpoint's other fields)."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = load_payload(path, map_location="cpu")  # tensors and plain data only
+    except pickle.UnpicklingError:
+        raise ValueError(f"checkpoint {str(path)!r} holds objects other than tensors and "
+                         "plain data (not loaded: loading them could run code); it was not "
+                         "written by commbench") from None
     except Exception as err:
         raise ValueError(f"cannot read checkpoint {str(path)!r}: {err}") from err
+    if not isinstance(payload, dict):
+        raise ValueError(f"checkpoint {str(path)!r} is not a commbench evaluation model")
     missing = [k for k in ("model", "gpt_config", "tokenizer") if k not in payload]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {missing}")
-    with torch.device("meta"):  # the checkpoint's values replace the init below
-        model = build_model(config_from_dict(payload["gpt_config"]))
-    model.to_empty(device="cpu")
     # A state dict saved from a torch.compile'd model prefixes every key.
     state = {k.removeprefix("_orig_mod."): v for k, v in payload["model"].items()}
+    model = _meta_model(path, payload["gpt_config"], state)  # the values replace the init
+    model.to_empty(device="cpu")
     model.tie_weights()  # to_empty gave the tied head its own tensor
     model.load_state_dict(state)
     info = {k: v for k, v in payload.items() if k != "model"}
     return model.to(device).eval(), get_tokenizer(payload["tokenizer"]), info
+
+
+def _meta_model(path, model_config, state: dict) -> CausalLM:
+    """The checkpoint's model, built on the meta device, once its weights' names and
+    shapes are the saved ones: a config that does not describe them (a crafted or damaged
+    file) fails here, before a model of its size is allocated."""
+    try:
+        with torch.device("meta"):
+            model = build_model(config_from_dict(model_config))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint {str(path)!r}: gpt_config {model_config!r} does not "
+                         f"describe a model ({err})") from None
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    saved = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if saved != expected or len(saved) != len(state):
+        raise ValueError(f"checkpoint {str(path)!r}: its weights do not match its gpt_config "
+                         f"{model_config!r} (names or shapes differ)")
+    return model
 
 
 def score_windows(tokens: list[int], first: int, max_len: int) -> Iterator[Window]:

@@ -116,6 +116,7 @@ def evaluate_run(
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         # lm-eval returns no results on other local ranks: evaluate in one process.
         raise ValueError("evaluate_run must be called on local rank 0 only")
+    check_device(device)
     run_dir = Path(run_dir)
     checkpoint = checkpoint_path(run_dir)
     config = _read_config(run_dir)
@@ -123,6 +124,13 @@ def evaluate_run(
     names = select_tasks(spec, tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"eval.limit must be an integer >= 1 or null, got {limit!r}")
+    with RunDir(run_dir).lock("commbench eval"):  # the run's other writers wait for it
+        return _evaluate(run_dir, checkpoint, config, spec, suite, names, limit, batch_size,
+                         device, bootstrap_iters, simple_evaluate)
+
+
+def _evaluate(run_dir, checkpoint, config, spec, suite, names, limit, batch_size, device,
+              bootstrap_iters, simple_evaluate) -> dict:
     eval_path = RunDir(run_dir).eval
     previous = read_json(eval_path) if eval_path.exists() else {}
     lm = CommbenchLM.from_run(run_dir, batch_size=batch_size, device=device)
@@ -177,6 +185,24 @@ def evaluate_run(
     write_json(eval_path, out)
     RunDir(run_dir).update_summary({"eval": summary})
     return out
+
+
+def check_device(device: str) -> None:
+    """ValueError naming --device unless `device` exists here: cpu, or cuda[:N] with
+    such a GPU visible."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"eval --device must be cpu or cuda[:N], got {device!r}") from None
+    if parsed.type == "cpu":
+        return
+    count = torch.cuda.device_count() if parsed.type == "cuda" else 0
+    if parsed.type != "cuda" or (parsed.index or 0) >= count:
+        raise ValueError(f"eval --device {device!r} does not exist here: this machine has "
+                         f"{count} CUDA device{'s' * (count != 1)} (valid: cpu"
+                         + (f", cuda:0 to cuda:{count - 1})" if count else ")"))
 
 
 def eval_device(cfg: Config) -> str:

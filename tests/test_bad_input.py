@@ -56,6 +56,19 @@ def spec(body: str) -> dict[str, str]:
                          f"report_dir: {{tmp}}/report\n{body}"}
 
 
+def claim(name: str = "toy", seeds: int = 3, contrast: str = "{diloco: 1, ddp: -1}",
+          file: str = "toy.yaml") -> dict[str, str]:
+    """A claim file claims/FILE over configs/ddp-tiny.yaml (the claims' page: {tmp}/page)."""
+    return {f"claims/{file}": (
+        f"name: {name}\nstatement: diloco beats ddp\n"
+        "sweep: {base: {repo}/configs/ddp-tiny.yaml, variants: {ddp: {strategy.name: ddp}, "
+        "diloco: {strategy.name: diloco}}}\n"
+        f"scales: {{tiny: {{seeds: {seeds}}}}}\n"
+        f"rules: [{{metric: final_val_loss, contrast: {contrast}, holds_if: {{below: 0}}}}]\n")}
+
+
+CLAIMS = ["claims", "--dry-run", "--claims-dir", "{tmp}/claims", "--output-dir", "{tmp}/out",
+          "--report-dir", "{tmp}/page"]
 SWEEP = ["sweep", "{tmp}/spec.yaml", "--no-report"]
 SMALL = ["parallel.world_size=2", "run.steps=4", "run.log_every=2", "run.val_sequences=8"]
 """A run small enough that a row which wrongly trains it (old code) fails fast."""
@@ -65,10 +78,12 @@ RECORDED = to_yaml(load_config(REPO / "configs/ddp-tiny.yaml", [
 
 
 def recorded_run(status: str = "failed", interrupted: bool = True,
-                 checkpoints: dict[int, bytes] | None = None) -> dict[str, str | bytes]:
-    """Files of a run directory {tmp}/r: RECORDED's config, a summary, two metrics rows and
-    state checkpoints (rank -> file content)."""
-    summary = {"status": status, "run_name": "ddp-tiny", "steps": 2}
+                 checkpoints: dict[int, bytes] | None = None,
+                 data: dict | None = None) -> dict[str, str | bytes]:
+    """Files of a run directory {tmp}/r: RECORDED's config, a summary (`data`: its corpus
+    identity), two metrics rows and state checkpoints (rank -> file content)."""
+    summary = {"status": status, "run_name": "ddp-tiny", "steps": 2,
+               **({"data": data} if data else {})}
     if interrupted:
         summary.update(error="interrupted by the user", interrupted=True)
     files = {"r/config.yaml": RECORDED, "r/summary.json": json.dumps(summary),
@@ -87,6 +102,7 @@ def state_file(step: int, truncate: int | None = None) -> bytes:
 
 RESUME = ["run", "--resume", "{tmp}/r", "--quiet"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+LRS = [i / 1e5 for i in range(1, 101)]
 SMALL_TEXT = "To be, or not to be: that is the question.\n" * 25  # ~1100 bytes
 
 CASES = [
@@ -177,6 +193,13 @@ CASES = [
     Case("missing-config", run_argv(config="{tmp}/nope.yaml"),
          ["config file not found", "{tmp}/nope.yaml"]),
     # ---- corpora
+    Case("corpus-empty-string", run_argv("data.corpus=''"),
+         ["data.corpus must name a corpus", "got ''", "embedded, shakespeare"],
+         files={"stray.txt": SMALL_TEXT * 40}),  # it trained on the working directory's
+    Case("cache-dir-unknown-user", run_argv("data.cache_dir=~nosuchuser29/cache"),
+         ["data.cache_dir", "'~nosuchuser29/cache'", "no such user", "an absolute path"]),
+    Case("report-into-run-dir", ["report", "{tmp}/r", "-o", "{tmp}/r/report"],
+         ["report -o", "{tmp}/r", "is a run directory", "elsewhere"], files=recorded_run()),
     Case("corpus-missing", run_argv("data.corpus={tmp}/none.txt"),
          ["data.corpus", "{tmp}/none.txt", "no such file", "a .txt file"]),
     Case("corpus-empty", run_argv("data.corpus={tmp}/empty.txt"),
@@ -229,6 +252,12 @@ CASES = [
     Case("resume-checkpoint-missing", RESUME,
          ["{tmp}/r/checkpoints/state-rank1.pt", "is missing", "parallel.world_size 2"],
          files=recorded_run(checkpoints={0: state_file(2)})),
+    Case("resume-other-data", RESUME,
+         ["--resume {tmp}/r: its data differ from the run's", "text sha256 0123456789ab",
+          "data.corpus 'embedded' now holds", "the same tokens"],
+         files=recorded_run(data={"source": "embedded", "sha256": "0123456789abcdef" * 4,
+                                  "tokenizer": "byte", "num_train_tokens": 1000,
+                                  "num_val_tokens": 50})),
     Case("resume-and-run-dir", RESUME + ["--run-dir", "{tmp}/x"],
          ["--resume", "--run-dir", "give one"], files=recorded_run()),
     Case("straggler-rank", run_argv("run.straggler.rank=7"),
@@ -271,6 +300,79 @@ CASES = [
          ["parallel.device", "'cuda'", "auto or cpu"], files=spec(""), marks=(NO_CUDA,)),
     Case("sweep-eval-task", SWEEP + ["--set", "eval.suite=smoke", "--set", "eval.tasks=[nosuch]"],
          ["eval.tasks", "nosuch", "valid"], files=spec("")),
+    # ---- issue 29: a sweep too large to build (hung a --dry-run), a NaN target
+    Case("sweep-10-6-runs", SWEEP + ["--dry-run"],
+         ["the sweep has 1000000 runs", "100 (grid.optim.lr)", "100 (grid.optim.warmup_steps)",
+          "at most 10000"],
+         files=spec(f"seeds: {list(range(100))}\ngrid: {{optim.lr: {LRS}, "
+                    f"optim.warmup_steps: {list(range(100))}}}\n")),
+    Case("sweep-target-nan", SWEEP + ["--dry-run"],
+         ["target_loss", "nan", "a finite validation loss"], files=spec("target_loss: .nan\n")),
+    # ---- issue 29: eval
+    Case("eval-device-missing", ["eval", "{tmp}/r", "--device", "cuda:7"],
+         ["eval --device 'cuda:7' does not exist here", "valid: cpu"],
+         files={**recorded_run(), "r/checkpoints/final.pt": b"unused"}, marks=(NO_CUDA,)),
+    Case("eval-device-garbage", ["eval", "{tmp}/r", "--device", "gpu0"],
+         ["eval --device must be cpu or cuda[:N]", "'gpu0'"],
+         files={**recorded_run(), "r/checkpoints/final.pt": b"unused"}),
+    # ---- issue 29: claims
+    Case("claim-nan-contrast", CLAIMS, ["{tmp}/claims/toy.yaml", "rules[0].contrast.diloco",
+                                        "nan", "a finite non-zero number"],
+         files=claim(contrast="{diloco: .nan, ddp: -1}")),
+    Case("claim-200000-seeds", CLAIMS, ["scales.tiny.seeds", "200000", "from 3", "to 100"],
+         files=claim(seeds=200000)),
+    Case("claims-seeds-option", CLAIMS + ["--seeds", "200000"],
+         ["--seeds must be from 1 to 100", "got 200000"], files=claim()),
+    Case("claims-one-name-two-files", CLAIMS,
+         ["claim name 'toy' is given by two files", "{tmp}/claims/a.yaml",
+          "{tmp}/claims/b.yaml", "share one sweep directory"],
+         files={**claim(file="a.yaml"), **claim(file="b.yaml")}),
+    Case("report-target-loss-nan", ["report", "{tmp}/r", "-o", "{tmp}/page", "--target-loss",
+                                    "nan"],
+         ["--target-loss", "nan", "a finite validation loss"], files=recorded_run()),
+    Case("compare-tolerance-inf", ["compare", "{tmp}/r", "{tmp}/r", "-o", "{tmp}/page",
+                                   "--tolerance", "inf"],
+         ["--tolerance must be a finite number >= 0", "got inf"], files=recorded_run()),
+    # ---- issue 29: out-of-range optimizer values were accepted
+    Case("muon-momentum", run_argv("optim.name=muon", "optim.muon_momentum=5"),
+         ["optim.muon_momentum", "[0, 1)", "got 5.0"]),
+    Case("ef-lambda", run_argv("optim.delay=1", "optim.delay_correction=ef",
+                               "optim.ef_lambda=-100"),
+         ["optim.ef_lambda", "[0, 2]", "got -100.0"]),
+    Case("muon-weight-decay", run_argv("optim.name=muon", "optim.muon_weight_decay=-0.1"),
+         ["optim.muon_weight_decay", ">= 0", "got -0.1"]),
+    Case("nadam-momentum-decay", run_argv("optim.name=nadamw",
+                                          "optim.nadam_momentum_decay=-1"),
+         ["optim.nadam_momentum_decay", ">= 0", "got -1.0"]),
+    # ---- issue 29: numbers read from files, ranges
+    Case("emulate-absurd-latency", run_argv("network.emulate={tmp}/slow.yaml"),
+         ["slow.yaml.inter.latency", "from 0 to 10 s", "got 100000"],
+         files={"slow.yaml": "intra: nvlink\ninter: {latency: 100000, bandwidth: 1GB/s}\n"}),
+    Case("profile-nan-bandwidth", run_argv("network.profiles=[{tmp}/nan.yaml]"),
+         ["nan.yaml.inter.bandwidth", "got nan"],
+         files={"nan.yaml": "intra: nvlink\ninter: {latency: 1ms, bandwidth: .nan}\n"}),
+    # ---- issue 29: torchrun and netprobe
+    Case("torchrun-args-world-size", run_argv("launch.torchrun_args=[--nproc-per-node=8]"),
+         ["launch.torchrun_args[0]", "'--nproc-per-node=8'", "parallel.world_size / "
+          "launch.nnodes", "valid: other torchrun options"]),
+    Case("torchrun-args-rdzv", run_argv("launch.torchrun_args=[--max-restarts=0, "
+                                        "--rdzv_endpoint=x:1]"),
+         ["launch.torchrun_args[1]", "--rdzv", "launch.rdzv_endpoint"]),
+    Case("rdzv-timeout-zero", run_argv("launch.rdzv_timeout_s=0"),
+         ["launch.rdzv_timeout_s", ">= 1", "got 0"]),
+    Case("netprobe-world-size-0", ["netprobe", "--world-size", "0", "--out", "{tmp}/p.yaml"],
+         ["netprobe --world-size must be >= 2", "got 0", "two ranks"]),
+    Case("netprobe-iters-0", ["netprobe", "--iters", "0", "--out", "{tmp}/p.yaml"],
+         ["netprobe --iters must be >= 1", "got 0"]),
+    Case("netprobe-nnodes-0", ["netprobe", "--nnodes", "0", "--out", "{tmp}/p.yaml"],
+         ["netprobe --nnodes must be >= 1", "got 0"]),
+    Case("netprobe-sizes-inf", ["netprobe", "--sizes", "inf", "--out", "{tmp}/p.yaml"],
+         ["netprobe --sizes", "'inf'", "a size like 4096"]),
+    Case("netprobe-sizes-below-an-element", ["netprobe", "--sizes", "2", "--out",
+                                             "{tmp}/p.yaml"],
+         ["netprobe --sizes '2' is 2 bytes", "less than one element", ">= 4 bytes"]),
+    Case("netprobe-timeout-nan", ["netprobe", "--timeout", "nan", "--out", "{tmp}/p.yaml"],
+         ["netprobe --timeout", "a finite number of seconds > 0", "nan"]),
     # ---- pipelines (2 stages x 2 replicas configs)
     Case("pipe-stages-not-dividing-world",
          run_argv("parallel.num_stages=3", "model.n_layer=3", config=TWO_BW),

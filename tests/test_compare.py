@@ -102,7 +102,7 @@ def test_bad_arguments_fail_with_status_2(tmp_path, capsys):
     rc, _, err = compare(capsys, run.path, tmp_path / "missing")
     assert rc == 2 and "not found" in err
     rc, _, err = compare(capsys, run.path, run.path, "--tolerance", "-1")
-    assert rc == 2 and "--tolerance must be >= 0" in err
+    assert rc == 2 and "--tolerance must be a finite number >= 0" in err
 
 
 def test_a_loss_that_turned_nan_in_one_run_only_exceeds_any_tolerance(tmp_path, capsys):

@@ -12,6 +12,7 @@ no duplicate or corrupt record; a straggler (`run.straggler`) slows the measured
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -19,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ import pytest
 import torch
 
 from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
-from bench import checkpoint
+from bench import checkpoint, records
 from bench.config import load_config
 from bench.failure import error_text
 from bench.records import RunDir, status_of
@@ -390,6 +392,485 @@ def _summary(path: Path) -> dict | None:
         return None
 
 
+# ------------------------------------------------------------- the run directory's lock
+
+HOLD = """\
+import sys, time
+from bench.records import RunDir
+with RunDir(sys.argv[1]).lock(sys.argv[2], shared=sys.argv[3] or None):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+@contextlib.contextmanager
+def held_by_another_process(path: Path, purpose: str, shared: str = ""):
+    """A process holding RunDir(path).lock(purpose) while the block runs."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path), purpose, shared],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_run_directory_lock_refuses_a_second_writer_naming_the_holder(tmp_path):
+    """Issue 29: two `--resume` of one directory both trained, and a sweep moved a directory
+    aside while a hand `--resume` trained it. Every writer holds RunDir.lock."""
+    run = RunDir(tmp_path)
+    with held_by_another_process(tmp_path, "commbench run --resume") as proc:
+        holder = run.holder()
+        assert (holder["purpose"], holder["pid"]) == ("commbench run --resume", proc.pid)
+        with pytest.raises(records.Busy, match=f"run directory {tmp_path} is in use by "
+                           rf"commbench run --resume \(pid {proc.pid} on host"):
+            with run.lock("commbench run"):
+                pass
+    assert run.holder() is None  # the kernel releases a dead holder's lock: never stale
+    with run.lock("commbench eval"):
+        assert run.holder()["purpose"] == "commbench eval"
+        with run.lock("nested, same thread"):  # re-entrant in one thread
+            pass
+        errors = []
+
+        def other_thread():
+            try:
+                with run.lock("another thread"):
+                    pass
+            except records.Busy as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        assert len(errors) == 1
+    assert run.holder() is None
+
+
+def test_the_nodes_of_one_multi_node_run_share_the_lock(tmp_path):
+    run = RunDir(tmp_path)
+    with held_by_another_process(tmp_path, "commbench run (node)", shared="abc@host:29500"):
+        with run.lock("commbench run (node)", shared="abc@host:29500"):
+            pass
+        with pytest.raises(records.Busy, match="commbench run \\(node\\)"):
+            with run.lock("commbench run (node)", shared="other@host:29500"):
+                pass
+        with pytest.raises(records.Busy):
+            with run.lock("commbench run --resume"):
+                pass
+
+
+def test_a_lock_that_is_a_directory_or_a_symlink_is_refused(tmp_path):
+    run = RunDir(tmp_path / "r")
+    run.lock_file.mkdir(parents=True)
+    with pytest.raises(ValueError, match="is a directory"):
+        with run.lock("commbench run"):
+            pass
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    run = RunDir(tmp_path / "s")
+    run.path.mkdir()
+    run.lock_file.symlink_to(outside)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        with run.lock("commbench run"):
+            pass
+    assert outside.read_text() == "precious"
+
+
+def test_a_second_resume_of_a_held_run_directory_is_refused_and_changes_nothing(
+        tmp_path, capsys):
+    from bench.cli import main
+    from tests.test_bad_input import _snapshot, recorded_run
+
+    for name, text in recorded_run().items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text.replace("{tmp}", str(tmp_path)))
+    run_dir = tmp_path / "r"
+    with held_by_another_process(run_dir, "commbench run --resume") as proc:
+        before = _snapshot(tmp_path)
+        code = main(["run", "--resume", str(run_dir), "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert f"run directory {run_dir} is in use by commbench run --resume (pid " \
+               f"{proc.pid}" in err
+        assert _snapshot(tmp_path) == before
+
+
+def test_two_exports_into_one_directory_the_second_fails_cleanly(tmp_path):
+    """Issue 29: two concurrent `export --hf OUT` into one OUT: the second one's rename
+    raised OSError (a traceback). Here the first has just published OUT."""
+    from eval.export import publish
+
+    first, second, out = tmp_path / ".out.a.tmp", tmp_path / ".out.b.tmp", tmp_path / "out"
+    for work in (first, second):
+        work.mkdir()
+        (work / "config.json").write_text(work.name)
+    publish(first, out)
+    with pytest.raises(ValueError, match="written by another process meanwhile"):
+        publish(second, out)
+    assert (out / "config.json").read_text() == ".out.a.tmp"
+
+
+# ------------------------------------------------------------------------- a full disk
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` while the block runs (root only: else skip)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(path: Path) -> None:
+    """Fill the filesystem of `path` to the last byte."""
+    with open(path / "filler", "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0")
+
+
+def test_a_full_disk_keeps_metrics_rows_whole_and_the_summary_says_why(tmp_path):
+    """Issue 29: a full disk cut metrics.jsonl mid-row and left summary.json `running`.
+    A row is appended whole or not at all; a summary that no longer fits beside the old
+    one is rewritten in place, cut to its essentials if need be."""
+    from bench.summary import running_header
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        run = RunDir(disk / "run")
+        run.path.mkdir()
+        run.write_summary(running_header("ddp-tiny", "abc", "ddp", 2, started="now"))
+        run.append_metrics({"step": 2, "loss": 5.0, "note": "x" * 3000})
+        fill(disk)
+        before = run.metrics.read_bytes()
+        with pytest.raises(OSError, match="No space left on device") as err:
+            run.append_metrics({"step": 4, "loss": 4.0, "note": "y" * 3000})
+        assert err.value.filename == str(run.metrics)
+        assert run.metrics.read_bytes() == before  # no torn row
+        skipped = []
+        assert [r["step"] for r in run.read_metrics(skipped)] == [2] and skipped == []
+
+        error = "rank 1: OSError: [Errno 28] No space left on device\n" + "trace\n" * 500
+        run.update_summary({"status": "failed", "error": error})
+        summary = run.read_summary()
+        assert (summary["status"], summary["run_name"]) == ("failed", "ddp-tiny")
+        assert summary["error"].startswith("rank 1: OSError: [Errno 28] No space left")
+
+
+def test_the_launcher_survives_a_log_it_cannot_write(tmp_path):
+    """A full disk under logs/torchrun.log stopped the launcher with a traceback before it
+    recorded the run; now the log stops, the launcher goes on and says why."""
+    from bench import launch
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        run = RunDir(disk / "run")
+        run.logs.mkdir(parents=True)
+        fill(disk)
+        rc, tail, error = launch._run_torchrun(
+            [sys.executable, "-c", "print('x' * 9000); print('last')"], dict(os.environ),
+            run, False, 60.0)
+    assert (rc, tail[-1], error.errno) == (0, "last", 28)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_that_fills_its_disk_fails_readably_and_resumes_once_there_is_room(tmp_path):
+    """A real run on a 2 MB filesystem: the first checkpoint (1.5 MB per rank) does not
+    fit. The run is recorded failed, its headline says the disk is full and the next line
+    what to do, every metrics row is whole; with room made, --resume finishes it."""
+    out = tmp_path / "out"
+    with tmpfs(out, "2m"):
+        proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set", "checkpoint.every=4",
+                         "--set", f"run.output_dir={out}", "--set",
+                         f"data.cache_dir={tmp_path / 'cache'}", "--quiet")
+        assert proc.returncode == 1, proc.stderr
+        run = only_run(out)
+        summary = run.read_summary()
+        headline, note = summary["error"].splitlines()[:2]
+        assert summary["status"] == "failed"
+        assert "OSError: [Errno 28] No space left on device" in headline, headline
+        assert note == (f"free space on the filesystem of {run.path}, then run `commbench run "
+                        f"--resume {run.path}` (no checkpoint was saved: it restarts at step "
+                        "0)"), note
+        skipped = []
+        assert steps_of(run) == [2, 4] and not run.read_metrics(skipped) == [] and not skipped
+        subprocess.run(["mount", "-o", "remount,size=64m", str(out)], check=True)
+        resumed = commbench("run", "--resume", str(run.path), "--quiet")
+        assert resumed.returncode == 0, resumed.stderr
+        assert run.read_summary()["status"] == "ok"
+        assert steps_of(run) == list(range(2, 13, 2))
+
+
+def _report_argv(tmp_path: Path, target: Path) -> list[str]:
+    from tests.test_report import DDP_VAL, _save, _sweep, write_run
+
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+    _save(sweep_dir, sweep)
+    return ["report", str(tmp_path / "results"), "-o", str(target / "report")]
+
+
+def _claims_argv(tmp_path: Path, target: Path) -> list[str]:
+    return ["claims", "diloco-matches-ddp", "--dry-run", "--claims-dir",
+            str(Path(__file__).resolve().parent.parent / "configs/claims"),
+            "--output-dir", str(tmp_path / "results"), "--report-dir", str(target / "claims")]
+
+
+def _export_argv(tmp_path: Path, target: Path, monkeypatch) -> list[str]:
+    """`export` of a real final.pt, the transformers conversion replaced by objects that
+    write 200 kB each (transformers is optional; the writes are what is tested)."""
+    from eval import export
+    from tests.test_security import crafted_eval_run
+
+    run = crafted_eval_run(tmp_path, tmp_path / "unused")
+    model = torch.load(run / "checkpoints/final.pt", weights_only=False)  # our own file
+    model.pop("planted")
+    torch.save(model, run / "checkpoints/final.pt")
+
+    class Saves:
+        config = type("Config", (), {"activation_function": "gelu"})()
+
+        def save_pretrained(self, where):
+            Path(where).mkdir(parents=True, exist_ok=True)
+            (Path(where) / f"part-{id(self)}.bin").write_bytes(b"\0" * 200_000)
+
+    monkeypatch.setattr(export, "_import_transformers", lambda: None)
+    monkeypatch.setattr(export, "to_hf_model", lambda model, eot: Saves())
+    monkeypatch.setattr(export, "hf_tokenizer", lambda name, length: Saves())
+    return ["export", str(run), "--hf", str(target / "hf")]
+
+
+@pytest.mark.parametrize("command", ["report", "export", "claims"])
+@pytest.mark.parametrize("target", ["full", "read-only"])
+def test_a_full_or_read_only_target_is_one_clear_error(tmp_path, command, target, capsys,
+                                                        monkeypatch):
+    """Issue 29: `report`, `export` and `claims --dry-run` into a full or read-only
+    filesystem ended in a traceback."""
+    from bench.cli import main
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        if target == "full":
+            fill(disk)
+        else:
+            subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        argv = (_report_argv(tmp_path, disk) if command == "report" else
+                _claims_argv(tmp_path, disk) if command == "claims" else
+                _export_argv(tmp_path, disk, monkeypatch))
+        code = main(argv)
+        err = capsys.readouterr().err
+        reason = "No space left on device" if target == "full" else "Read-only file system"
+        assert code == 1, err
+        assert err.startswith(f"commbench: error: {disk}/") and reason in err, err
+        assert "Traceback" not in err
+        assert not [p for p in disk.rglob("*") if p.is_file() and p.name != "filler"]
+
+
+# --------------------------------------------------------------------- the run's data
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_a_relative_corpus_is_resolved_when_the_config_is_read(tmp_path, monkeypatch):
+    """Issue 29: a relative data.corpus was recorded as given, so a `--resume` from another
+    working directory read another file under the same config hash."""
+    from tests.test_bad_input import SMALL_TEXT
+
+    (tmp_path / "c.txt").write_text(SMALL_TEXT * 40)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(REPO / "configs/ddp-tiny.yaml", ["data.corpus=c.txt"])
+    assert cfg.data.corpus == str(tmp_path / "c.txt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resume_from_another_directory_trains_on_the_same_data_or_is_refused(tmp_path):
+    """The issue's case end to end: a run with data.corpus=c.txt (relative) made in a/,
+    extended with --resume from b/, which holds another c.txt. The recorded config names
+    a/c.txt, so the resume trains on it; once a/c.txt changed, the resume is refused."""
+    from tests.test_bad_input import SMALL_TEXT
+
+    for name, text in (("a", SMALL_TEXT * 40), ("b", SMALL_TEXT.upper() * 40)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "c.txt").write_text(text)
+
+    def cli(cwd: Path, *args: str):
+        return subprocess.run([sys.executable, "-m", "bench.cli", *args], capture_output=True,
+                              text=True, timeout=300, cwd=cwd,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    first = cli(tmp_path / "a", "run", str(REPO / "configs/ddp-tiny.yaml"), *SHORT,
+                "--set", "run.steps=4", "--set", "data.corpus=c.txt", "--set",
+                f"run.output_dir={tmp_path / 'out'}", "--set",
+                f"data.cache_dir={tmp_path / 'cache'}", "--quiet")
+    assert first.returncode == 0, first.stderr
+    run = only_run(tmp_path / "out")
+    data = run.read_summary()["data"]
+    longer = cli(tmp_path / "b", "run", "--resume", str(run.path), "--set", "run.steps=6",
+                 "--quiet")
+    assert longer.returncode == 0, longer.stderr
+    assert run.read_summary()["data"] == data  # a/c.txt, not b/c.txt
+    (tmp_path / "a" / "c.txt").write_text(SMALL_TEXT.lower() * 40)
+    refused = cli(tmp_path / "b", "run", "--resume", str(run.path), "--set", "run.steps=8",
+                  "--quiet")
+    assert refused.returncode == 2 and "its data differ from the run's" in refused.stderr
+    assert run.read_summary()["steps"] == 6
+
+
+# ------------------------------------------------------------------------------ hangs
+
+
+@contextlib.contextmanager
+def silent_endpoint():
+    """host:port of a TCP listener on this machine that accepts and never answers (a
+    rendezvous endpoint that does not answer)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
+RDZV_TIMEOUT_S = 8
+
+
+@pytest.mark.timeout(120)
+def test_a_rendezvous_that_does_not_answer_fails_in_bounded_time_saying_why(tmp_path):
+    """Issue 29: a multi-node run whose rendezvous endpoint does not answer waited silently
+    (torchrun's own join and read timeouts do not bound it: it waited for minutes)."""
+    with silent_endpoint() as endpoint:
+        start = time.monotonic()
+        proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set", "launch.nnodes=2",
+                         "--set", f"launch.rdzv_endpoint={endpoint}", "--set",
+                         f"launch.rdzv_timeout_s={RDZV_TIMEOUT_S}", "--set",
+                         f"run.output_dir={tmp_path}", "--quiet", timeout=100)
+        assert time.monotonic() - start < RDZV_TIMEOUT_S + 60
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(f"waiting for the rendezvous of launch.nnodes=2 nodes at "
+                                  f"{endpoint} (at most launch.rdzv_timeout_s=8 s")
+    summary = only_run(tmp_path).read_summary()
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith(f"the rendezvous at {endpoint} did not complete within "
+                                       "launch.rdzv_timeout_s=8 s")
+
+
+@pytest.mark.timeout(120)
+def test_netprobe_with_a_rendezvous_that_does_not_answer_fails_in_bounded_time(tmp_path):
+    with silent_endpoint() as endpoint:
+        proc = commbench("netprobe", "--world-size", "2", "--nnodes", "2", "--rdzv-endpoint",
+                         endpoint, "--rdzv-timeout", str(RDZV_TIMEOUT_S), "--out",
+                         str(tmp_path / "p.yaml"), timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(f"netprobe: waiting for the rendezvous of --nnodes 2 at "
+                                  f"{endpoint}")
+    assert f"did not start within --rdzv-timeout {RDZV_TIMEOUT_S} s" in proc.stderr
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def _without_loopback(*args: str):
+    """The command line in a new network namespace, whose loopback is down (root only)."""
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot create a network namespace here (needs root)")
+    return subprocess.run(["unshare", "-n", sys.executable, "-m", "bench.cli", *args],
+                          capture_output=True, text=True, timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_without_loopback_is_refused_before_it_starts(tmp_path):
+    """Issue 29: without loopback torchrun's standalone rendezvous retried for minutes."""
+    proc = _without_loopback("run", "configs/ddp-tiny.yaml", *SHORT, "--set",
+                             f"run.output_dir={tmp_path / 'out'}", "--set",
+                             f"data.cache_dir={tmp_path / 'cache'}", "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert "this machine's loopback (127.0.0.1) does not work" in proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    probe = _without_loopback("netprobe", "--out", str(tmp_path / "p.yaml"))
+    assert probe.returncode == 2 and "loopback (127.0.0.1) does not work" in probe.stderr
+
+
+def test_a_read_only_home_is_named_as_the_cache_it_holds(tmp_path):
+    """Issue 29: with a read-only HOME the default data.cache_dir (~/.cache/commbench)
+    failed with a traceback; it is named, with what to do, before anything is launched."""
+    with tmpfs(tmp_path / "home", "64k") as home:
+        subprocess.run(["mount", "-o", "remount,ro", str(home)], check=True)
+        proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set",
+                         f"run.output_dir={tmp_path / 'out'}", "--quiet",
+                         env={"HOME": str(home)}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"commbench: error: data.cache_dir '{home}/.cache/commbench'"
+                                  ": cannot write the tokenised corpus there (Read-only file "
+                                  "system"), proc.stderr
+    assert "set data.cache_dir to a writable directory" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------- records read back, mistyped
+
+
+@pytest.mark.parametrize("garbage", ["not json {", "[1, 2]", '"a string"'])
+def test_a_stray_summary_above_the_runs_hides_none_of_them(tmp_path, garbage, capsys):
+    """Issue 29: a garbage summary.json at the top of a results tree made the tree one
+    (broken) run, hiding every run below it from report, compare and track."""
+    from bench.cli import main
+    from bench.report.load import load_results
+    from tests.test_report import DDP_VAL, _save, _sweep, write_run
+
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+    _save(sweep_dir, sweep)
+    (tmp_path / "results" / "summary.json").write_text(garbage)
+    res = load_results(tmp_path / "results")
+    assert len(res.runs) == 2 and set(res.runs["status"]) == {"ok"}
+    assert any("summary.json: not a run's summary" in w for w in res.warnings)
+    assert main(["report", str(tmp_path / "results"), "-o", str(tmp_path / "page")]) == 0
+
+
+MISTYPED = [("projected", "x"), ("projected", {"eth-10g": 5}), ("config_hash", [1, 2]),
+            ("run_name", {"a": 1}), ("total_tokens", 1e308), ("final_val_loss", 1e308),
+            ("status", 7), ("val_set", "x")]
+
+
+@pytest.mark.parametrize("key,value", MISTYPED, ids=[f"{k}={v!r}" for k, v in MISTYPED])
+def test_a_mistyped_summary_field_is_dropped_with_a_warning(tmp_path, key, value, capsys):
+    """Issue 29: a summary.json field of another type (hand-edited, corrupted) ended
+    report and compare in a traceback (AttributeError, TypeError, OverflowError)."""
+    from bench.cli import main
+    from tests.test_report import DDP_VAL, _save, _sweep, write_run
+
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    runs = [write_run(sweep_dir, sweep, name, strategy, seed, DDP_VAL, t)
+            for name, strategy, t in (("ddp", "ddp", 1.0), ("dil", "diloco", 0.5))
+            for seed in (0, 1)]
+    _save(sweep_dir, sweep)
+    summary = json.loads((runs[2] / "summary.json").read_text())
+    (runs[2] / "summary.json").write_text(json.dumps({**summary, key: value}))
+    assert main(["report", str(tmp_path / "results"), "-o", str(tmp_path / "page")]) == 0
+    assert main(["compare", str(runs[0]), str(runs[2]), "-o", str(tmp_path / "cmp")]) == 0
+
+
+@pytest.mark.parametrize("row", ['{"step": "x", "loss": 1}', '{"step": 4, "loss": "x"}',
+                                 '[1, 2]', '{"step": 4, "loss": 1e308, "tokens": [1]}'])
+def test_a_mistyped_metrics_row_is_skipped(tmp_path, row, capsys):
+    from bench.cli import main
+    from tests.test_report import DDP_VAL, _save, _sweep, write_run
+
+    sweep_dir, sweep = _sweep(tmp_path / "results", "s")
+    runs = [write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0) for seed in (0, 1)]
+    _save(sweep_dir, sweep)
+    metrics = runs[1] / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], row, *lines[1:]]) + "\n")
+    assert main(["report", str(tmp_path / "results"), "-o", str(tmp_path / "page")]) == 0
 CUT_SPEC = """\
 name: cut
 base: {repo}/configs/ddp-tiny.yaml

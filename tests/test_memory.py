@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from algorithms.delay import DelayedOptimizer
-from bench.config import load_config, preflight
+from bench.config import OptimConfig, load_config, preflight
 from bench.memory import optimizer_terms, plan, saved_activation_bytes
 from bench.model import build_model, lm_loss, model_config
-from bench.optim import OptimConfig, make_optimizer_factory
+from bench.optim import make_optimizer_factory
 from bench.train import Trainer
 from tests.distributed import run_distributed
 

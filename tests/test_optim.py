@@ -12,13 +12,11 @@ from torch import nn
 
 from algorithms.base import set_lr
 from algorithms.delay import DelayedOptimizer
-from bench.config import describe, load_config
-from bench.model import GPT, gpt_config
+from bench.config import OptimConfig, describe, load_config
+from bench.model import GPT, gpt_config, hidden_matrices
 from bench.optim import (
     ChainedOptimizer,
-    OptimConfig,
     describe_optimizer,
-    hidden_matrices,
     lr_at,
     make_optimizer_factory,
 )

@@ -21,11 +21,9 @@ from algorithms.delay import DelayedOptimizer
 from algorithms.partition import split_layers, stage_bounds
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from algorithms.pipeline import Pipeline, PipelineConfig
-from bench.config import Config, DataConfig, ModelConfig, ParallelConfig
+from bench.config import OPTIMIZERS, Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig
 from bench.model import GPT, GPTConfig, LlamaConfig, build_model, lm_loss
 from bench.optim import (
-    OPTIMIZERS,
-    OptimConfig,
     build_optimizer,
     configure_optimizer_groups,
     make_optimizer_factory,

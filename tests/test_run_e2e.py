@@ -128,7 +128,7 @@ import os, signal, sys, time
 from bench import launch
 from bench.config import load_config
 
-def fake_torchrun(cmd, env, log_path, progress):
+def fake_torchrun(cmd, env, run, progress, start_timeout_s):
     {body}
 
 launch._run_torchrun = fake_torchrun
@@ -158,7 +158,7 @@ def test_a_stop_signal_is_recorded_like_ctrl_c(tmp_path, sig, printed, error):
     """Issue 16, defect 10: SIGTERM (Slurm's stop) left summary.json at "running"; issue
     29: so did SIGHUP (a closed terminal or ssh session)."""
     proc = fake_launch(tmp_path, f"os.kill(os.getpid(), signal.{sig.name}); time.sleep(30)\n"
-                                 "    return 0, []")
+                                 "    return 0, [], None")
     assert proc.returncode == 0 and proc.stdout.strip() == printed, proc.stderr
     summary = RunDir(tmp_path / "run").read_summary()
     assert summary["status"] == "failed" and summary["interrupted"] is True
@@ -171,7 +171,7 @@ def test_a_stop_signal_is_recorded_like_ctrl_c(tmp_path, sig, printed, error):
 def test_a_node_without_rank_0_succeeds_on_exit_code_0(tmp_path):
     """Issue 16/17: on a node whose rank 0 is elsewhere, summary.json is rank 0's to write;
     this node's torchrun exiting 0 is success, and the record is left alone."""
-    proc = fake_launch(tmp_path, "return 0, []", "launch.nnodes=2",
+    proc = fake_launch(tmp_path, "return 0, [], None", "launch.nnodes=2",
                        "launch.rdzv_endpoint=127.0.0.1:29999")
     assert proc.stdout.strip() == "returned ok", proc.stderr
     summary = RunDir(tmp_path / "run").read_summary()

@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,7 +30,7 @@ from bench.config import config_hash, to_yaml
 from bench.records import RunDir
 from bench.summary import make_summary, train_row, val_row
 from bench.sweep import load_spec, run_sweep
-from bench.sweep.store import record_state
+from bench.sweep.store import record_state, retire
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -524,19 +523,66 @@ def test_a_second_ctrl_c_in_the_real_launcher_stops_torchrun_at_once(tmp_path, e
     assert result.ok and result.num_launched == 1
 
 
+HOLD_SWEEP = """\
+import sys, time
+from bench.sweep.store import sweep_lock
+from pathlib import Path
+with sweep_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
 def test_a_second_sweep_process_on_the_same_directory_is_refused(tmp_path, env):
     path = write_spec(tmp_path, {"name": "l"})
-    lock = tmp_path / "results" / "l" / ".sweep.lock"
-    lock.parent.mkdir(parents=True)
-    lock.write_text(f"{socket.gethostname()} {os.getpid()}")  # a live process holds it
-    with pytest.raises(ValueError, match="in use by process"):
+    sweep_dir = tmp_path / "results" / "l"
+    sweep_dir.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_SWEEP, str(sweep_dir)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        with pytest.raises(ValueError, match=r"in use by commbench sweep \(pid "
+                                             rf"{proc.pid} on host"):
+            run_sweep(path, runner=fake_runner, report=False)
+        assert not _trained(env)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert run_sweep(path, runner=fake_runner, report=False).ok  # the kernel freed the lock
+
+
+def test_a_sweep_lock_that_is_a_directory_is_named(tmp_path, env):
+    """Issue 29: a .sweep.lock that is a directory ended the sweep in a traceback."""
+    path = write_spec(tmp_path, {"name": "l"})
+    (tmp_path / "results" / "l" / ".sweep.lock").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"\.sweep\.lock is a directory; remove it"):
         run_sweep(path, runner=fake_runner, report=False)
     assert not _trained(env)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    lock.write_text(f"{socket.gethostname()} {dead}")  # left behind by a killed sweep
-    assert run_sweep(path, runner=fake_runner, report=False).ok
-    assert not lock.exists()
+
+
+def test_a_sweep_never_moves_a_record_another_process_writes(tmp_path, env, monkeypatch):
+    """Issue 29: a sweep retired a run directory while a hand `--resume` trained it (the
+    resume then wrote its error into the sweep's new record). A held record stops the
+    sweep before any record moves; the same sweep goes on once the holder is gone."""
+    from tests.test_crash_safety import held_by_another_process
+
+    path = write_spec(tmp_path, {"name": "h", "variants": {"a": {"optim.lr": 0.001},
+                                                           "b": {"optim.lr": 0.002}}})
+    monkeypatch.setenv("FAKE_RUNNER_FAIL", "a,b")
+    first = run_sweep(path, runner=fake_runner, report=False)
+    assert first.count("failed") == 2
+    monkeypatch.setenv("FAKE_RUNNER_FAIL", "")
+    held = max(o.run_dir for o in first.outcomes)  # the second to retire: nothing moves
+    before = sorted(p.name for p in (tmp_path / "results" / "h").iterdir())
+    with held_by_another_process(held, "commbench run --resume") as proc:
+        with pytest.raises(records.Busy, match=rf"run directory {held} is in use by commbench "
+                                               rf"run --resume \(pid {proc.pid}"):
+            run_sweep(path, runner=fake_runner, report=False, retry_failed=True)
+        with pytest.raises(records.Busy):  # a holder that starts after the check
+            retire(held, tmp_path / "results" / "h")
+    assert sorted(p.name for p in (tmp_path / "results" / "h").iterdir()) == before
+    assert len(_trained(env)) == 2  # the first sweep's two runs only
+    assert run_sweep(path, runner=fake_runner, report=False, retry_failed=True).ok
 
 
 def test_local_executor_runs_several_at_once(tmp_path, env):

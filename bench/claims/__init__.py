@@ -46,8 +46,8 @@ def run_claims(names: list[str] | None = None, *, scale: str = "tiny", seeds: in
     """Run and decide the claims; returns the page's HTML path (None on a dry run)."""
     from bench.sweep import load_spec, run_sweep
 
+    report_dir = records.check_report_dir(report_dir, "claims --report-dir")
     claims = find_claims(claims_dir, names)
-    report_dir = Path(report_dir)
     results: list[ClaimResult] = []
     steps: dict[str, pd.DataFrame] = {}
     for i, claim in enumerate(claims, 1):

@@ -91,8 +91,7 @@ def _curve_figure(result: ClaimResult, steps: pd.DataFrame, path: Path) -> Path 
     ax.set_ylabel("validation loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.savefig(path)
-    return path
+    return figures.save(fig, path)
 
 
 def _blocks(results: list[ClaimResult], steps: dict[str, pd.DataFrame], scale: str,

@@ -44,6 +44,9 @@ import yaml
 SCALES = ("tiny", "small", "paper")
 MIN_SEEDS = 3
 """No verdict is given from fewer seeds than this."""
+MAX_SEEDS = 100
+"""Seeds per variant at most (a claim file's or --seeds): beyond, a typo that would list
+or train hundreds of thousands of runs."""
 
 METRICS = (
     "final_val_loss", "best_val_loss", "wall_s", "throughput_tokens_per_s", "total_tokens",
@@ -115,6 +118,8 @@ class Claim:
         spec["name"] = f"{self.name}-{scale}"
         spec["set"] = {**spec.get("set", {}), **chosen.get("set", {})}
         count = seeds if seeds is not None else chosen.get("seeds", MIN_SEEDS)
+        if not 1 <= count <= MAX_SEEDS:
+            raise ValueError(f"--seeds must be from 1 to {MAX_SEEDS}, got {count}")
         spec["seeds"] = list(range(count))
         if "executor" in chosen:
             spec["executor"] = chosen["executor"]
@@ -156,8 +161,9 @@ def _parse_rule(path: Path, i: int, data: Any, variants: set[str]) -> Rule:
         if variant not in variants:
             raise _fail(path, f"{where}.contrast", variant,
                         f"variants of this claim's sweep: {', '.join(sorted(variants))}")
-        if not isinstance(coef, int | float) or isinstance(coef, bool) or coef == 0:
-            raise _fail(path, f"{where}.contrast.{variant}", coef, "a non-zero number")
+        if not isinstance(coef, int | float) or isinstance(coef, bool) or coef == 0 \
+                or not math.isfinite(coef):
+            raise _fail(path, f"{where}.contrast.{variant}", coef, "a finite non-zero number")
     if abs(sum(contrast.values())) > 1e-9:
         raise _fail(path, f"{where}.contrast", contrast,
                     "coefficients must sum to 0 (a contrast compares like with like)")
@@ -216,9 +222,11 @@ def load_claim(path: str | os.PathLike) -> Claim:
         settings = settings or {}
         _known(path, f"scales.{scale}.", settings, ("seeds", "set", "executor"))
         seeds = settings.get("seeds", MIN_SEEDS)
-        if not isinstance(seeds, int) or seeds < MIN_SEEDS:
+        if not isinstance(seeds, int) or isinstance(seeds, bool) or \
+                not MIN_SEEDS <= seeds <= MAX_SEEDS:
             raise _fail(path, f"scales.{scale}.seeds", seeds,
-                        f"an integer >= {MIN_SEEDS} (no verdict from fewer seeds)")
+                        f"an integer from {MIN_SEEDS} (no verdict from fewer seeds) to "
+                        f"{MAX_SEEDS}")
     rules_data = data["rules"]
     if not isinstance(rules_data, list):
         raise _fail(path, "rules", rules_data, "a list of rules")
@@ -239,6 +247,13 @@ def find_claims(claims_dir: str | os.PathLike, names: list[str] | None = None) -
     if not files:
         raise ValueError(f"no claim files (*.yaml) in {str(claims_dir)!r}")
     claims = [load_claim(f) for f in files]
+    first: dict[str, Claim] = {}
+    for claim in claims:  # one name, one sweep directory: two would mix their runs
+        if claim.name in first:
+            raise ValueError(f"claim name {claim.name!r} is given by two files, "
+                             f"{first[claim.name].path} and {claim.path}; their runs would "
+                             "share one sweep directory (and one verdict): rename one")
+        first[claim.name] = claim
     if not names:
         return claims
     by_name = {c.name: c for c in claims}

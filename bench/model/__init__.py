@@ -28,6 +28,7 @@ from bench.model.common import (
     RMSNorm,
     TransformerBlock,
     autocast_context,
+    hidden_matrices,
     lm_loss,
 )
 from bench.model.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
@@ -69,5 +70,5 @@ __all__ = [
     "VOCAB_MULTIPLE", "Block", "CausalLM", "CausalSelfAttention", "DecoderConfig",
     "Embedding", "GPTConfig", "Head", "Llama", "LlamaBlock", "LlamaConfig", "ModelShape",
     "RMSNorm", "TransformerBlock", "autocast_context", "build_model", "config_from_dict",
-    "config_of", "gpt_config", "lm_loss", "model_config",
+    "config_of", "gpt_config", "hidden_matrices", "lm_loss", "model_config",
 ]

@@ -326,3 +326,12 @@ def autocast_context(device_type: str, precision: str) -> contextlib.AbstractCon
     if precision == "fp32":
         return contextlib.nullcontext()
     raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+
+
+def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
+    """The 2-D weights of the `nn.Linear` modules inside `TransformerBlock`s, in
+    `module.parameters()` order: what Muon updates (bench/optim.py) and the memory plan
+    counts as Muon's (bench/memory.py)."""
+    inside = {id(m.weight) for block in module.modules() if isinstance(block, TransformerBlock)
+              for m in block.modules() if isinstance(m, nn.Linear) and m.weight.dim() == 2}
+    return [p for p in module.parameters() if id(p) in inside and p.requires_grad]

@@ -29,6 +29,12 @@ import yaml
 SHIPPED = Path(__file__).resolve().parent.parent / "profiles.yaml"
 
 
+MAX_LATENCY_S = 10.0
+MIN_BANDWIDTH_BPS, MAX_BANDWIDTH_BPS = 125e3, 1e14
+"""The links a profile may describe: one-way latency up to 10 s (a geostationary hop is
+0.25 s), bandwidth from 1 Mbit/s to 800 Tbit/s. Beyond them a value is a typo (ms for
+us, bit for byte) or NaN, and an emulated run would sleep for hours per message."""
+
 LINUX_TCP_INITIAL_WINDOW_B = 14480
 """Linux's initial congestion window: 10 segments of 1448 B (netprobe's gloo tiers, the
 shaped-link lab; bench/profiles.yaml spells it for wan-1g)."""
@@ -182,13 +188,17 @@ def parse_tier(spec, where: str, named: dict[str, Tier]) -> Tier:
     if not isinstance(nics, int) or isinstance(nics, bool) or nics < 1:
         raise _fail(f"{where}.nics", nics, "an integer >= 1")
     latency, bandwidth = values
-    if latency < 0:
-        raise _fail(f"{where}.latency", spec.get("latency", spec.get("latency_s")), ">= 0")
-    if bandwidth <= 0:
-        raise _fail(f"{where}.bandwidth", spec.get("bandwidth", spec.get("bandwidth_Bps")), "> 0")
+    if not 0 <= latency <= MAX_LATENCY_S:
+        raise _fail(f"{where}.latency", spec.get("latency", spec.get("latency_s")),
+                    f"from 0 to {MAX_LATENCY_S:g} s (a link's one-way latency; a run emulating "
+                    "it sleeps that long per message)")
+    if not MIN_BANDWIDTH_BPS <= bandwidth <= MAX_BANDWIDTH_BPS:
+        raise _fail(f"{where}.bandwidth", spec.get("bandwidth", spec.get("bandwidth_Bps")),
+                    f"from {MIN_BANDWIDTH_BPS:g} to {MAX_BANDWIDTH_BPS:g} B/s (1 Mbit/s to "
+                    "800 Tbit/s)")
     window = spec.get("tcp_initial_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float))
-                               or not window > 0):
+                               or not 0 < window < float("inf")):
         raise _fail(f"{where}.tcp_initial_window", window,
                     "a number of bytes > 0 (Linux: 14480 = 10 segments of 1448 B), or absent "
                     "for links without TCP slow start")

@@ -36,6 +36,7 @@ and confidence intervals are computed: see bench/report/analysis.py and stats.py
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     `target_loss` overrides the target validation loss (default: the sweep spec's, else the
     DDP baseline's final validation loss, the highest over its seeds). Raises ValueError
     when `results_dir` does not exist or holds no run records."""
+    if target_loss is not None and not math.isfinite(target_loss):
+        raise ValueError(f"--target-loss must be a finite validation loss, got {target_loss}")
     results_dir, out_dir = Path(results_dir), Path(out_dir)
     res = load_results(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,14 +109,14 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     comm = analysis.communication(runs, profiles)
     evals = analysis.downstream(runs)
 
-    runs.drop(columns=["comm_bytes_series"], errors="ignore").to_csv(out_dir / "runs.csv",
-                                                                      index=False)
-    res.steps.to_csv(out_dir / "steps.csv", index=False)
-    speedup.to_csv(out_dir / "speedup.csv", index=False)
-    convergence.to_csv(out_dir / "convergence.csv", index=False)
-    comm.to_csv(out_dir / "communication.csv", index=False)
+    figures.write_csv(runs.drop(columns=["comm_bytes_series"], errors="ignore"),
+                      out_dir / "runs.csv")
+    figures.write_csv(res.steps, out_dir / "steps.csv")
+    figures.write_csv(speedup, out_dir / "speedup.csv")
+    figures.write_csv(convergence, out_dir / "convergence.csv")
+    figures.write_csv(comm, out_dir / "communication.csv")
     if not evals.empty:
-        evals.to_csv(out_dir / "downstream.csv", index=False)
+        figures.write_csv(evals, out_dir / "downstream.csv")
 
     drawn = {}
     for name, fig in (("throughput", figures.throughput(comm, profiles)),
@@ -145,9 +148,7 @@ class _OneSet:
 
 
 def _save(fig, out_dir: Path, name: str) -> Path:
-    path = out_dir / "figures" / f"{name}.png"
-    fig.savefig(path)
-    return path
+    return figures.save(fig, out_dir / "figures" / f"{name}.png")
 
 
 def _compare_on_one_set(name: str, part: Results, out_dir: Path, target_loss: float | None,

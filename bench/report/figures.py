@@ -7,13 +7,17 @@ range over seeds shaded when there are several.
 
 from __future__ import annotations
 
+import io
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, PercentFormatter
+
+from bench import records
 
 _COLORS = ["#222222", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
            "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
@@ -23,6 +27,20 @@ def _figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+def save(fig: Figure, path: Path) -> Path:
+    """Write `fig` as a PNG at `path`, atomically (bench.records.write_bytes: a link at
+    `path` is replaced, never followed); returns `path`."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    records.write_bytes(path, buffer.getvalue())
+    return path
+
+
+def write_csv(table: pd.DataFrame, path: Path) -> None:
+    """A table as CSV at `path`, atomically, like `save`."""
+    records.write_text(path, table.to_csv(index=False))
 
 
 def colors(labels: list[str]) -> dict[str, str]:

@@ -96,14 +96,35 @@ def _update_delay(row: dict) -> int:
     return 0
 
 
-def find_run_dirs(results_dir: Path) -> list[Path]:
+def find_run_dirs(results_dir: Path, warnings: list[str] | None = None) -> list[Path]:
+    """Every run directory under `results_dir`: one holding config.yaml, or a summary.json
+    that reads as a run's summary (a JSON object). A stray or garbage summary.json (no
+    config.yaml beside it) is not a run: the runs below it are found, and `warnings` says
+    so (it used to hide every run under it)."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(results_dir):
+    for dirpath, dirnames, _ in os.walk(results_dir):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
-        if "config.yaml" in filenames or "summary.json" in filenames:
-            found.append(Path(dirpath))
+        run = records.RunDir(dirpath)
+        if run.config.is_file() or (run.summary.is_file() and _summary_alone(run, warnings)):
+            found.append(run.path)
             dirnames[:] = []  # logs/ and checkpoints/ of a run are not runs
     return found
+
+
+def _summary_alone(run: records.RunDir, warnings: list[str] | None) -> bool:
+    """Whether a summary.json without config.yaml beside it is a run's (a JSON object)."""
+    try:
+        summary = records.read_json(run.summary)
+    except (ValueError, OSError) as err:
+        summary, why = None, str(err).removeprefix(f"{run.summary}: ")
+    else:
+        why = f"not a JSON object: {type(summary).__name__}"
+    if isinstance(summary, dict):
+        return True
+    if warnings is not None:
+        warnings.append(f"{run.summary}: not a run's summary ({why}) and no config.yaml "
+                        "beside it; looked for runs below it")
+    return False
 
 
 def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
@@ -232,7 +253,68 @@ def _flatten_eval(data: Any) -> dict[str, float]:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A number as a record holds one: not a bool, finite and no larger in magnitude than
+    `LARGEST` (a crafted or corrupted 1e308 would overflow the statistics)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and abs(value) <= LARGEST)
+
+
+LARGEST = 1e30
+"""No quantity commbench records (seconds, tokens, bytes, losses) comes near this."""
+SUMMARY_TYPES = {"status": str, "run_name": str, "strategy": str, "config_hash": str,
+                 "error": str, "eval_error": str, "started": str, "projected": dict,
+                 "val_set": dict, "eval": dict}
+"""summary.json fields the report reads that are not numbers, and their types."""
+
+
+def _checked_summary(summary: Any, path: Path, warnings: list[str]) -> dict | None:
+    """summary.json with every field the report reads of the right type: a field of
+    another type (a hand-edited or corrupted record) is dropped, with a warning, instead
+    of failing the report of every run."""
+    if summary is None:
+        return None
+    if not isinstance(summary, dict):
+        warnings.append(f"{path}: not a JSON object ({type(summary).__name__}); treated as "
+                        "missing")
+        return None
+    out = dict(summary)
+    for key, kind in SUMMARY_TYPES.items():
+        if key in out and out[key] is not None and not isinstance(out[key], kind):
+            warnings.append(f"{path}: {key} is not a {kind.__name__} (got "
+                            f"{out.pop(key)!r:.60}); treated as missing")
+    projected = out.get("projected") or {}
+    if any(not isinstance(v, dict) for v in projected.values()):
+        warnings.append(f"{path}: projected holds values that are not mappings; those "
+                        "profiles are treated as missing")
+        out["projected"] = {k: v for k, v in projected.items() if isinstance(v, dict)}
+    return out
+
+
+def _checked_rows(rows: list[dict], path: Path, warnings: list[str]) -> list[dict]:
+    """metrics.jsonl rows with an integer step >= 0, their numbers as `_is_number` reads
+    them (others NaN: a non-finite loss marks a diverged run and stays NaN), other keys
+    kept only when they are mappings of numbers (per-profile clocks, extra losses)."""
+    out, bad = [], 0
+    for row in rows:
+        step = row.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            bad += 1
+            continue
+        clean = {"step": step}
+        for key, value in row.items():
+            if key == "step":
+                continue
+            if isinstance(value, dict):
+                clean[key] = {k: v for k, v in value.items() if _is_number(v)}
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                clean[key] = float(value) if _is_number(value) else math.nan
+            else:
+                bad += 1
+        out.append(clean)
+    if bad:
+        warnings.append(f"{path}: {bad} rows or values are not a metrics row's (a step >= 0, "
+                        "numbers); skipped")
+    return out
 
 
 def _nearest_sweep(run_dir: Path, root: Path, cache: dict, warnings: list[str]) -> dict | None:
@@ -250,20 +332,20 @@ def load_results(results_dir: str | os.PathLike) -> Results:
     root = Path(results_dir)
     if not root.is_dir():
         raise ValueError(f"results directory not found: {str(root)!r}")
-    run_dirs = find_run_dirs(root)
+    warnings: list[str] = []
+    run_dirs = find_run_dirs(root, warnings)
     if not run_dirs:
         raise ValueError(f"no run records under {str(root)!r} (a run directory holds "
                          "config.yaml and summary.json; run `commbench run` or `commbench sweep`)")
-    warnings: list[str] = []
     sweeps: dict[Path, Any] = {}
     sweep_targets: dict[str, float] = {}
     profiles: list[str] = []
     run_rows, step_rows = [], []
     for run_dir in run_dirs:
-        config = _read_config(run_dir / "config.yaml", warnings)
-        summary = _read_json(run_dir / "summary.json", warnings)
-        summary = summary if isinstance(summary, dict) else None
-        metrics = read_metrics(run_dir / "metrics.jsonl", warnings)
+        run = records.RunDir(run_dir)
+        config = _read_config(run.config, warnings)
+        summary = _checked_summary(_read_json(run.summary, warnings), run.summary, warnings)
+        metrics = _checked_rows(read_metrics(run.metrics, warnings), run.metrics, warnings)
         run_cfg = config.get("run", {}) if isinstance(config.get("run"), dict) else {}
         match = re.search(r"([0-9a-f]{12})$", run_dir.name)
         config_hash = (summary or {}).get("config_hash") or (match.group(1) if match else None)
@@ -330,7 +412,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
                     row[f"proj.{profile}.{key}"] = float(value)
         evals = _flatten_eval((summary or {}).get("eval"))
         if not evals:
-            evals = _flatten_eval(_read_json(run_dir / "eval.json", warnings))
+            evals = _flatten_eval(_read_json(run.eval, warnings))
         for key, value in evals.items():
             row[f"eval.{key}"] = value
         run_rows.append(row)

@@ -149,12 +149,11 @@ def _delay_blocks(cells: pd.DataFrame, out_dir: Path, suffix: str, tag: str) -> 
            ("table", table)]
     fig = figures.delay_gaps(cells)
     if fig is not None:
-        path = out_dir / "figures" / f"delay_gaps{suffix}.png"
-        fig.savefig(path)
+        path = figures.save(fig, out_dir / "figures" / f"delay_gaps{suffix}.png")
         out.append(("figure", path, "Gap of the final validation loss to the synchronous "
                                     "run, per sync reference and setting (error bars: 95% "
                                     "interval). " + EF_CAPTION + "."))
-    cells.drop(columns="delay_ref").to_csv(out_dir / f"delay_study{suffix}.csv", index=False)
+    figures.write_csv(cells.drop(columns="delay_ref"), out_dir / f"delay_study{suffix}.csv")
     return out
 
 

@@ -23,9 +23,11 @@ A spec names a base run config and what varies around it:
     report_dir: reports/h-sweep    # default reports/NAME
     executor: {name: local, max_parallel: 1}
 
-Runs = seeds x grid x zip x variants. Each key is set in one place only (set, one grid axis,
-one zip group, the variants, or seeds). When a run's `strategy.name` differs from the
-base's, the base's other `strategy.*` knobs are dropped: they belong to another algorithm.
+Runs = seeds x grid x zip x variants, at most 10,000 (spec.MAX_RUNS: every config is built
+and validated up front, so a larger sweep is refused, --dry-run too). Each key is set in
+one place only (set, one grid axis, one zip group, the variants, or seeds). When a run's
+`strategy.name` differs from the base's, the base's other `strategy.*` knobs are dropped:
+they belong to another algorithm.
 
 Identity and resume. A run's id is `config_hash` of its resolved config; its record is
 OUTPUT_DIR/NAME/RUN_NAME-ID/ (RUN_NAME = the variant name). Re-running a sweep skips runs
@@ -34,8 +36,10 @@ with their error unless `--retry-failed`, and continues partial ones (killed, st
 signal, timed out or preempted) from their last checkpoint, in their own directory, as
 `commbench run --resume` does: the result is bit-identical to an uninterrupted run. A run
 without a usable checkpoint is trained from step 0, and the sweep says why; its old
-record is moved to NAME/_retired/ first, never deleted. One failing run never stops the
-sweep. One sweep process at a time per sweep directory (NAME/.sweep.lock).
+record is moved to NAME/_retired/ first, never deleted. No record is moved or continued
+while another process (a hand `--resume`, `eval`) holds it: the sweep stops first. One
+failing run never stops the sweep. One sweep process at a time per sweep directory
+(NAME/.sweep.lock, a flock: a killed sweep leaves no stale lock).
 `commbench sweep SPEC --status` lists each run's state, attempts and last step.
 NAME/sweep.json maps each run id to its variant, seed and grid point; the report reads
 it. Renaming a variant changes run.name, hence the id: that run is trained again.

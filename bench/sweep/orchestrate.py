@@ -79,6 +79,9 @@ def _launch(spec: SweepSpec, outcomes: list[RunOutcome], todo: list[RunOutcome],
             runner: Runner | None, executor: Executor, active: set[str]) -> None:
     """Move aside the old records of the runs to train from step 0, train, update `outcomes`."""
     sweep_dir = spec.sweep_dir
+    # a run another process holds (a hand --resume, eval) stops the sweep before any record
+    # moves: retiring or continuing it would mix two writers' records
+    store.check_not_held([o.run_dir for o in todo if o.run.run_id not in active])
     for outcome in todo:
         outcome.launched = True
         run = outcome.run
@@ -202,7 +205,8 @@ def sweep_status(spec_path: str | os.PathLike, *, executor: str | None = None,
         if o.run.run_id in queued:
             state = queued[o.run.run_id]
         elif summary.get("status") == "running" and sweeping is not None:
-            state = f"running (sweep process {sweeping[1]} on {sweeping[0]})"
+            state = (f"running (sweep process {sweeping.get('pid')} on "
+                     f"{sweeping.get('host')})")
         elif o.status == "partial":
             state = (f"stopped, resumes from step {o.resume_from}" if o.resume_from
                      else "stopped, no checkpoint")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,10 @@ from bench.typed import from_mapping, load_yaml_mapping, parse_assignment, unkno
 
 SPEC_KEYS = ("name", "description", "base", "set", "grid", "zip", "seeds", "variants",
              "target_loss", "output_dir", "report_dir", "executor")
+MAX_RUNS = 10_000
+"""Runs per sweep at most (seeds x grid points x variants): every run's config is built and
+validated before anything starts, so a typo that multiplies the grid (10^6 runs) would
+otherwise hang even a --dry-run."""
 
 
 @dataclass
@@ -188,8 +193,9 @@ def _parse_spec(raw: dict, path: Path, cli: dict[str, Any]) -> SweepSpec:
     common.update(cli)
 
     target = raw.get("target_loss")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float)):
-        raise ValueError(f"target_loss must be a number, got {target!r}")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int | float)
+                               or not math.isfinite(target)):
+        raise ValueError(f"target_loss must be a finite validation loss, got {target!r}")
     output_dir = raw.get("output_dir", "results")
     report_dir = raw.get("report_dir", str(Path("reports") / name))
     for key, value in (("output_dir", output_dir), ("report_dir", report_dir)):
@@ -260,7 +266,16 @@ def format_value(value: Any) -> str:
 
 
 def expand(spec: SweepSpec) -> list[SweepRun]:
-    """Every run of the spec, seeds outermost so that a partial sweep is comparable early."""
+    """Every run of the spec, seeds outermost so that a partial sweep is comparable early.
+    ValueError when there would be more than MAX_RUNS (counted before any is built)."""
+    counts = {"seeds": len(spec.seeds or [None]), "variants": len(spec.variants or [None])}
+    counts.update({f"grid.{key}": len(values) for key, values in spec.grid.items()})
+    counts.update({f"zip[{i}]": len(next(iter(group.values()), []))
+                   for i, group in enumerate(spec.zip)})
+    if math.prod(counts.values()) > MAX_RUNS:
+        sizes = " x ".join(f"{n} ({where})" for where, n in counts.items() if n > 1)
+        raise ValueError(f"the sweep has {math.prod(counts.values())} runs ({sizes}); at most "
+                         f"{MAX_RUNS} are allowed: shrink the grid or split the sweep")
     strategy = spec.base.get("strategy")
     base_strategy = strategy.get("name", "ddp") if isinstance(strategy, dict) else None
     variants = spec.variants or {None: {}}

@@ -11,9 +11,7 @@ never deleted: a record that is trained again from step 0 moves to NAME/_retired
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,8 +25,7 @@ if TYPE_CHECKING:
 def record_state(run_dir: Path) -> str:
     """`new` when nothing is recorded at run_dir, else records.status_of its summary
     (a torn summary.json, from a run killed while writing it, reads as partial)."""
-    run = RunDir(run_dir)
-    if not run.config.exists() and not run.summary.exists():
+    if not RunDir(run_dir).holds_records():
         return "new"
     return records.status_of(read_summary(run_dir))
 
@@ -64,56 +61,42 @@ def find_run_dir(sweep_dir: Path, run: SweepRun) -> Path:
 
 
 def retire(run_dir: Path, sweep_dir: Path) -> Path:
-    """Move a record aside to SWEEP/_retired/NAME.N (never deleted)."""
+    """Move a record aside to SWEEP/_retired/NAME.N (never deleted), holding its run
+    directory's lock: `records.Busy` when another process (a hand `--resume`) writes it."""
     retired = sweep_dir / "_retired"
-    retired.mkdir(parents=True, exist_ok=True)
-    n = 1
-    while (retired / f"{run_dir.name}.{n}").exists():
-        n += 1
-    dest = retired / f"{run_dir.name}.{n}"
-    shutil.move(str(run_dir), str(dest))
+    with records.RunDir(run_dir).lock("commbench sweep (moving it to _retired/)"):
+        retired.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while (retired / f"{run_dir.name}.{n}").exists():
+            n += 1
+        dest = retired / f"{run_dir.name}.{n}"
+        shutil.move(str(run_dir), str(dest))
     return dest
+
+
+def check_not_held(run_dirs: list[Path]) -> None:
+    """`records.Busy` naming the first run directory another process holds (a hand
+    `--resume` or `eval`): checked before a sweep changes any record."""
+    for run_dir in run_dirs:
+        holder = records.RunDir(run_dir).holder()
+        if holder is not None:
+            raise records.Busy(f"run directory {run_dir}", holder)
 
 
 @contextlib.contextmanager
 def sweep_lock(sweep_dir: Path):
-    """One sweep process per sweep directory: a second one would retire the first's runs."""
-    path = sweep_dir / ".sweep.lock"
-    me = f"{socket.gethostname()} {os.getpid()}"
-    holder = lock_holder(sweep_dir)
-    if holder is not None:
-        raise ValueError(f"sweep directory {str(sweep_dir)!r} is in use by process "
-                         f"{holder[1]} on {holder[0]} (another `commbench sweep` of this spec). "
-                         f"Wait for it, or delete {path} if that process is gone.")
-    records.write_text(path, me)
-    try:
+    """One sweep process per sweep directory: a second one would retire the first's runs.
+    NAME/.sweep.lock, held with records.hold (a flock the kernel releases when the holder
+    dies: never stale); a second sweep is refused naming the holder (`records.Busy`)."""
+    with records.hold(sweep_dir / ".sweep.lock", "commbench sweep",
+                      f"sweep directory {str(sweep_dir)!r}"):
         yield
-    finally:
-        if path.exists() and path.read_text() == me:
-            path.unlink()
 
 
-def lock_holder(sweep_dir: Path) -> tuple[str, int] | None:
-    """(host, pid) of the sweep process that holds the lock, or None (a process of this
-    host that is gone holds nothing)."""
-    try:
-        host, pid = (sweep_dir / ".sweep.lock").read_text().split()
-        pid = int(pid)
-    except (OSError, ValueError):
-        return None
-    if host == socket.gethostname() and not _alive(pid):
-        return None
-    return host, pid
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def lock_holder(sweep_dir: Path) -> dict | None:
+    """The sweep process that holds the sweep directory now (purpose, pid, host, since),
+    or None."""
+    return records.holder_of(sweep_dir / ".sweep.lock")
 
 
 def write_sweep_json(spec: SweepSpec, run_dirs: dict[str, Path]) -> None:

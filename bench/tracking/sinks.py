@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from bench.typed import flatten
+
 if TYPE_CHECKING:
     from bench.tracking import MlflowConfig, TensorBoardConfig, WandbConfig
-    from bench.tracking.sync import TrackedRun
+    from bench.tracking.run import TrackedRun
 
 
 class TensorBoardSink:
@@ -42,6 +44,16 @@ class TensorBoardSink:
     def where(self, handle: str) -> str:
         return str(self.root / handle)
 
+    def inside(self, handle: str) -> Path:
+        """root/handle; ValueError unless `handle` (made of a record's names: the sweep's,
+        tracking.json's) is a relative path without `..`: a crafted record must not make
+        the sink write outside its directory."""
+        parts = Path(handle).parts
+        if not parts or Path(handle).is_absolute() or ".." in parts:
+            raise ValueError(f"the records name the TensorBoard run {handle!r}, which is not "
+                             f"a path inside {self.root}; refused")
+        return self.root / handle
+
     def open(self, run: TrackedRun, handle: str | None) -> str:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
@@ -50,10 +62,10 @@ class TensorBoardSink:
         if new:
             base = f"{run.group}/{run.name}" if run.group else run.name
             handle, n = base, 1
-            while (self.root / handle).exists():
+            while self.inside(handle).exists():
                 n += 1
                 handle = f"{base}.{n}"
-        self.writer = SummaryWriter(str(self.root / handle), flush_secs=10)
+        self.writer = SummaryWriter(str(self.inside(handle)), flush_secs=10)
         if new:
             self.writer.add_text("config", _code(run.config_yaml, "yaml"), 0)
             self.writer.add_text("env", _code(json.dumps(run.env, indent=2), "json"), 0)
@@ -246,17 +258,6 @@ def make_sink(name: str, spec, timeout_s: float = 60.0):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def flatten(tree: dict, prefix: str = "", sep: str = ".") -> dict:
-    """Nested mappings as {dotted key: leaf} (lists and scalars are leaves)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}{sep}", sep))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def mlflow_key(key: str) -> str:

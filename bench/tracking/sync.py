@@ -25,95 +25,14 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from bench import records
-from bench.records import RunDir, status_of
+from bench.records import RunDir
 from bench.tracking import SINK_CONFIGS, SINK_NAMES, TrackingConfig
-from bench.tracking.sinks import flatten, make_sink
-
-# ----------------------------------------------------------------------- the records
-
-
-@dataclass
-class TrackedRun:
-    """A run directory as the sinks see it."""
-
-    path: Path
-    name: str
-    """The run directory's name (RUN)."""
-    group: str | None
-    """The sweep's name when the run is part of one (SWEEP/sweep.json beside it)."""
-    config: dict
-    config_yaml: str
-    config_hash: str | None
-    strategy: str
-    env: dict
-    summary: dict
-    rows: list[dict]
-    eval: dict[str, float]
-
-    @classmethod
-    def load(cls, run_dir: str | os.PathLike) -> TrackedRun:
-        from bench.report.load import _flatten_eval
-
-        run = RunDir(run_dir)
-        config_yaml = run.config.read_text() if run.config.exists() else ""
-        config = _yaml(config_yaml)
-        env = records.read_json(run.env) if run.env.exists() else {}
-        summary = run.read_summary() or {}
-        sweep = run.path.parent / "sweep.json"
-        group = records.read_json(sweep).get("name") if sweep.exists() else None
-        evals = _flatten_eval(summary.get("eval"))
-        if not evals and run.eval.exists():
-            evals = _flatten_eval(records.read_json(run.eval))
-        return cls(path=run.path.absolute(), name=run.path.name, group=group, config=config,
-                   config_yaml=config_yaml, config_hash=summary.get("config_hash"),
-                   strategy=str(summary.get("strategy") or
-                                (config.get("strategy") or {}).get("name") or "unknown"),
-                   env=env if isinstance(env, dict) else {}, summary=summary,
-                   rows=[r for r in run.read_metrics([]) if isinstance(r, dict) and
-                         isinstance(r.get("step"), int)], eval=evals)
-
-    @property
-    def attempt(self) -> str | None:
-        """When this attempt started (summary.json `started`, written by the launcher)."""
-        return self.summary.get("started")
-
-    @property
-    def status(self) -> str:
-        return status_of(self.summary)
-
-    @property
-    def last_step(self) -> int:
-        return int(self.summary.get("steps") or max((r["step"] for r in self.rows), default=0))
-
-    @property
-    def hyperparameters(self) -> dict:
-        """The resolved config without its tracking section (where it is shown, not what ran)."""
-        return {k: v for k, v in self.config.items() if k != "tracking"}
-
-    def params(self) -> dict:
-        """The hyper-parameters flat: {"optim.lr": 0.001, ...}."""
-        return flatten(self.hyperparameters)
-
-    def walltime(self, elapsed_s: float | None) -> float | None:
-        """The attempt's start plus the run's clock: a sink's time axis shows the run's own
-        measured seconds (validation and logging excluded, bench/meter.py)."""
-        try:
-            start = datetime.strptime(self.attempt, "%Y-%m-%dT%H:%M:%S%z").timestamp()
-        except (TypeError, ValueError):
-            return None
-        return start + (elapsed_s or 0.0)
-
-
-def _yaml(text: str) -> dict:
-    import yaml
-
-    data = yaml.safe_load(text) if text.strip() else {}
-    return data if isinstance(data, dict) else {}
+from bench.tracking.run import TrackedRun, read_yaml
+from bench.tracking.sinks import make_sink
+from bench.typed import flatten
 
 
 def row_series(row: dict) -> tuple[str, dict[str, float]]:
@@ -389,11 +308,32 @@ def sink_config(run_dir: Path, name: str, overrides: list[str] = ()):
     data = {}
     run = RunDir(run_dir)
     if run.config.exists():
-        recorded = (_yaml(run.config.read_text()).get("tracking") or {}).get(name)
+        recorded = (read_yaml(run.config.read_text()).get("tracking") or {}).get(name)
         data = dict(recorded) if isinstance(recorded, dict) else {}
+    for key in _DESTINATIONS:
+        if isinstance(data.get(key), str):
+            _check_recorded_destination(run, name, key, data[key])
     for assignment in overrides:
         set_override(data, assignment)
     return from_mapping(SINK_CONFIGS[name], data, f"tracking.{name}")
+
+
+_DESTINATIONS = ("dir", "tracking_uri")
+"""Sink settings that say where files are written."""
+
+
+def _check_recorded_destination(run: RunDir, name: str, key: str, value: str) -> None:
+    """A destination read from a run's record (not given by the user) must be a relative
+    path below the current directory: results directories travel, and a crafted config
+    must not make `commbench track` write anywhere else. Anything else: give it with --set."""
+    path = Path(value.removeprefix("file:")) if "://" not in value else None
+    if path is not None and not path.is_absolute() and ".." not in path.parts \
+            and not value.startswith("~"):
+        return
+    raise ValueError(
+        f"{run.config}: tracking.{name}.{key} {value!r} comes from the run's record, and "
+        "commbench track sends records only to a destination below the current directory "
+        f"unless you name it: give it with --set {key}=... (e.g. --set {key}={value})")
 
 
 def track(results_dir: str | os.PathLike, to: str, overrides: list[str] = ()) -> int:
@@ -413,9 +353,15 @@ def track(results_dir: str | os.PathLike, to: str, overrides: list[str] = ()) ->
     specs = {run_dir: sink_config(run_dir, to, overrides) for run_dir in run_dirs}  # all
     failures = 0                                                # checked before sending any
     for run_dir, spec in specs.items():
-        lines, failed = sync_run(run_dir, [make_sink(to, spec)])
-        failures += bool(failed)
         name = run_dir.name if run_dir == root else str(run_dir.relative_to(root))
+        try:
+            with RunDir(run_dir).lock("commbench track"):  # tracking.json has one writer
+                lines, failed = sync_run(run_dir, [make_sink(to, spec)])
+        except ValueError as err:  # held (a live run's launcher sends it), or not plain
+            print(f"{name}: not sent: {err}", file=sys.stderr)
+            failures += 1
+            continue
+        failures += bool(failed)
         for line in lines or ([] if failed else [f"{to}: up to date"]):
             print(f"{name}: {line}")
     return failures

@@ -29,9 +29,10 @@ from algorithms.base import TrainSetup
 from algorithms.comm import CommLedger, Communicator
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from bench.batches import BatchStream
+from bench.config import OptimConfig
 from bench.model import GPT, gpt_config, lm_loss
 from bench.network import delay_policy, get_profile
-from bench.optim import OptimConfig, build_optimizer
+from bench.optim import build_optimizer
 from tests.benchmarks.replay import CLOCK, replay
 from tests.distributed import run_distributed
 

@@ -73,3 +73,22 @@ def test_runner_names_round_trip_and_bad_ones_are_refused():
         jobentry.runner_name(lambda cfg, run_dir, progress=True: {})
     with pytest.raises(ValueError, match="'bench.launch.no_such_runner' cannot be imported"):
         jobentry.resolve("bench.launch.no_such_runner")
+
+
+def _held_elsewhere(cfg, run_dir, progress=False):
+    raise records.Busy(f"run directory {run_dir}", {"purpose": "commbench run --resume",
+                                                     "pid": 1, "host": "h", "since": "now"})
+
+
+def test_a_run_another_process_holds_fails_without_a_write_into_it(tmp_path):
+    """Issue 29: a sweep's run whose directory a hand `--resume` holds (it took the lock
+    after the sweep's check) is reported failed; its records stay the other writer's."""
+    from bench.config import load_config
+
+    cfg = load_config(REPO / "configs/ddp-tiny.yaml")
+    run_dir = tmp_path / "held"
+    run_dir.mkdir()
+    summary = jobentry.execute_run(cfg, run_dir, _held_elsewhere)
+    assert summary["status"] == "failed" and "is in use by commbench run --resume" in \
+        summary["error"]
+    assert list(run_dir.iterdir()) == []
