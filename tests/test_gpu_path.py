@@ -1001,9 +1001,9 @@ def test_the_launcher_tokenises_before_the_ranks_start(tmp_path, monkeypatch):
         "model.seq_len=16", f"run.output_dir={tmp_path / 'results'}"])
     seen = []
 
-    def torchrun(cmd, env, log_path, progress):
+    def torchrun(cmd, env, run, progress, start_timeout_s):
         seen.append(sorted(p.name for p in cache.glob("*/meta.json")))
-        return 1, ["torchrun exited"]
+        return 1, ["torchrun exited"], None
 
     monkeypatch.setattr(launch, "_run_torchrun", torchrun)
     launch.run_config(cfg, tmp_path / "run", progress=False)

@@ -70,7 +70,8 @@ def test_run_writes_every_record_and_loss_falls(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["crash", "hang"])
+@pytest.mark.parametrize("mode", [
+    "crash", pytest.param("hang", marks=pytest.mark.slow)])  # hang: ~55 s of waiting
 def test_dead_or_stuck_rank_ends_run_as_failed(tmp_path, mode):
     start = time.time()
     proc = commbench("run", "configs/ddp-tiny.yaml", *SHORT, "--set",
@@ -100,6 +101,7 @@ def test_rank_dying_at_exit_after_the_run_keeps_the_record(tmp_path):
     assert "every rank finished the run" in proc.stderr
 
 
+@pytest.mark.slow  # ~30 s; test_resume.py covers stop and resume in the default run
 @pytest.mark.timeout(400)
 def test_interrupted_run_resumes_to_the_same_result(tmp_path):
     common = [*SHORT, "--set", "checkpoint.every=10", "--set", "run.val_every=0"]
