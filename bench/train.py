@@ -171,6 +171,16 @@ class Trainer:
         state.add_one_off(self.warm_up(state.step))  # the same fresh or resumed
         first_step = state.step
         warm_end = min(first_step + cfg.run.warmup_steps, cfg.run.steps)  # one-off costs
+        settled_at = first_step
+
+        def settle() -> None:
+            """Fold the steps since the last settle into the state: those before warm_end
+            as warm-up (a settle always falls at warm_end, so no window holds both)."""
+            nonlocal settled_at
+            warm = max(0, min(state.step, warm_end) - settled_at)
+            state.advance(clock.settle(), warmup_steps=warm)
+            settled_at = state.step
+
         stopped = False
         for step in range(state.step, cfg.run.steps):
             if self.stop.reached(step):  # the boundary after `step` steps
@@ -187,12 +197,12 @@ class Trainer:
             state.idle_s += stats.idle_s
             window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
             clock.add(step_s, stats, step_records, state.compute_samples)
-            if state.step == warm_end > first_step:  # the warm-up steps, settled apart
-                state.advance(clock.settle(), warmup_steps=warm_end - first_step)
+            if state.step == warm_end:  # the warm-up steps, settled apart
+                settle()
 
             last = state.step == cfg.run.steps
             if state.step % cfg.run.log_every == 0 or last:
-                state.advance(clock.settle())
+                settle()
                 values, nonfinite = window.flush(self.device, self.world)
                 with self.comm.phase("metrics"):
                     values.update(self.strategy.metrics())
@@ -206,18 +216,18 @@ class Trainer:
                     state.status, state.diverged = "diverged", window.culprit
                     break
             if (cfg.run.val_every and state.step % cfg.run.val_every == 0) or last:
-                state.advance(clock.settle())
+                settle()
                 self.validation_row(state)
                 if not math.isfinite(state.last_val):
                     state.status = "diverged"
                     break
             if every and state.step % every == 0 and not last:
-                state.advance(clock.settle())
+                settle()
                 every = checkpoint.save_periodic(self.records, rank, state.step, self.strategy,
                                                  self.ledger, self.loop_state(state, window),
                                                  cfg, every, self.checkpoint_group)
                 saved_step = state.step if every else saved_step
-        state.advance(clock.settle())  # every rank has passed its last boundary
+        settle()  # every rank has passed its last boundary
         self.stop.close()
         if stopped:
             if saved_step != state.step and cfg.checkpoint.every != 0:

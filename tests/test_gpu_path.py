@@ -480,25 +480,33 @@ def _warmup_runs(rank, world, run_dir):
 
     globals()["SlowStart"] = SlowStart  # registered by name in this rank's process only
     STRATEGIES["slow-start"] = f"{__name__}:SlowStart"
-    cfg = load_config("configs/ddp-tiny.yaml", [
-        "run.steps=6", "run.log_every=2", "run.val_every=3", "run.val_sequences=8",
-        "run.target_loss=100", "checkpoint.every=4", "checkpoint.final=false",
-        "parallel.world_size=2", "network.profiles=[nvlink]"])
-    cfg.strategy = SlowStartConfig()
+    def config(*more):
+        cfg = load_config("configs/ddp-tiny.yaml", [
+            "run.steps=6", "run.log_every=2", "run.val_every=3", "run.val_sequences=8",
+            "run.target_loss=100", "checkpoint.every=4", "checkpoint.final=false",
+            "parallel.world_size=2", "network.profiles=[nvlink]", *more])
+        cfg.strategy = SlowStartConfig()
+        return cfg
+
+    cfg = config()
     straight = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
     os.environ["COMMBENCH_RESUME"] = "1"  # resume from step 4: a new process warms up again
     try:
         resumed = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
     finally:
         del os.environ["COMMBENCH_RESUME"]
-    return straight, resumed
+    # three warm-up steps, a metrics row after each: every settle inside the warm-up
+    longer = Trainer(config("run.warmup_steps=3", "run.log_every=1"), Path(run_dir) / "w3",
+                     torch.device("cpu"), "gloo").run()
+    return straight, resumed, longer
 
 
 @pytest.mark.timeout(150)
 def test_warmup_is_recorded_apart_and_left_out_of_throughput(tmp_path):
     """Step 0 holds compile and communicator creation: on the clock (a user waits for it)
     but recorded apart, and throughput is the steady state's. A resume warms up again."""
-    for straight, resumed in run_distributed(_warmup_runs, 2, str(tmp_path), timeout=130):
+    for straight, resumed, longer in run_distributed(_warmup_runs, 2, str(tmp_path),
+                                                     timeout=130):
         per_step = straight["total_tokens"] // 6
         assert straight["warmup_steps"] == 1 and straight["warmup_tokens"] == per_step
         assert straight["warmup_s"] >= FIRST_STEP_S and straight["wall_s"] > straight["warmup_s"]
@@ -512,6 +520,12 @@ def test_warmup_is_recorded_apart_and_left_out_of_throughput(tmp_path):
             5 * per_step / (nvlink["total_s"] - nvlink["warmup_s"]))
         assert resumed["warmup_steps"] == 2 and resumed["warmup_tokens"] == 2 * per_step
         assert resumed["warmup_s"] >= 2 * FIRST_STEP_S
+        # warm-up windows cut by metrics rows still count as warm-up (they counted as
+        # steady state, and warmup_s held only the last window's seconds)
+        assert longer["warmup_steps"] == 3 and longer["warmup_tokens"] == 3 * per_step
+        assert longer["warmup_s"] >= FIRST_STEP_S
+        assert longer["throughput_tokens_per_s"] == pytest.approx(
+            3 * per_step / (longer["wall_s"] - longer["warmup_s"]))
 
 
 def _warm_up_groups(rank, world):
