@@ -183,7 +183,7 @@ def _cmd_whatif(args) -> int:
                   f"{'n/a' if recorded is None else f'{recorded:.6g} s'}, "
                   f"utilisation {row['utilisation']:.1%}")
         return 0
-    scenario = load_scenario(args.scenario, args.set or [])
+    scenario = load_scenario(args.scenario, args.set)
     results = evaluate(scenario)
     print(table(scenario, results))
     out = write(scenario, results, Path(args.output) / scenario.name)
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(bench/whatif/; docs/network-model.md).")
     whatif.add_argument("scenario", nargs="?", help="a what-if scenario YAML (default: the "
                         "defaults of bench/whatif/scenario.py)")
-    whatif.add_argument("--set", action="append", metavar="KEY=VALUE",
+    whatif.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a scenario field (repeatable)")
     whatif.add_argument("-o", "--output", default="results/whatif",
                         help="where SCENARIO_NAME/whatif.{md,json,png} go")

@@ -144,7 +144,7 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
             write_text(run.config, to_yaml(cfg))
             run.write_summary(running_header(
                 cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,
-                started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                started=_now(),
                 **{**header, "attempts": [*header.get("attempts", []), new_attempt()]}))
         env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -374,7 +374,7 @@ def _set_lock_content(fd: int, holder: dict | None) -> None:
         if holder is not None:
             os.pwrite(fd, json.dumps(holder).encode(), 0)
     except OSError as err:  # a full disk: the lock holds; only its description is lost
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if err.errno not in NO_SPACE:
             raise
 
 

@@ -28,9 +28,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-import torch
-from torch import nn
-
 from algorithms.comm import CommRecord
 from algorithms.traffic import ParamFact, Traffic, TrafficFacts, Transfer
 from bench.meter import LinkClock, step_kind
@@ -67,7 +64,7 @@ def traffic_facts(cfg, model=None) -> TrafficFacts:
     return TrafficFacts(
         params=params, tied_bytes=tied.numel() * 4 if tied is not None else 0,
         tied_layers=(0, len(layers) - 1) if tied is not None else (),
-        layer_bytes=tuple(sum(p.numel() * 4 for p in _unique(layer)) for layer in layers),
+        layer_bytes=tuple(sum(p.numel() * 4 for p in layer.parameters()) for layer in layers),
         boundary_bytes=micro * cfg.model.seq_len * model.cfg.n_embd * 4)
 
 
@@ -77,15 +74,6 @@ def synthetic_facts(num_params: int, n_layer: int) -> TrafficFacts:
     params = tuple(ParamFact((block,), i, i + 1) for i in range(n_layer))
     return TrafficFacts(params=params, tied_bytes=0,
                         layer_bytes=(0, *(block * 4 for _ in range(n_layer)), 0))
-
-
-def _unique(module: nn.Module) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for p in module.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 # ---------------------------------------------------------------------- compute
