@@ -79,40 +79,27 @@ def own_model(strategy):
     return getattr(strategy, "model", None) or strategy.eval_model()
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", CASES)
-def test_resumed_run_ends_with_the_same_parameters(tmp_path, case):
-    config, overrides, checkpoint_step = CASES[case]
-    results = run_distributed(straight_then_resumed, 2, config, overrides, str(tmp_path),
-                              timeout=130)
-    check_resumed(results, checkpoint_step)
+RESUMES = [  # (ranks, case, its table, timeout s): 2 ranks, 4 ranks, 4 ranks over 44 steps
+    *[pytest.param(2, c, CASES, 130, id=f"2-{c}", marks=pytest.mark.timeout(150))
+      for c in CASES],
+    *[pytest.param(4, c, FOUR_RANKS, 280, id=f"4-{c}", marks=pytest.mark.timeout(300))
+      for c in FOUR_RANKS],
+    *[pytest.param(4, c, FOUR_RANKS_LONG, 880, id=f"4-{c}-44-steps",
+                   marks=[pytest.mark.slow, pytest.mark.timeout(900)])
+      for c in FOUR_RANKS_LONG],
+]
 
 
-def check_resumed(results, checkpoint_step: int) -> None:
+@pytest.mark.parametrize("world, case, table, timeout", RESUMES)
+def test_resumed_run_ends_with_the_same_parameters(tmp_path, world, case, table, timeout):
+    """Bit for bit: the evaluated model and this rank's own, and really from the checkpoint."""
+    config, overrides, checkpoint_step = table[case]
+    results = run_distributed(straight_then_resumed, world, config, overrides, str(tmp_path),
+                              timeout=timeout)
     for straight, resumed, resumed_own, step, straight_own in results:
         assert step == checkpoint_step  # the second run really resumed there
         assert_same_params(resumed, straight, atol=0, rtol=0)
         assert_same_params(resumed_own, straight_own, atol=0, rtol=0)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", FOUR_RANKS)
-def test_resume_on_4_ranks_is_bit_exact(tmp_path, case):
-    config, overrides, checkpoint_step = FOUR_RANKS[case]
-    results = run_distributed(straight_then_resumed, 4, config, overrides, str(tmp_path),
-                              timeout=280)
-    check_resumed(results, checkpoint_step)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", FOUR_RANKS_LONG)
-def test_resume_on_4_ranks_through_44_steps_is_bit_exact(tmp_path, case):
-    config, overrides, checkpoint_step = FOUR_RANKS_LONG[case]
-    results = run_distributed(straight_then_resumed, 4, config, overrides, str(tmp_path),
-                              timeout=880)
-    check_resumed(results, checkpoint_step)
-
 
 
 # ------------------------------------------------------------------------ stop signals
