@@ -178,7 +178,7 @@ def test_robust_projection_replaces_a_spike_by_the_median():
     assert list(found.values()) == [2]  # two equal stretches of 4 steps
     totals, compute_s = robust_projection(found, [{kind: 1.0}, {kind: 2.0}], width)
     assert compute_s == 2 * 8.0  # rank 1's 4 x 2 s per stretch, twice
-    assert totals == [2 * 8.5, 2 * 8.7]
+    assert totals == pytest.approx([2 * 8.5, 2 * 8.7], rel=1e-12)
     # the projection itself (coupled_max) pays rank 0's spike: 9 + 3 + 0.5 > 8.5
     values = torch.tensor(compute, dtype=torch.float64).unsqueeze(-1).repeat(1, 1, 2)
     values[:, [3, 7], 0] += 0.5
