@@ -26,6 +26,11 @@ time is the sum over stretches (`coupled_max`). With traffic in every step (DDP)
 the per-step maximum; with H local steps between outer steps (DiLoCo, GASLoC) it is the
 slowest rank's H steps, as on the measured clock, not the sum of per-step maxima (which
 over-states local-step methods' compute by the ranks' step-to-step jitter).
+The rank that ends a stretch is the projection's timeline there: its compute is the
+projection's compute (`LoopState.projected_compute_s`) and the rest of its seconds the
+modelled communication, so every projected figure of a run (summary.json's total_s,
+step_s, compute_s, comm_s, the rows' projected clock, time to target) prices one
+timeline, not the max of each rank's own comm beside another rank's total.
 Two projections are kept: overlap-aware (the headline: a DDP bucket's modelled all-reduce
 starts when the bucket was ready and only what runs past the end of backward counts; an
 op launched in an earlier step, Streaming DiLoCo's overlapped exchange, runs beside the
@@ -34,6 +39,15 @@ modelled op added to compute). A strategy with a `critical_path()` (the
 pipelines) is priced overlap-aware on its schedule instead (bench/network/pipeline.py:
 slots of max(compute, transfers) plus the exposed hops). Per-step values are buffered and reduced
 at settle points, so measuring adds no synchronisation to the steps.
+
+Projection cost. Pricing every step's records on every profile and overlap mode
+(`StepClock.add`) and reducing them (`settle`) runs on the host after each step, outside
+the timed step and off the clock. It is measured as harness time instead: each rank's
+seconds in `add` and in `settle`'s own work (perf_counter; settle's reductions left out,
+being mostly the wait for slower ranks), summed over the run (`LoopState.projection_s`);
+summary.json's `projection_s_total` is the maximum over ranks and
+`projection_s_per_step` that over the steps. It grows with records x profiles
+(tests/benchmarks/test_bench_hot_paths.py times `add` at 10^3 and 10^5 records).
 
 Bytes per step. Each step's training traffic is summed per rank (logical payload, and
 modelled wire bytes); at each settle point the maximum over ranks of every step joins
@@ -61,8 +75,9 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -117,10 +132,12 @@ class LoopState:
     """Projected elapsed seconds per network profile (overlap-aware)."""
     projected_no_overlap_s: dict[str, float] = field(default_factory=dict)
     """The same without overlap: every modelled op added to compute."""
-    projected_comm_s: dict[str, float] = field(default_factory=dict)
-    """Per profile: the modelled communication in `projected_s` (the slowest rank's per
-    settle window, summed); summary.json's projected comm per step."""
-    projected_comm_no_overlap_s: dict[str, float] = field(default_factory=dict)
+    projected_compute_s: dict[str, float] = field(default_factory=dict)
+    """Per profile: the measured compute inside `projected_s`, on its own timeline (per
+    stretch, the compute of the rank that ends it: `coupled_max`); the rest of
+    `projected_s` is modelled communication (summary.json's projected compute_s and comm_s
+    per step)."""
+    projected_compute_no_overlap_s: dict[str, float] = field(default_factory=dict)
     compute_s: float = 0.0
     """This rank's measured compute seconds."""
     comm_s: float = 0.0
@@ -159,10 +176,31 @@ class LoopState:
     robust_stretches: dict = field(default_factory=dict)
     """The run's stretches between coupled steps, by content (`Settled.stretches`) ->
     how many: what the robust projection prices with each rank's median compute."""
+    projection_s: float = 0.0
+    """This rank's seconds spent projecting (`StepClock.add` and `settle`'s own work,
+    its reductions left out): harness time outside the timed steps and off the clock
+    (module docstring, Projection cost)."""
     robust_dropped: bool = False
     """The distinct stretches outgrew ROBUST_RECORD_LIMIT (a long run on many ranks: every
     rank holds and checkpoints them all): the record was dropped and the run has no
     `projected_robust`, rather than a memory that grows with every step."""
+
+    @classmethod
+    def restore(cls, saved: dict) -> LoopState:
+        """The state a checkpoint saved (`asdict`). A checkpoint from another version, with
+        fields this one lacks or without some of its own, is refused: a missing field would
+        start from its default at the resume step (a projection's compute from step 0:
+        `projected_compute_s`), and the resumed run's figures would not be the
+        uninterrupted run's."""
+        known = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(saved) - known), sorted(known - set(saved))
+        if unknown or missing:
+            raise RuntimeError(
+                f"resume: the checkpoint's loop state is from another version of commbench "
+                f"(fields unknown here: {unknown or 'none'}; missing: {missing or 'none'}); "
+                f"its projected figures cannot be continued on the same timeline: start the "
+                f"run again without --resume")
+        return cls(**saved)
 
     def advance(self, settled: Settled, warmup_steps: int = 0) -> None:
         """Move the clock, tokens and projected clocks on by what the ranks did together;
@@ -170,10 +208,11 @@ class LoopState:
         window is one-off cost and is also added to the warm-up figures."""
         self.elapsed_s += settled.elapsed_s
         self.tokens += settled.tokens
+        self.projection_s += settled.projection_s
         pairs = [(self.projected_s, settled.projected_s),
                  (self.projected_no_overlap_s, settled.projected_no_overlap_s),
-                 (self.projected_comm_s, settled.comm_s),
-                 (self.projected_comm_no_overlap_s, settled.comm_no_overlap_s)]
+                 (self.projected_compute_s, settled.compute_s),
+                 (self.projected_compute_no_overlap_s, settled.compute_no_overlap_s)]
         if warmup_steps:
             self.warmup_s += settled.elapsed_s
             self.warmup_steps += warmup_steps
@@ -236,9 +275,11 @@ class Settled:
     """Per profile: sum over stretches between coupled steps of the max over ranks of
     compute + modelled comm (`coupled_max`)."""
     projected_no_overlap_s: dict[str, float]
-    comm_s: dict[str, float] = field(default_factory=dict)
-    """Per profile: max over ranks of their modelled comm seconds in the window."""
-    comm_no_overlap_s: dict[str, float] = field(default_factory=dict)
+    compute_s: dict[str, float] = field(default_factory=dict)
+    """Per profile: the measured compute inside `projected_s`, sum over stretches of the
+    compute of the rank that ends the stretch (`coupled_max`): `projected_s` minus it is
+    that timeline's modelled communication."""
+    compute_no_overlap_s: dict[str, float] = field(default_factory=dict)
     stretches: dict = field(default_factory=dict)
     """The window's stretches between coupled steps (`coupled_max`'s), each as what every
     rank did in it: per rank its step kinds (id, count) and, per projection column, the
@@ -248,6 +289,9 @@ class Settled:
     """Per step of the window: the max over ranks of its training traffic's logical bytes."""
     step_wire_bytes: list[float] = field(default_factory=list)
     """The same in modelled wire bytes."""
+    projection_s: float = 0.0
+    """THIS rank's seconds spent projecting the window (not reduced over ranks):
+    `StepClock.add` of its steps and `settle`'s own work, its collectives left out."""
 
 
 def step_kind(phase_ops: Iterable[tuple[str, str]], reads_batch: bool = True) -> str:
@@ -344,7 +388,7 @@ class StepClock:
         self.robust: list[float] = []  # per pending step: kind, compute, (tau, other) each
         self.coupled: list[float] = []  # per pending step: 1 if it recorded training traffic
         self.sent: list[float] = []  # per pending step: logical bytes, wire bytes
-        self.comm = [0.0] * len(OVERLAP_MODES) * self.num_profiles  # modelled, this window
+        self.projection_s = 0.0  # this rank's seconds in add since the last settle
         self.links = {name: LinkClock() for name in profiles}
         """Per profile: when each connection was last used (lives for the whole run)."""
         self.pricers = {name: pricer(profile, rank, ranks_per_node, backend=model,
@@ -355,7 +399,9 @@ class StepClock:
     def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord],
             samples: dict[str, list[float]] | None = None) -> None:
         """One timed step: its seconds, its stats and its training-traffic ledger records.
-        `samples` (LoopState.compute_samples) receives the step's compute under its kind."""
+        `samples` (LoopState.compute_samples) receives the step's compute under its kind.
+        Its own seconds are harness time (`Settled.projection_s`)."""
+        start = time.perf_counter()
         compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
@@ -381,10 +427,7 @@ class StepClock:
             modelled[True][name] = self.step_time(compute_s, *inputs[True, name])
             modelled[False][name] = compute_s + sum(costs)
         columns = [(overlap, name) for overlap in OVERLAP_MODES for name in self.profiles]
-        values = [modelled[overlap][name] for overlap, name in columns]
-        for i, value in enumerate(values):
-            self.comm[i] += value - compute_s
-        self.projected.extend(values)
+        self.projected.extend(modelled[overlap][name] for overlap, name in columns)
         self.robust.extend([kind_id(kind), compute_s,
                             *(x for column in columns for x in inputs[column])])
         for name, links in self.links.items():
@@ -395,6 +438,7 @@ class StepClock:
         recent.append(compute_s)
         del recent[:-COMPUTE_HISTORY]
         self.num_steps += 1
+        self.projection_s += time.perf_counter() - start
 
     def overlap_inputs(self, records: list[CommRecord], costs: list[float],
                        profile: Profile,
@@ -419,34 +463,40 @@ class StepClock:
                                   path.hops)
 
     def settle(self) -> Settled:
-        """Reduce over ranks (a collective: every rank calls it at the same step)."""
+        """Reduce over ranks (a collective: every rank calls it at the same step). Its own
+        work is harness time, with `add`'s (`Settled.projection_s`); its reductions are
+        left out (they are mostly the wait for slower ranks, not the projection's cost)."""
         if self.num_steps == 0:  # the same on every rank
             zero = dict.fromkeys(self.profiles, 0.0)
             return Settled(0.0, 0, zero, dict(zero), dict(zero), dict(zero))
-        step_s, *comm = all_reduce_floats([self.step_s, *self.comm], self.device,
-                                          dist.ReduceOp.MAX)
+        (step_s,) = all_reduce_floats([self.step_s], self.device, dist.ReduceOp.MAX)
         (tokens,) = all_reduce_floats([float(self.tokens)], self.device)
+        start = time.perf_counter()
         width, n = len(OVERLAP_MODES) * self.num_profiles, self.num_steps
         mine = torch.tensor([*self.coupled, *self.sent, *self.projected, *self.robust],
                             dtype=torch.float64, device=self.device)
         ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        before_gather = time.perf_counter()
         dist.all_gather(ranks, mine)
         every = torch.stack(ranks).cpu()
+        after_gather = time.perf_counter()
         coupled = every[:, :n].amax(dim=0) > 0
         sent = every[:, n:3 * n].reshape(len(ranks), n, 2).amax(dim=0)
         every = every[:, 3 * n:]  # then as without the bytes: projected, robust
         values = every[:, :n * width].reshape(len(ranks), n, width)
-        totals = coupled_max(values, coupled).tolist()
         robust = every[:, n * width:].reshape(len(ranks), n, 2 + 2 * width)
-        overlap, no_overlap, comm_overlap, comm_no_overlap = (
+        totals, compute = (x.tolist() for x in coupled_max(values, coupled, robust[:, :, 1]))
+        overlap, no_overlap, compute_overlap, compute_no_overlap = (
             {name: column[offset + i] for i, name in enumerate(self.profiles)}
-            for column in (totals, comm) for offset in (0, self.num_profiles))
-        self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
+            for column in (totals, compute) for offset in (0, self.num_profiles))
+        found = stretches(robust, coupled, width)
+        projection_s = self.projection_s + (before_gather - start
+                                            + time.perf_counter() - after_gather)
+        self.num_steps, self.step_s, self.tokens, self.projection_s = 0, 0.0, 0, 0.0
         self.projected, self.coupled, self.robust, self.sent = [], [], [], []
-        self.comm = [0.0] * len(self.comm)
-        return Settled(step_s, int(tokens), overlap, no_overlap, comm_overlap, comm_no_overlap,
-                       stretches(robust, coupled, width), sent[:, 0].tolist(),
-                       sent[:, 1].tolist())
+        return Settled(step_s, int(tokens), overlap, no_overlap, compute_overlap,
+                       compute_no_overlap, found, sent[:, 0].tolist(), sent[:, 1].tolist(),
+                       projection_s)
 
 
 def stretches(robust: torch.Tensor, coupled: torch.Tensor, width: int) -> dict:
@@ -480,20 +530,33 @@ def stretches(robust: torch.Tensor, coupled: torch.Tensor, width: int) -> dict:
     return out
 
 
-def coupled_max(values: torch.Tensor, coupled: torch.Tensor) -> torch.Tensor:
-    """Projected seconds of a settle window: `values` [ranks, steps, k] per-step seconds,
-    `coupled` [steps] bool (the ranks wait for each other in that step). The steps are cut
-    into stretches ending at each coupled step and at the last step; returns [k], the sum
-    over stretches of the maximum over ranks of the stretch's summed seconds."""
-    total = torch.zeros(values.shape[2], dtype=values.dtype)
-    stretch = torch.zeros(values.shape[0], values.shape[2], dtype=values.dtype)
+def coupled_max(values: torch.Tensor, coupled: torch.Tensor,
+                compute: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projected seconds of a settle window, and the compute inside them: `values`
+    [ranks, steps, k] per-step seconds (compute + modelled comm), `compute` [ranks, steps]
+    the measured compute in them, `coupled` [steps] bool (the ranks wait for each other in
+    that step). The steps are cut into stretches ending at each coupled step and at the
+    last step; the rank whose summed seconds are largest ends the stretch (the lowest
+    rank on a tie) and is the projection's timeline there. Returns ([k] totals, [k]
+    compute): the sum over stretches of that rank's summed seconds, and of its compute,
+    so that total - compute is the same timeline's modelled communication (not another
+    rank's, whose compute differs: a pipeline's stages, a straggler)."""
+    ranks, k = values.shape[0], values.shape[2]
+    total = torch.zeros(k, dtype=values.dtype)
+    timeline = torch.zeros(k, dtype=values.dtype)
+    stretch = torch.zeros(ranks, k, dtype=values.dtype)
+    own = torch.zeros(ranks, dtype=values.dtype)
     last = values.shape[1] - 1
     for step in range(values.shape[1]):
         stretch += values[:, step]
+        own += compute[:, step]
         if bool(coupled[step]) or step == last:
-            total += stretch.amax(dim=0)
+            slowest, ends = stretch.max(dim=0)  # [k]: the first maximal rank on a tie
+            total += slowest
+            timeline += own[ends]
             stretch.zero_()
-    return total
+            own.zero_()
+    return total, timeline
 
 
 def compute_stats(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -510,24 +573,27 @@ def compute_stats(samples: dict[str, list[float]]) -> dict[str, dict[str, float]
 
 def robust_projection(stretches: dict, medians: list[dict[str, float]], width: int,
                       critical_path: CriticalPath | None = None,
-                      path_columns: int = 0) -> tuple[list[float], float]:
-    """(seconds per projection column, compute seconds) of the run with every rank's
+                      path_columns: int = 0) -> tuple[list[float], list[float]]:
+    """(seconds, compute seconds) per projection column of the run with every rank's
     compute replaced by its median for the step's kind (`medians[rank][kind]`): the same
-    stretches, ranks and modelled communication as the projection (`coupled_max`), so a
-    load spike on a shared machine moves the median, not the total. The first
+    stretches, ranks and modelled communication as the projection, so a load spike on a
+    shared machine moves the median, not the total. As in `coupled_max`, a column's
+    compute is that of the rank ending each stretch (the lowest rank on a tie). The first
     `path_columns` columns price a pipeline step on its critical path."""
     by_id = [{kind_id(k): m for k, m in rank.items()} for rank in medians]
-    totals, compute = [0.0] * width, 0.0
+    totals, compute = [0.0] * width, [0.0] * width
     for content, count in stretches.items():
         own = [sum(n * by_id[r][kid] for kid, n in kinds)
                for r, (kinds, _, _) in enumerate(content)]
-        compute += count * max(own)
         for c in range(width):
-            totals[c] += count * max(
-                critical_path_time(own[r], taus[c], others[c], critical_path.slots,
-                                   critical_path.work_slots, critical_path.hops)
-                if critical_path is not None and c < path_columns else own[r] + others[c]
-                for r, (_, taus, others) in enumerate(content))
+            seconds = [critical_path_time(own[r], taus[c], others[c], critical_path.slots,
+                                          critical_path.work_slots, critical_path.hops)
+                       if critical_path is not None and c < path_columns
+                       else own[r] + others[c]
+                       for r, (_, taus, others) in enumerate(content)]
+            ends = seconds.index(max(seconds))
+            totals[c] += count * seconds[ends]
+            compute[c] += count * own[ends]
     return totals, compute
 
 

@@ -17,16 +17,26 @@ from typing import Any
 
 @dataclass
 class Projection:
-    """The run's time on one network profile (bench/network/), modelled from its ledger."""
+    """The run's time on one network profile (bench/network/), modelled from its ledger.
+
+    Every figure prices one timeline (bench/meter.py `coupled_max`): per stretch between
+    the steps where ranks communicate, the rank whose compute + modelled comm ends it.
+    So step_s == compute_s + comm_s, total_s == step_s x steps, and the throughput and
+    the projected clock of metrics.jsonl (`projected_elapsed_s`, whose last value is
+    total_s) are the same totals'."""
 
     total_s: float
     """Measured compute + modelled comm, the slowest rank's between the steps where ranks
     communicate, summed (bench/meter.py `coupled_max`)."""
     step_s: float
     """total_s / steps."""
+    compute_s: float
+    """Measured compute seconds per step on that timeline: per stretch, the compute of
+    the rank that ends it (not the slowest rank's compute overall, nor a mean)."""
     comm_s: float
-    """Modelled communication seconds per step in `total_s` (the slowest rank's per settle
-    window)."""
+    """Modelled seconds per step on that timeline that are not compute: step_s -
+    compute_s (exposed communication; for a pipeline priced on its critical path, the
+    bubble and exposed hops too)."""
     throughput_tokens_per_s: float | None
     """Steady state: tokens consumed / total_s, both without the warm-up steps' (None
     when every step was warm-up)."""
@@ -34,10 +44,14 @@ class Projection:
     """The warm-up steps' share of total_s (bench/meter.py, Warm-up)."""
 
     @classmethod
-    def of(cls, total_s: float, comm_s_per_step: float, steps: int, tokens: int,
+    def of(cls, total_s: float, compute_s: float, steps: int, tokens: int,
            warmup_s: float = 0.0, warmup_tokens: int = 0) -> Projection:
+        """From the run's totals: `total_s` and the `compute_s` inside it (both summed over
+        the run, on one timeline)."""
         steady_s = total_s - warmup_s
-        return cls(total_s=total_s, step_s=total_s / max(1, steps), comm_s=comm_s_per_step,
+        step_s, compute_per_step = total_s / max(1, steps), compute_s / max(1, steps)
+        return cls(total_s=total_s, step_s=step_s, compute_s=compute_per_step,
+                   comm_s=step_s - compute_per_step,
                    throughput_tokens_per_s=(tokens - warmup_tokens) / steady_s
                    if steady_s > 0 else None, warmup_s=warmup_s)
 
@@ -117,14 +131,20 @@ class Summary:
     projected_robust: dict[str, Projection] = field(default_factory=dict)
     """Per profile, overlap-aware, robust to load spikes: `projected` with each rank's
     measured compute replaced by its median for the step's kind (bench/meter.py
-    `robust_projection`; one-off costs, e.g. warm-up compile, left out)."""
-    robust_compute_s: float | None = None
-    """The compute seconds inside `projected_robust` (the same for every profile)."""
+    `robust_projection`; one-off costs, e.g. warm-up compile, left out). Its compute_s
+    is the medians' on its own timeline (per profile: the rank ending each stretch)."""
     compute_per_step: dict | None = None
     """Measured compute seconds per step, by step kind (bench/meter.py `step_kind`: the
     step's training traffic, and whether it read a batch): {kind: {steps, median_s,
     p10_s, p90_s, mean_s}}, each a list over ranks (None where a rank had no such
     step). The spread behind `projected` (mean) and `projected_robust` (median)."""
+    projection_s_total: float | None = None
+    """Harness seconds spent projecting (bench/meter.py, Projection cost): per rank, its
+    seconds in `StepClock.add` (every step's records priced on every profile and overlap
+    mode) and in `settle`'s own work (its reductions left out), summed over the run; the
+    maximum over ranks. Outside the timed steps and off the clock (wall_s)."""
+    projection_s_per_step: float | None = None
+    """projection_s_total / steps: what projecting adds to each step on the host."""
     ranks_per_node: int | None = None
     """Ranks per node the projections tiered the links with (`network.ranks_per_node`, or
     the launcher's local size)."""
@@ -185,7 +205,8 @@ class Summary:
         return record
 
 
-_LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "robust_compute_s", "compute_per_step",
+_LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "compute_per_step",
+                       "projection_s_total", "projection_s_per_step",
                        "ranks_per_node", "num_params", "flops_per_token", "device",
                        "backend", "data", "mfu",
                        "config_hash", "error", "eval", "comm_wire_bytes_total",
@@ -200,11 +221,11 @@ _LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "robust_compute_s", "compute_p
 
 def make_summary(**fields: Any) -> dict[str, Any]:
     """summary.json content from `Summary`'s fields; `projected` may map profile -> Projection
-    or profile -> total seconds (then comm_s is 0 and step_s is total / steps)."""
+    or profile -> total seconds (then all compute: comm_s is 0, step_s total / steps)."""
     projected = fields.pop("projected", {}) or {}
     steps, tokens = fields.get("steps", 0), fields.get("total_tokens", 0)
     fields["projected"] = {
-        name: p if isinstance(p, Projection) else Projection.of(float(p), 0.0, steps, tokens)
+        name: p if isinstance(p, Projection) else Projection.of(float(p), float(p), steps, tokens)
         for name, p in projected.items()
     }
     return Summary(**fields).to_dict()

@@ -161,7 +161,7 @@ class Trainer:
         window = MetricsWindow()
         if saved and "window" in saved:  # a checkpoint between two metrics rows
             window.load_state_dict(saved.pop("window"))
-        state = LoopState(**saved) if saved else LoopState()
+        state = LoopState.restore(saved) if saved else LoopState()
         saved_step = state.step if saved else None  # the step of the state on disk
         clock = StepClock(self.profiles, rank, self.ranks_per_node, self.device, self.net_model,
                           self.strategy.critical_path(), state.recent_compute_s)
@@ -298,11 +298,11 @@ class Trainer:
                             "tokens_to_target": state.tokens,
                             "projected_time_to_target_s": dict(state.projected_s)}
 
-    def _projections(self, total_s: dict[str, float], comm_s: dict[str, float],
+    def _projections(self, total_s: dict[str, float], compute_s: dict[str, float],
                      warmup_s: dict[str, float], state: LoopState) -> dict[str, Projection]:
-        """Per profile: the run's projected total, modelled comm per step, steady rate."""
-        steps = max(1, state.step)
-        return {name: Projection.of(total_s.get(name, 0.0), comm_s.get(name, 0.0) / steps,
+        """Per profile: the run's projected total, its compute and comm per step (one
+        timeline: bench/meter.py `coupled_max`), steady rate."""
+        return {name: Projection.of(total_s.get(name, 0.0), compute_s.get(name, 0.0),
                                     state.step, state.tokens, warmup_s.get(name, 0.0),
                                     state.warmup_tokens) for name in self.profiles}
 
@@ -316,6 +316,8 @@ class Trainer:
             fields = self.strategy.summary_fields()
         busy_s, idle_s = all_reduce_floats([state.compute_s + state.comm_s, state.idle_s],
                                            self.device)
+        (projection_s,) = all_reduce_floats([state.projection_s], self.device,
+                                            dist.ReduceOp.MAX)
         peaks = self.per_rank(peak_memory_bytes(self.device))
         estimate = self.memory_plan.per_rank(on_cpu=self.device.type == "cpu")
         peak = peak_flops(self.device, cfg.model.precision)
@@ -338,10 +340,10 @@ class Trainer:
             best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
             final_val_loss_extra=state.extra_val, target_loss=cfg.run.target_loss,
             **(state.target or {}),
-            projected=self._projections(state.projected_s, state.projected_comm_s,
+            projected=self._projections(state.projected_s, state.projected_compute_s,
                                         state.warmup_projected_s, state),
             projected_no_overlap=self._projections(state.projected_no_overlap_s,
-                                                   state.projected_comm_no_overlap_s,
+                                                   state.projected_compute_no_overlap_s,
                                                    state.warmup_projected_no_overlap_s, state),
             projection_model=f"{self.net_model} collectives, overlap-aware" + (
                 "; FSDP's all-gathers and reduce-scatters priced with no overlap (an upper "
@@ -358,6 +360,8 @@ class Trainer:
             memory_estimate_bytes_per_rank=estimate,
             memory_estimate_terms=self.memory_plan.ranks[
                 self.memory_plan.rank_roles[estimate.index(max(estimate))]].terms,
+            projection_s_total=projection_s,
+            projection_s_per_step=projection_s / state.step if state.step else None,
             ranks_per_node=self.ranks_per_node, **robust, **fields,
         ).to_dict()
 
@@ -379,13 +383,9 @@ class Trainer:
         totals, compute = robust_projection(
             state.robust_stretches, medians, 2 * len(names),
             self.strategy.critical_path(), len(names))
-        steps = max(1, state.step)
-        projected = {name: Projection.of(totals[i], (totals[i] - compute) / steps,
-                                         state.step, state.tokens)
+        projected = {name: Projection.of(totals[i], compute[i], state.step, state.tokens)
                      for i, name in enumerate(names)}  # overlap-aware: the first columns
-        return {"compute_per_step": per_kind, "projected_robust": projected,
-                "robust_compute_s": compute}
-
+        return {"compute_per_step": per_kind, "projected_robust": projected}
 
     def per_rank(self, value: int) -> list[int]:
         """Every rank's `value`, in rank order (a collective outside the ledger)."""

@@ -137,25 +137,61 @@ def test_coupled_max_takes_the_slowest_rank_per_stretch_not_per_step():
     (4 + 3 + ... = 12.0 s), not the sum of per-step maxima (which would say 14.0 s)."""
     from bench.meter import coupled_max
 
+    def total(values, coupled):
+        return coupled_max(values, coupled, torch.zeros(values.shape[:2]))[0].tolist()
+
     # [ranks, steps, k]; k = 2 columns (e.g. two profiles), the second doubled
     rank0 = [3.0, 2.0, 3.0, 2.0, 2.0]
     rank1 = [2.0, 3.0, 2.0, 3.0, 1.0]
     values = torch.tensor([[[v, 2 * v] for v in rank0], [[v, 2 * v] for v in rank1]],
                           dtype=torch.float64)
     local = torch.tensor([False, False, False, False, True])
-    assert coupled_max(values, local).tolist() == [12.0, 24.0]
+    assert total(values, local) == [12.0, 24.0]
     # every step coupled (DDP): the per-step maxima, 3 + 3 + 3 + 3 + 2
-    assert coupled_max(values, torch.ones(5, dtype=torch.bool)).tolist() == [14.0, 28.0]
+    assert total(values, torch.ones(5, dtype=torch.bool)) == [14.0, 28.0]
     # no coupled step: the window's end still waits for the slowest rank (12 vs 11)
-    assert coupled_max(values, torch.zeros(5, dtype=torch.bool)).tolist() == [12.0, 24.0]
+    assert total(values, torch.zeros(5, dtype=torch.bool)) == [12.0, 24.0]
     # a coupled step in the middle: stretches [0, 1] (5 vs 5) and [2..4] (7 vs 6)
     mid = torch.tensor([False, True, False, False, False])
-    assert coupled_max(values, mid).tolist() == [12.0, 24.0]
+    assert total(values, mid) == [12.0, 24.0]
     # the slowest rank changes between stretches: rank 0 leads steps 0-1, rank 1 steps 2-3
     swap = torch.tensor([[[3.0], [3.0], [1.0], [1.0]], [[1.0], [1.0], [3.0], [3.0]]],
                         dtype=torch.float64)
-    assert coupled_max(swap, torch.tensor([False, True, False, False])).tolist() == [12.0]
-    assert coupled_max(swap, torch.zeros(4, dtype=torch.bool)).tolist() == [8.0]
+    assert total(swap, torch.tensor([False, True, False, False])) == [12.0]
+    assert total(swap, torch.zeros(4, dtype=torch.bool)) == [8.0]
+
+
+def test_projection_compute_and_comm_are_the_timeline_ranks():
+    """Issue 27, one model per record: two ranks of unequal compute (a pipeline's stages,
+    a straggler), every step coupled. On the fast profile (column 0) the heavy rank 0 ends
+    each step; on the slow one (column 1) the light rank 1, whose exposed transfers are
+    longer, does. The projection's compute is the rank that ends each stretch, and its
+    comm the rest of that rank's step: the maximum of the ranks' own comm (rank 1's on
+    the fast profile, 1.5 s a step) belongs to no timeline (4 s + 1.5 s is no step)."""
+    from bench.meter import coupled_max, kind_id, robust_projection
+
+    compute = torch.tensor([[4.0, 4.0], [1.0, 1.0]], dtype=torch.float64)
+    comm = torch.tensor([[[0.5, 1.0], [0.5, 1.0]],   # rank 0: per step, per column
+                         [[1.5, 5.0], [1.5, 5.0]]], dtype=torch.float64)
+    values = compute.unsqueeze(-1) + comm
+    coupled = torch.ones(2, dtype=torch.bool)
+    totals, timeline = coupled_max(values, coupled, compute)
+    assert totals.tolist() == [9.0, 12.0]  # 2 x 4.5 (rank 0), 2 x 6.0 (rank 1)
+    assert timeline.tolist() == [8.0, 2.0]  # rank 0's compute, then rank 1's
+    assert (totals - timeline).tolist() == [1.0, 10.0]  # the timeline's comm
+    assert comm.sum(dim=1).amax(dim=0).tolist() == [3.0, 10.0]  # max-of-comm: not it
+    # one stretch over both steps: the same ranks end it; a tie goes to the lowest rank
+    assert [x.tolist() for x in coupled_max(values, torch.zeros(2, dtype=torch.bool),
+                                            compute)] == [[9.0, 12.0], [8.0, 2.0]]
+    tie = torch.tensor([[[2.0]], [[2.0]]], dtype=torch.float64)
+    assert coupled_max(tie, coupled[:1], torch.tensor([[1.5], [0.5]]))[1].tolist() == [1.5]
+    # the robust projection picks its timeline alike, per column, from the medians
+    kid = kind_id("train:send")
+    content = ((((kid, 2),), (0.0, 0.0), (1.0, 2.0)),   # rank 0: median 4 s, 2 steps
+               (((kid, 2),), (0.0, 0.0), (3.0, 10.0)))  # rank 1: median 1 s
+    totals, robust_compute = robust_projection({content: 3}, [{"train:send": 4.0},
+                                                             {"train:send": 1.0}], 2)
+    assert totals == [3 * 9.0, 3 * 12.0] and robust_compute == [3 * 8.0, 3 * 2.0]
 
 
 def test_robust_projection_replaces_a_spike_by_the_median():
@@ -177,12 +213,12 @@ def test_robust_projection_replaces_a_spike_by_the_median():
     found = stretches(robust, coupled, width)
     assert list(found.values()) == [2]  # two equal stretches of 4 steps
     totals, compute_s = robust_projection(found, [{kind: 1.0}, {kind: 2.0}], width)
-    assert compute_s == 2 * 8.0  # rank 1's 4 x 2 s per stretch, twice
+    assert compute_s == [2 * 8.0, 2 * 8.0]  # rank 1's 4 x 2 s per stretch, twice
     assert totals == pytest.approx([2 * 8.5, 2 * 8.7], rel=1e-12)
     # the projection itself (coupled_max) pays rank 0's spike: 9 + 3 + 0.5 > 8.5
     values = torch.tensor(compute, dtype=torch.float64).unsqueeze(-1).repeat(1, 1, 2)
     values[:, [3, 7], 0] += 0.5
-    assert coupled_max(values, coupled).tolist()[0] == 12.5 + 8.5
+    assert coupled_max(values, coupled, values[:, :, 1])[0].tolist()[0] == 12.5 + 8.5
 
 
 def test_robust_projection_record_is_bounded(monkeypatch):

@@ -72,7 +72,7 @@ def write_run(sweep_dir: Path, sweep: dict, name: str, strategy: str, seed: int,
             comm_s_total=0.2 * seconds_per_step * steps,
             comm_bytes_total=4e7 if strategy == "ddp" else 4e6,
             final_val_loss=val[-1] if val else None, best_val_loss=min(val or [9]),
-            projected={p: Projection.of(t, t / steps / 4, steps, 1000 * steps)
+            projected={p: Projection.of(t, 0.75 * t, steps, 1000 * steps)  # comm: 1/4
                        for p, t in PROJECTED_TOTAL.get(strategy, {}).items()},
             error=error, eval=eval_scores, val_set=val_set) | (summary_extra or {})
     RunDir.write_fake_run(run_dir, full_config, rows, summary,

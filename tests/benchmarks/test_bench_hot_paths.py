@@ -2,8 +2,10 @@
 
 - our DDP step (strategy + ledger hook) / a bare torch DDP step on the same model and
   ranks: a ratio measured in one run, saved and gated like a time (replay.py);
-- the ledger, the projection of a 10^5-record ledger, the batch stream, and the report
-  built from 200 run records, each on its own.
+- the ledger, the projection of a 10^5-record ledger, the loop's projection of one step
+  (`StepClock.add`: 10^3 and 10^5 records on the default profiles, both overlap modes;
+  README, Projection cost), the batch stream, and the report built from 200 run records,
+  each on its own.
 The outer step, a gossip round and torchft's outer step are in test_bench_outer.py.
 """
 
@@ -15,11 +17,12 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from algorithms.base import TrainSetup
+from algorithms.base import StepStats, TrainSetup
 from algorithms.comm import CommLedger, CommRecord, Communicator
 from algorithms.ddp import DDP, DDPConfig
 from bench.batches import BatchStream
-from bench.config import load_config
+from bench.config import NetworkConfig, load_config
+from bench.meter import StepClock
 from bench.model import GPT, gpt_config
 from bench.network import get_profile, project
 from bench.report import build_report
@@ -112,6 +115,23 @@ def test_projection_of_a_long_run(benchmark):
     records = _records(100_000)
     seconds = benchmark(project, records, get_profile("eth-10g"), 0, 1)
     assert seconds > 0
+
+
+@pytest.mark.parametrize("records", [10**3, 10**5])
+def test_projection_of_one_step(benchmark, records):
+    """What the loop adds to each step on the host to project it (bench/meter.py,
+    Projection cost): one step of `records` DDP buckets (4 MB, ready 1 ms before the end
+    of backward) priced by `StepClock.add` on the profiles every run projects onto by
+    default, overlap-aware and not. A StepClock needs no process group for `add`."""
+    profiles = {name: get_profile(name) for name in NetworkConfig().profiles}
+    clock = StepClock(profiles, 0, 1, torch.device("cpu"), "gloo")
+    step = [CommRecord(step=0, phase="train", op="all_reduce", group_size=4, peers=None,
+                       nbytes=4_000_000, seconds=1e-3, tier="inter", lead_s=1e-3)
+            for _ in range(records)]
+    stats = StepStats(loss=1.0, tokens=1024, comm_s=0.01)
+    benchmark.pedantic(clock.add, args=(0.5, stats, step), rounds=5 if records > 10**4 else 50,
+                       iterations=1, warmup_rounds=1)
+    assert clock.num_steps == (6 if records > 10**4 else 51) and clock.projected[0] > 0.49
 
 
 def test_batch_stream(benchmark):
