@@ -518,7 +518,7 @@ def stretches(robust: torch.Tensor, coupled: torch.Tensor, width: int) -> dict:
             kinds: dict[float, int] = {}
             for kid in part[r, :, 0].tolist():
                 kinds[kid] = kinds.get(kid, 0) + 1
-            pairs = part[r, :, 2:].reshape(-1, width, 2)
+            pairs = part[r, :, 2:].reshape(part.shape[1], width, 2)  # width 0: no profiles
             taus = pairs[:, :, 0].amax(dim=0).tolist()
             others = pairs[:, :, 1].sum(dim=0).tolist()
             content.append((tuple(sorted(kinds.items())),

@@ -221,6 +221,18 @@ def test_robust_projection_replaces_a_spike_by_the_median():
     assert coupled_max(values, coupled, values[:, :, 1])[0].tolist()[0] == 12.5 + 8.5
 
 
+def test_stretches_of_a_run_projecting_onto_no_profile():
+    """`network.profiles: []` (a run that projects nothing, as the shaped netlab runs):
+    the stretch record has no columns, and its first settle used to fail reshaping them."""
+    from bench.meter import kind_id, stretches
+
+    robust = torch.zeros(2, 3, 2, dtype=torch.float64)
+    robust[:, :, 0] = kind_id("no traffic")
+    found = stretches(robust, torch.tensor([0, 1, 0], dtype=torch.bool), 0)
+    assert sum(found.values()) == 2  # [0, 1] and [2]
+    assert all(taus == others == () for stretch in found for _, taus, others in stretch)
+
+
 def test_robust_projection_record_is_bounded(monkeypatch):
     """Every step with measured overlap is a new stretch: the robust projection's record
     stops growing at ROBUST_RECORD_LIMIT numbers (dropped whole: no `projected_robust`
