@@ -1,8 +1,10 @@
 """The shaped-link experiment behind `tox -e netlab`: runs, projections, the table.
 
 A user with a fast network projects a run onto a slow one; this checks that projection
-against the same run on the slow one. Per replicate and strategy:
-1. the UNSHAPED run (4 namespaces, plain veths, received packets through the delayer at 0 ms
+against the same run on the slow one. Two sizes of world: 2 ranks (one per core of this
+machine: the validated mode) and 4 ranks (two per core: oversubscribed, reported with the
+load they ran under). Per world, replicate and strategy:
+1. the UNSHAPED run (a namespace per rank, plain veths, received packets through the delayer at 0 ms
    so that its per-packet CPU lands on both sides) with `network.profiles` = the YAML profile
    of every shaped case (plus a zero-cost profile: compute only) and `network.model=gloo`:
    its own summary rows give the projected step time on each case, exactly as a report
@@ -30,13 +32,13 @@ from pathlib import Path
 from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B
 from tests.netlab.lab import ROOT, Lab
 
-WORLD = 4
 STEPS = int(os.environ.get("NETLAB_STEPS", "40"))
 LOG_EVERY = 10
 CONFIGS = {"ddp": "configs/ddp-tiny.yaml", "diloco": "configs/diloco-tiny.yaml",
-           "gasloc": "configs/gasloc-tiny.yaml"}
-ZERO_PROFILE = "intra: {latency_s: 0.0, bandwidth_Bps: 1.0e+18}\n" \
-               "inter: {latency_s: 0.0, bandwidth_Bps: 1.0e+18}\n"
+           "gasloc": "configs/gasloc-tiny.yaml", "pipeline": "configs/pipeline-1f1b-tiny.yaml"}
+
+ZERO_PROFILE = "intra: {latency_s: 0.0, bandwidth_Bps: 1.0e+14}\n" \
+               "inter: {latency_s: 0.0, bandwidth_Bps: 1.0e+14}\n"
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,18 @@ class Case:
     delays_ms: tuple[float, ...]
 
     @property
-    def id(self) -> str:
+    def world(self) -> int:
+        return len(self.rates_mbit)
+
+    @property
+    def setting(self) -> str:
+        """The links, without the strategy: e.g. 2r-100mbit-10ms."""
         rates = "/".join(f"{r:g}" for r in sorted(set(self.rates_mbit), reverse=True))
-        return f"{self.strategy}-{rates}mbit-{self.delays_ms[0]:g}ms"
+        return f"{self.world}r-{rates}mbit-{self.delays_ms[0]:g}ms"
+
+    @property
+    def id(self) -> str:
+        return f"{self.strategy}-{self.setting}"
 
     def profile_yaml(self) -> str:
         """The profile describing the shaped links (docs/network-model.md): alpha = delay +
@@ -62,26 +73,36 @@ class Case:
         lines = ["intra: {latency_s: 5.0e-06, bandwidth_Bps: 1.0e+10}", f"inter: {tier(0, 1)}",
                  "links:"]
         lines += [f"  - {{nodes: [{i}, {j}], tier: {tier(i, j)}}}"
-                  for i in range(WORLD) for j in range(i + 1, WORLD)]
+                  for i in range(self.world) for j in range(i + 1, self.world)]
         return "\n".join(lines) + "\n"
 
 
-CASES = [Case(s, (r,) * WORLD, (d,) * WORLD)
-         for s in CONFIGS for r in (1000, 100) for d in (1, 10)]
-CASES.append(Case("diloco", (100, 100, 100, 20), (1,) * WORLD))  # one slow node
+SETTINGS = [(r, d) for r in (1000, 100) for d in (1, 10)]
+"""(Mbit/s, ms) of the 2 x 2 link settings; 1 Gbit/s + 1 ms is the first."""
+CASES = [Case(s, (r,) * 2, (d,) * 2) for s in CONFIGS for r, d in SETTINGS]
+"""2 ranks, one per core: every strategy (the pipeline in 2 stages) at every setting."""
+CASES += [Case(s, (r,) * 4, (d,) * 4) for s in ("ddp", "diloco", "gasloc") for r, d in SETTINGS]
+CASES.append(Case("diloco", (100, 100, 100, 20), (1,) * 4))  # one slow node
+"""4 ranks, two per core (oversubscribed), one intra-op thread each."""
+
+
+def load_note() -> str:
+    """The machine's load as a table cell: 1-minute load average / cores."""
+    return f"{os.getloadavg()[0]:.1f}/{os.cpu_count()}"
 
 
 def launch(lab: Lab, module_args: list[str], log_dir: Path, port: int,
            timeout: float = 900) -> None:
     """`python -m <module_args>` as rank i in namespace i, gloo on the lab interface."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    world = lab.n
     base = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lab0",
-            "MASTER_ADDR": lab.addr(0), "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": lab.addr(0), "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1", "HOME": os.environ.get("HOME", "/root")}
-    logs = [open(log_dir / f"rank{i}.log", "w") for i in range(WORLD)]
+    logs = [open(log_dir / f"rank{i}.log", "w") for i in range(world)]
     procs = [lab.popen(i, [sys.executable, "-m", *module_args], {**base, "RANK": str(i)},
-                       stdout=logs[i], stderr=subprocess.STDOUT) for i in range(WORLD)]
+                       stdout=logs[i], stderr=subprocess.STDOUT) for i in range(world)]
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
@@ -90,7 +111,7 @@ def launch(lab: Lab, module_args: list[str], log_dir: Path, port: int,
                 p.kill()
         for f in logs:
             f.close()
-    if codes != [0] * WORLD:
+    if codes != [0] * world:
         raise RuntimeError(f"ranks exited with {codes}; rank 0's log:\n"
                            + (log_dir / "rank0.log").read_text()[-3000:])
 
@@ -124,6 +145,7 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int,
     from bench.config import load_config, to_yaml
 
     sets = [f"run.steps={STEPS}", "run.val_every=100000", f"run.log_every={LOG_EVERY}",
+            f"parallel.world_size={lab.n}",
             "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
             f"network.model={model}", f"network.profiles=[{','.join(profiles)}]"]
     cfg = load_config(ROOT / CONFIGS[strategy], sets)
@@ -134,15 +156,41 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int,
 
 
 def netprobe_in_lab(lab: Lab, out: Path, port: int,
-                    sizes: tuple[str, ...] = ("64KiB", "512KiB", "2MiB")) -> Path:
+                    sizes: tuple[str, ...] = ("64KiB", "512KiB", "2MiB"),
+                    step_compute_s: float = 0.02) -> Path:
     """Fit a profile on the lab's links with `commbench netprobe`'s worker, one rank per
-    namespace (how a user runs it multi-node)."""
-    launch(lab, ["bench.netprobe", "--out", str(out), "--iters", "5", "--sizes", *sizes],
-           out.parent / f"{out.stem}-logs", port)
+    namespace (how a user runs it multi-node); `step_compute_s` about the tiny runs'
+    compute per step, the exchange after a gossip round of them (GASLoC's H = 10)."""
+    launch(lab, ["bench.netprobe", "--out", str(out), "--iters", "5", "--step-compute",
+                 str(step_compute_s), "--exchange-gap", str(10 * step_compute_s),
+                 "--sizes", *sizes], out.parent / f"{out.stem}-logs", port)
     return out
 
 
-def naive_comm_per_step(rows: list[dict], profile, steps: int) -> float:
+def exchange_per_op(rows: list[dict], step_s: float, inner_steps: int, profile) -> tuple:
+    """GASLoC's exchange, per op: (measured, modelled) seconds. Measured: the mean gossip
+    exchange (comm.jsonl) of the rank that waited least (the last to arrive: the other
+    also waited for it, which the projection's stretches already charge). Modelled: the
+    projection's price of one exchange of the same bytes with one peer, its connection
+    idle for the rest of a round (inner_steps x the shaped run's step time, less the
+    exchange)."""
+    from algorithms.comm import CommRecord
+    from bench.network.model import pricer
+
+    mine = [r for r in rows if r["phase"] == "gossip" and r["op"] == "exchange" and r["count"]]
+    if not mine:
+        raise ValueError("no gossip exchange in comm.jsonl")
+    slowest = min(mine, key=lambda r: r["seconds"] / r["count"])
+    measured = slowest["seconds"] / slowest["count"]
+    rank = slowest["rank"]
+    peer = 1 - rank if slowest["group_size"] == 2 else (rank + 1) % slowest["group_size"]
+    record = CommRecord(0, "gossip", "exchange", 2, (peer,), slowest["bytes"] / slowest["count"],
+                        0.0, "inter")
+    idle = max(0.0, inner_steps * step_s - measured)
+    return measured, pricer(profile, rank, 1, backend="gloo", idle=idle)(record)
+
+
+def naive_comm_per_step(rows: list[dict], profile, steps: int, world: int) -> float:
     """The slowest rank's textbook-formula comm per step (no overlap) from comm.jsonl
     aggregates of the windows' training traffic. Every formula is affine in nbytes, so a
     row of `count` records costs `count` records of its mean size; p2p rows lost their
@@ -159,7 +207,7 @@ def naive_comm_per_step(rows: list[dict], profile, steps: int) -> float:
         rank, n = row["rank"], row["group_size"]
         peers = None
         if row["op"] in ("send", "recv", "exchange"):
-            others = sorted((p for p in range(WORLD) if p != rank),
+            others = sorted((p for p in range(world) if p != rank),
                             key=lambda p: profile.link(rank, p).bandwidth_Bps)
             peers = tuple(others[:max(1, n - 1)])
         rec = CommRecord(0, row["phase"], row["op"], n, peers, row["bytes"] / row["count"],
