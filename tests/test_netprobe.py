@@ -1,18 +1,43 @@
 """`commbench netprobe`: the fit recovers known alpha/beta; real gloo ranks give a profile."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import yaml
 
-from bench.netprobe import coefficients, fit_profile, parse_size, probe, write_profile
-from bench.network import Tier, all_gather_s, all_reduce_s, broadcast_s, get_profile, p2p_s
+from bench.netprobe import (
+    coefficients,
+    fit_profile,
+    parse_size,
+    probe,
+    write_profile,
+)
+from bench.network import (
+    Tier,
+    all_gather_s,
+    all_reduce_s,
+    broadcast_s,
+    exchange_s,
+    get_profile,
+    p2p_s,
+)
 from tests.distributed import run_distributed
 
 
-def synthetic_rows(tier_name, tier, n, sizes):
+def synthetic_rows(tier_name, tier, n, sizes, extra_s=None, drift_s=None):
+    """Rows as `probe` returns them, timed by the model itself on `tier`; with `extra_s`
+    the exchange (that much beyond its formula), with `drift_s` the in-step all_reduce
+    (latency + drift)."""
     rows = []
     for s in sizes:
+        if extra_s is not None:
+            rows.append(dict(tier=tier_name, op="exchange", n=2, nbytes=s,
+                             seconds=exchange_s([s], tier, "gloo") + extra_s))
+        if drift_s is not None:
+            rows.append(dict(tier=tier_name, op="all_reduce_in_step", n=n, nbytes=s,
+                             seconds=all_reduce_s(n, s, replace(
+                                 tier, latency_s=tier.latency_s + drift_s), "gloo")))
         rows += [dict(tier=tier_name, op="p2p", n=2, nbytes=s, seconds=p2p_s(s, tier)),
                  dict(tier=tier_name, op="all_reduce", n=n, nbytes=s,
                       seconds=all_reduce_s(n, s, tier, "gloo")),
@@ -33,18 +58,33 @@ def test_coefficients_match_the_formulas():
     assert coefficients("p2p", 2, 1000, "gloo") == (1.0, 1.0)
 
 
-def test_fit_recovers_alpha_beta_and_writes_a_loadable_profile(tmp_path):
-    inter, intra = Tier(2e-3, 12.5e6), Tier(20e-6, 1e9)
-    rows = synthetic_rows("inter", inter, 4, [4096, 65536, 2**20, 2**22])
+def test_fit_recovers_alpha_beta_exchange_drift_and_writes_a_loadable_profile(tmp_path):
+    inter = Tier(2e-3, 12.5e6, tcp_initial_window_B=14480)
+    intra = Tier(20e-6, 1e9, tcp_initial_window_B=14480)
+    # inter: exchanges 40 ms beyond their formula, 0.5 ms of drift per message in a step
+    rows = synthetic_rows("inter", inter, 4, [4096, 65536, 2**20, 2**22], 0.04, 5e-4)
     rows += synthetic_rows("intra", intra, 2, [4096, 65536, 2**20, 2**22])
     doc = fit_profile(rows, "gloo", "lab", "synthetic")
     out = tmp_path / "lab.yaml"
     write_profile(doc, out)
     p = get_profile(str(out))
-    assert p.inter.latency_s == pytest.approx(2e-3) and p.inter.bandwidth_Bps == pytest.approx(12.5e6)
+    # the profile's latency is what a step's op sees: alpha + drift; alpha and the drift
+    # are kept under fit:
+    assert p.inter.latency_s == pytest.approx(2.5e-3, rel=1e-4)
+    assert p.inter.bandwidth_Bps == pytest.approx(12.5e6)
     assert p.intra.latency_s == pytest.approx(20e-6) and p.intra.bandwidth_Bps == pytest.approx(1e9)
     fit = yaml.safe_load(out.read_text())["tiers"]["lab-inter"]["fit"]
-    assert fit["points"] == 16 and fit["rms_rel_residual"] == pytest.approx(0, abs=1e-9)
+    assert fit["link_latency_s"] == pytest.approx(2e-3) and fit["drift_s"] == pytest.approx(
+        5e-4, rel=1e-3)
+    # the exchange is a diagnostic: its excess over the formula, kept, not in the tier
+    assert fit["exchange_excess_s"] == pytest.approx(0.04)
+    assert "exchange_excess_s" not in yaml.safe_load(out.read_text())["tiers"]["lab-inter"]
+    intra_fit = yaml.safe_load(out.read_text())["tiers"]["lab-intra"]["fit"]
+    assert intra_fit["exchange_excess_s"] is None  # no exchange measured there
+    # the residuals cover the fitted points (the exchange's are its excess, not a misfit)
+    assert fit["points"] == 24
+    fitted = [r for r in fit["residuals"] if r["op"] != "exchange"]
+    assert max(abs(r["rel_residual"]) for r in fitted) == pytest.approx(0, abs=1e-4)
     # gloo runs over TCP: the tiers carry Linux's initial window (slow start after idle)
     assert p.inter.tcp_initial_window_B == p.intra.tcp_initial_window_B == 14480
     nccl = fit_profile(rows, "nccl", "ib", "synthetic")
@@ -66,14 +106,14 @@ def _probe_and_fit(rank, world_size, out):
 
 @pytest.mark.slow  # 4 spawned interpreters: ~45 s on the shared 2-core machine
 def test_netprobe_on_local_gloo_ranks(tmp_path):
-    # 4 ranks, 2 per node: both tiers measured (4 ops x 2 sizes each) on loopback
+    # 4 ranks, 2 per node: both tiers measured (6 ops x 2 sizes each) on loopback
     out = tmp_path / "local.yaml"
     counts = run_distributed(_probe_and_fit, 4, str(out), timeout=120)
-    assert counts == [16, 0, 0, 0]
+    assert counts == [24, 0, 0, 0]
     get_profile(str(out))  # loads
     tiers = yaml.safe_load(out.read_text())["tiers"]
     for name in ("local-intra", "local-inter"):
-        assert tiers[name]["fit"]["points"] == 8
+        assert tiers[name]["fit"]["points"] == 12
         assert math.isfinite(tiers[name]["fit"]["rms_rel_residual"])
 
 
@@ -83,11 +123,12 @@ def test_commbench_netprobe_cli(tmp_path):
 
     out = tmp_path / "mine.yaml"
     assert main(["netprobe", "--world-size", "2", "--out", str(out), "--sizes", "4KiB", "1MiB",
-                 "--iters", "2", "--name", "mine", "--timeout", "240"]) == 0
+                 "--iters", "2", "--name", "mine", "--timeout", "240",
+                 "--step-compute", "0.01"]) == 0
     p = get_profile(str(out))
     assert p.name == "mine"
     tiers = yaml.safe_load(out.read_text())["tiers"]
-    assert tiers["mine-inter"]["fit"]["points"] == 8  # 4 ops x 2 sizes
+    assert tiers["mine-inter"]["fit"]["points"] == 12  # 6 ops x 2 sizes
     assert tiers["mine-intra"]["fit"] == "not measured: copy of inter"
 
 

@@ -21,6 +21,7 @@ from bench.network import (
     broadcast_s,
     bucket_timeline,
     delay_policy,
+    exchange_s,
     get_profile,
     link_keys,
     p2p_s,
@@ -422,6 +423,18 @@ def test_slow_start_after_idle_restarts_the_window():
     assert slow_start_extra_s(10_000, tcp, idle_s=0.3) == pytest.approx(0.02 - 0.005)
     # 1 s: four halvings, down to w0: the full ramp, as for a connection never used
     assert slow_start_extra_s(10_000, tcp, idle_s=1.0) == pytest.approx(0.053)
+
+
+def test_exchange_formula_by_hand():
+    # gloo's exchange: 2 alpha (the ready-to-receive) + S / beta, plus the ramp when cold
+    tier = Tier(1e-3, 10e6, tcp_initial_window_B=10_000)
+    assert exchange_s([100_000], tier, "gloo") == pytest.approx(0.012)
+    # cold: one round of 10 kB before the window fills the path (10 MB/s x 2 ms = 20 kB)
+    assert exchange_s([100_000], tier, "gloo", idle_s=math.inf) == pytest.approx(0.013)
+    assert exchange_s([100_000], tier, "naive") == pytest.approx(0.011)
+    # the projection prices a one-peer gossip record the same way
+    assert project([rec("exchange", 100_000, 2, peers=(1,))], Profile("t", tier, tier), 0, 1,
+                   backend="gloo", idle=math.inf) == pytest.approx(0.013)
 
 
 def test_cold_links_pay_slow_start_once_per_op():

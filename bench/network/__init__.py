@@ -19,6 +19,7 @@ from bench.network.costs import (
     all_reduce_s,
     barrier_s,
     broadcast_s,
+    exchange_s,
     p2p_s,
     reduce_scatter_s,
     slow_start_extra_s,
@@ -56,8 +57,8 @@ WAN_1G = TIERS["wan-1g"]
 __all__ = [
     "ALGORITHMS", "ETH_100G", "ETH_10G", "IB_400G", "NVLINK", "PROFILES", "TIERS", "WAN_1G",
     "Profile", "Tier", "all_gather_s", "all_reduce_s", "barrier_s", "broadcast_s",
-    "bucket_timeline", "delay_policy", "get_profile", "group_tiers", "is_profile_path",
-    "link_keys", "load_profiles", "p2p_s", "parse_bandwidth", "parse_latency", "project",
-    "project_overlap", "record_seconds", "reduce_scatter_s", "shared_tier", "sites_profile",
-    "slow_start_extra_s", "wire_bytes",
+    "bucket_timeline", "delay_policy", "exchange_s", "get_profile", "group_tiers",
+    "is_profile_path", "link_keys", "load_profiles", "p2p_s", "parse_bandwidth",
+    "parse_latency", "project", "project_overlap", "record_seconds", "reduce_scatter_s",
+    "shared_tier", "sites_profile", "slow_start_extra_s", "wire_bytes",
 ]

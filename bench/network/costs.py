@@ -217,6 +217,17 @@ def slow_start_extra_s(nbytes: float, tier: Tier, idle_s: float = math.inf) -> f
     return extra
 
 
+def exchange_s(peer_nbytes: list[float], tier: Tier, algorithm: str = "naive",
+               idle_s: float = 0.0) -> float:
+    """A symmetric exchange with peers over one link of `tier`: h a + sum(S_p) / b (h = 2
+    on gloo: each send waits for the peer's ready-to-receive, posted at the same moment),
+    plus the slowest peer's TCP ramp after `idle_s` (the projection's exchange, for one
+    link: bench/network/model.py)."""
+    h = handshakes(check_algorithm(algorithm))
+    ramp = max((slow_start_extra_s(s, tier, idle_s) for s in peer_nbytes), default=0.0)
+    return h * tier.latency_s + sum(peer_nbytes) / tier.bandwidth_Bps + ramp
+
+
 def resolve(op: str, n: int, nbytes: float, tier: Tier, algorithm: str) -> str:
     """The algorithm that runs: `nccl` is the cheaper of nccl-ring and nccl-tree for
     all_reduce (as `all_reduce_s` prices it) and nccl-ring otherwise; others are themselves."""

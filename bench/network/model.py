@@ -8,6 +8,7 @@ algorithm's formulas (bench/network/costs.py, docs/network-model.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -43,8 +44,8 @@ def shared_tier(tier: Tier, flows: int) -> Tier:
     """The share of `tier` one of `flows` concurrent flows out of a node gets: the flows
     spread over the tier's `nics` links, ceil(flows / nics) share each one."""
     share = math.ceil(flows / tier.nics)
-    return tier if share <= 1 else Tier(tier.latency_s, tier.bandwidth_Bps / share, 1,
-                                         tier.tcp_initial_window_B)
+    return tier if share <= 1 else dataclasses.replace(tier, bandwidth_Bps=tier.bandwidth_Bps
+                                                       / share, nics=1)
 
 
 def record_seconds(record: CommRecord, profile: Profile, rank: int = 0,
