@@ -510,6 +510,27 @@ def test_report_shows_peak_bytes_per_sync_and_bytes_per_step(tmp_path):
     assert "comm_bytes_series" not in pd.read_csv(out / "runs.csv")
 
 
+def test_bytes_per_step_figure_of_a_49_group_study_keeps_its_axes(tmp_path):
+    """The streaming study (49 groups) drew its legend inside the axes; matplotlib then
+    collapsed them ("axes sizes collapsed to zero") and the figure showed no data. Many
+    entries go beside the axes in columns."""
+    import warnings
+
+    from bench.report.figures import bytes_per_step, colors, save
+
+    labels = [f"v{i}" for i in range(49)]
+    runs = pd.DataFrame({"status": "ok", "group": labels, "label": labels,
+                         "comm_bytes_series": [[[1, 8, 0], [9, 1, 1000 * (i + 1)]]
+                                               for i in range(49)]})
+    fig = bytes_per_step(runs, colors(labels))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the collapse is only a UserWarning
+        save(fig, tmp_path / "b.png")
+    ax = fig.axes[0]
+    assert fig.legends and ax.get_legend() is None
+    assert ax.get_position().width > 0.3  # the axes keep most of the figure
+
+
 def test_quickstart_runs_two_seeds_and_the_report_flags_small_samples(tmp_path):
     """Defect 11: the quickstart has 2+ seeds, so the report shows an interval, flagged
     n<3 (an interval from 2 seeds rests on one degree of freedom)."""

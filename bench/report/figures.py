@@ -43,6 +43,23 @@ def write_csv(table: pd.DataFrame, path: Path) -> None:
     records.write_text(path, table.to_csv(index=False))
 
 
+LEGEND_INSIDE_MAX = 12
+"""Legends with more entries go outside the axes, in columns (a study of 49 groups: an
+inside legend took the whole figure and matplotlib collapsed the axes)."""
+
+
+def legend(fig: Figure, ax, fontsize: float = 7) -> None:
+    """The axes' legend: inside for a few entries, beside the axes in columns for many."""
+    entries = len(ax.get_legend_handles_labels()[1])
+    if entries <= LEGEND_INSIDE_MAX:
+        ax.legend(fontsize=fontsize)
+        return
+    columns = math.ceil(entries / 24)
+    fig.set_figwidth(fig.get_figwidth() + 2.2 * columns)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=6,
+               ncols=columns)
+
+
 def colors(labels: list[str]) -> dict[str, str]:
     return {label: _COLORS[i % len(_COLORS)] for i, label in enumerate(labels)}
 
@@ -108,7 +125,7 @@ def loss_vs_tokens(runs, steps, palette, target: float | None) -> Figure | None:
     ax.set_ylabel("loss")
     ax.set_title("Validation loss (markers) and training loss (faint) vs tokens")
     _limit_y(ax, val, train)
-    ax.legend(fontsize=8)
+    legend(fig, ax, 8)
     return fig
 
 
@@ -144,7 +161,7 @@ def loss_vs_time(runs, steps, palette, target: float | None,
     for ax in axes[len(clocks):]:
         ax.set_visible(False)
     axes[0].set_ylabel("loss")
-    axes[0].legend(fontsize=7)
+    legend(fig, axes[0])
     fig.suptitle("Loss vs time: measured here, and projected onto each network profile "
                  "(markers: validation, faint: training)", fontsize=10)
     return fig
@@ -248,7 +265,7 @@ def bytes_per_step(runs: pd.DataFrame, palette: dict[str, str]) -> Figure | None
     ax.set_xlabel("step")
     ax.set_ylabel("bytes sent by a rank")
     ax.set_title("Bytes per step (largest over ranks, logical payload)", fontsize=10)
-    ax.legend(fontsize=7)
+    legend(fig, ax)
     return fig
 
 
