@@ -76,10 +76,12 @@ def _how_measured(runs: pd.DataFrame) -> str:
     models = "; ".join(dict.fromkeys(runs["projection_model"]))
     return (f"**Measured** times: {links} (runs, by where their communication ran). "
             f"**Projected** times: measured compute plus modelled communication per network "
-            f"profile ({models}; docs/network-model.md). On shaped TCP links (4 gloo ranks, "
-            "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC) it predicted step times within 10% in 12 "
-            "of 13 cases (DDP at 1 Gbit/s + 1 ms: -12%, 4 ranks on 2 cores); it is not "
-            "validated for NCCL, more ranks, or lossy links.")
+            f"profile ({models}; docs/network-model.md). On shaped TCP links (gloo, "
+            "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC; 2 ranks, one per core) it predicted the "
+            "step times of DDP, DiLoCo and GASLoC within 10% in 11 of 12 cases (GASLoC at "
+            "100 Mbit/s + 1 ms: -16%); GASLoC's exchange itself ran 21-62% above its model; "
+            "a 2-stage pipeline's step was projected 28-69% too slow on latency-bound links "
+            "(not yet fixed). It is not validated for NCCL, more ranks, or lossy links.")
 
 
 def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
