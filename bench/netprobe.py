@@ -309,22 +309,23 @@ def _fit_alpha_beta(rows: list[dict], algorithm: str) -> Tier:
     return Tier(alpha, 1.0 / inv_beta)
 
 
-def _fit_one(rows: list[dict], tier_of, upper: float, algorithm: str) -> float:
-    """The x in [0, upper] minimising the relative squared error of `rows` priced on
-    tier_of(x): a grid of 2001 points (the formulas are piecewise in x: gloo's segments),
-    then a ternary search around the grid's best."""
-    def cost(x):
-        tier = tier_of(x)
-        return sum(((r["seconds"] - model_s(r["op"], r["n"], r["nbytes"], tier, algorithm))
-                    / r["seconds"]) ** 2 for r in rows)
+def _fit_drift(rows: list[dict], base: Tier, algorithm: str) -> float:
+    """The drift d >= 0 minimising the relative squared error of the in-step points priced
+    at latency alpha + d (bounded least squares, as `_fit_alpha_beta` refines)."""
+    import numpy as np
+    from scipy.optimize import least_squares
 
-    grid = [upper * i / 2000 for i in range(2001)]
-    best = min(grid, key=cost)
-    lo, hi = max(0.0, best - upper / 2000), min(upper, best + upper / 2000)
-    for _ in range(40):
-        m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
-        lo, hi = (lo, m2) if cost(m1) <= cost(m2) else (m1, hi)
-    return (lo + hi) / 2
+    t = np.array([r["seconds"] for r in rows])
+
+    def rel(x):
+        tier = dataclasses.replace(base, latency_s=base.latency_s + float(x[0]))
+        return (t - np.array([model_s(r["op"], r["n"], r["nbytes"], tier, algorithm)
+                              for r in rows])) / t
+
+    scale = max(base.latency_s, 1e-6)  # the step least_squares takes is relative to this
+    fit = least_squares(lambda x: rel(x * scale), [0.1], bounds=([0.0], [np.inf]),
+                        diff_step=1e-3)
+    return float(fit.x[0] * scale)
 
 
 def fit_tier(rows: list[dict], algorithm: str, tcp_window: float | None = None
@@ -346,11 +347,7 @@ def fit_tier(rows: list[dict], algorithm: str, tcp_window: float | None = None
                                                        algorithm) for r in exchanges)
               if exchanges else None)  # a diagnostic: not in the tier
     in_step = [r for r in rows if r["op"] == IN_STEP]
-    drift = 0.0
-    if in_step:
-        upper = 10 * base.latency_s + max(r["seconds"] for r in in_step)
-        drift = _fit_one(in_step, lambda d: dataclasses.replace(
-            base, latency_s=base.latency_s + d), upper, algorithm)
+    drift = _fit_drift(in_step, base, algorithm) if in_step else 0.0
     tier = dataclasses.replace(base, latency_s=base.latency_s + drift)
     residuals = (_residuals(synced + exchanges, base, algorithm)
                  + _residuals(in_step, tier, algorithm))
@@ -397,10 +394,10 @@ def format_fit(doc: dict) -> str:
         if isinstance(fit, str):
             lines.append(f"{head} ({fit})")
             continue
-        queue = (f"; exchange {fit['exchange_excess_s'] * 1e3:+.2f} ms beyond its formula"
-                 if fit.get("exchange_excess_s") is not None else "")
+        exchange = (f"; exchange {fit['exchange_excess_s'] * 1e3:+.2f} ms beyond its formula"
+                    if fit.get("exchange_excess_s") is not None else "")
         lines.append(f"{head} (alpha {fit['link_latency_s'] * 1e6:.1f} us + drift "
-                     f"{fit['drift_s'] * 1e6:.1f} us{queue}); {fit['algorithm']} formulas, "
+                     f"{fit['drift_s'] * 1e6:.1f} us{exchange}); {fit['algorithm']} formulas, "
                      f"{fit['points']} points, rms relative residual "
                      f"{fit['rms_rel_residual']:.1%}")
         for r in fit["residuals"]:
