@@ -79,7 +79,8 @@ def _how_measured(runs: pd.DataFrame) -> str:
             f"profile ({models}; docs/network-model.md). On shaped TCP links (gloo, "
             "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC; 2 ranks, one per core) it predicted the "
             "step times of DDP, DiLoCo and GASLoC within 10% in 11 of 12 cases (GASLoC at "
-            "100 Mbit/s + 1 ms: -16%); GASLoC's exchange itself ran 21-62% above its model; "
+            "100 Mbit/s + 1 ms: -16%); GASLoC's exchange itself was modelled 21-62% below what "
+            "it took; "
             "a 2-stage pipeline's step was projected 28-69% too slow on latency-bound links "
             "(not yet fixed). It is not validated for NCCL, more ranks, or lossy links.")
 

@@ -180,11 +180,11 @@ def exchange_per_op(rows: list[dict], step_s: float, inner_steps: int, profile) 
     mine = [r for r in rows if r["phase"] == "gossip" and r["op"] == "exchange" and r["count"]]
     if not mine:
         raise ValueError("no gossip exchange in comm.jsonl")
-    slowest = min(mine, key=lambda r: r["seconds"] / r["count"])
-    measured = slowest["seconds"] / slowest["count"]
-    rank = slowest["rank"]
-    peer = 1 - rank if slowest["group_size"] == 2 else (rank + 1) % slowest["group_size"]
-    record = CommRecord(0, "gossip", "exchange", 2, (peer,), slowest["bytes"] / slowest["count"],
+    last = min(mine, key=lambda r: r["seconds"] / r["count"])  # the last to arrive
+    measured = last["seconds"] / last["count"]
+    rank = last["rank"]
+    peer = (rank + 1) % last["group_size"]  # any other rank: the lab's links are alike
+    record = CommRecord(0, "gossip", "exchange", 2, (peer,), last["bytes"] / last["count"],
                         0.0, "inter")
     idle = max(0.0, inner_steps * step_s - measured)
     return measured, pricer(profile, rank, 1, backend="gloo", idle=idle)(record)

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.config import load_config
 from bench.network import get_profile
 from tests.netlab.experiment import (
     CASES,
+    CONFIGS,
     STEPS,
     ZERO_PROFILE,
     Case,
@@ -38,7 +40,7 @@ from tests.netlab.experiment import (
     summarize,
     train,
 )
-from tests.netlab.lab import Lab, build_delayer, missing_requirements
+from tests.netlab.lab import ROOT, Lab, build_delayer, missing_requirements
 
 pytestmark = [pytest.mark.netlab, pytest.mark.timeout(10800)]
 REPS = int(os.environ.get("NETLAB_REPS", "3"))
@@ -52,8 +54,8 @@ SELECTED = [c for c in CASES if (not ONLY or c.strategy in ONLY) and c.world in 
 PROBED = [c for c in CASES if c.strategy == "ddp" and c.world == 2]
 PROBED += [Case("ddp", (100,) * 4, (10,) * 4), Case("ddp", (1000,) * 4, (1,) * 4)]
 """The settings netprobe is fitted on: every 2-rank one, two of the 4-rank ones."""
-GASLOC_H = 10
-"""configs/gasloc-tiny.yaml's inner_steps (the exchange's round)."""
+GASLOC_H = load_config(ROOT / CONFIGS["gasloc"]).strategy.inner_steps
+"""The exchange's round: the GASLoC config's inner_steps."""
 
 
 def _report(line: str) -> None:
