@@ -116,6 +116,7 @@ DIMENSIONS: dict[str, list] = {
     "optim.delay_correction": ["none", "ef", "predict"],
     "model.precision": ["fp32", "bf16"],
     "network.emulate": [None, "eth-10g"],
+    "network.profiles": [("eth-10g",), ()],  # () = project onto nothing (a shaped-link run)
     "resume": [False, True],
     "model.arch": ["gpt2", "llama"],
     "parallel.shard": ["none", "fsdp"],
@@ -143,7 +144,7 @@ class Combination:
                 **OUTER[named["outer"]]}
         for key, value in named.items():
             if "." in key:
-                flat[key] = value
+                flat[key] = list(value) if isinstance(value, tuple) else value
         if named["resume"]:
             flat["checkpoint.every"] = 2
         for key, value in flat.items():
