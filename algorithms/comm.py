@@ -481,14 +481,22 @@ class Communicator:
         Each pair of peers must call it with matching shapes. Recorded as ONE record whose
         peers are all ranks sent to or received from, whose `nbytes` are the bytes sent,
         and whose `peer_nbytes` are the bytes sent to each of those peers.
+
+        The receives are posted before the sends. On gloo each receive sends the peer a
+        ready-to-receive notice over the pair's one TCP connection, and a send whose
+        peer is already waiting writes its whole payload at once: posted send first, a
+        rank arriving after its peer queued its notice behind its own payload, so the
+        peer's data only started once all of it had crossed (measured on shaped links:
+        2 latencies + 2 S/beta instead of 2 latencies + S/beta; docs/network-model.md,
+        "Two-way exchange"). gloo's own ring all-reduce posts its receive first too.
         """
         peers = set(sends) | set(recvs)
         if not peers:
             return
         if self.rank in peers:
             raise ValueError(f"exchange peers must not include this rank {self.rank}")
-        ops = [dist.P2POp(dist.isend, t.contiguous(), p) for p, t in sorted(sends.items())]
-        ops += [dist.P2POp(dist.irecv, t, p) for p, t in sorted(recvs.items())]
+        ops = [dist.P2POp(dist.irecv, t, p) for p, t in sorted(recvs.items())]
+        ops += [dist.P2POp(dist.isend, t.contiguous(), p) for p, t in sorted(sends.items())]
         peer_nbytes = tuple(_nbytes(sends[p]) if p in sends else 0 for p in sorted(peers))
         with self._timed("exchange", sum(peer_nbytes), peers=peers, peer_nbytes=peer_nbytes):
             for work in dist.batch_isend_irecv(ops):

@@ -22,9 +22,10 @@ projection uses for `--backend` (bench/network/costs.py):
   refined on the formulas themselves where they are not linear in them (gloo's
   segment-level all_reduce);
 - the exchange is not fitted: its excess over the formula (median over sizes) is kept
-  under `fit:` as `exchange_excess_s`, a diagnostic the projection does not use (on the
-  shaped links of docs/network-model.md it is tens of milliseconds after a gossip round's
-  pause, for a reason not established, and it did not carry over to runs);
+  under `fit:` as `exchange_excess_s`, a diagnostic the projection does not use (posted
+  send first it was tens of milliseconds on the shaped links of docs/network-model.md,
+  gloo's ready notice queued behind the payload; receive first, as now, it should be
+  near 0: a large excess says the link does something the formula does not);
 - the drift: the latency every message of a step's op pays on top of alpha because the
   ranks come to it from compute (their communication threads wake, slower ranks are
   waited for) on the in-step points. The profile's latency is alpha + drift: what runs
@@ -190,8 +191,10 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
             if rank in (ranks[0], peer):
                 other = peer if rank == ranks[0] else ranks[0]
                 back = torch.empty_like(buf)
-                for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, other),
-                                                 dist.P2POp(dist.irecv, back, other)]):
+                # the receive first, as Communicator.exchange posts it (gloo's notice
+                # must not queue behind this rank's payload: docs/network-model.md)
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, back, other),
+                                                 dist.P2POp(dist.isend, buf, other)]):
                     w.wait()
         elif rank in ranks:
             if op in ("all_reduce", IN_STEP):

@@ -37,7 +37,17 @@ def two_rank_ops(rank, world_size):
     else:
         out["recv"] = comm.recv(torch.zeros(4), src=0).tolist()
     mine, theirs = torch.full((6,), float(rank)), torch.empty(6)
-    comm.exchange({1 - rank: mine}, {1 - rank: theirs})
+    original, out["order"] = dist.batch_isend_irecv, []
+
+    def spy(ops):  # which op the exchange posts first
+        out["order"] += ["recv" if op.op is dist.irecv else "send" for op in ops]
+        return original(ops)
+
+    dist.batch_isend_irecv = spy
+    try:
+        comm.exchange({1 - rank: mine}, {1 - rank: theirs})
+    finally:
+        dist.batch_isend_irecv = original
     out["exchanged"] = theirs.tolist()
     comm.barrier()
     out["records"] = _summary(comm.ledger.records)
@@ -56,6 +66,9 @@ def test_two_rank_ops_values_and_ledger():
         assert out["broadcast"] == [1.0, 1.0]
         assert out["gather"] == [[0, 0], [1, 10]]
         assert out["exchanged"] == [float(1 - rank)] * 6
+        # the receive first: on gloo its ready-to-receive notice must not queue behind
+        # this rank's own payload (Communicator.exchange; 2x the time on shaped links)
+        assert out["order"] == ["recv", "send"]
         assert out["steps"] == {7}
         assert torch.equal(out["tensor"], torch.arange(3.0) * rank)
         p2p = ("train", "send", 2, (1,), 16, "inter") if rank == 0 else \
