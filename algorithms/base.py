@@ -102,13 +102,14 @@ class StepStats:
 
 @dataclass(frozen=True)
 class CriticalPath:
-    """How a step's compute and point-to-point transfers lie on its critical path, for the
-    projection (bench/network/pipeline.py): `slots` compute slots long, the rank's own
-    compute filling `work_slots` of them, plus `hops` transfers no compute hides."""
+    """A pipeline step's schedule, for the projection that replays it on the modelled
+    link (bench/network/pipeline.py): `num_stages` stages each running `passes`
+    microbatch passes (forward and backward) per step in the order of `schedule`."""
 
-    slots: int
-    work_slots: int
-    hops: int
+    schedule: str
+    """bench/network/pipeline.py's PROGRAMS: 1f1b, gpipe (torch's), ours-1f1b, 2bw (ours)."""
+    num_stages: int
+    passes: int
 
 
 @dataclass

@@ -77,10 +77,9 @@ class PipeDreamConfig(PipelineConfigBase):
         return self.delay
 
     def critical_path(self, num_stages: int, num_microbatches: int) -> CriticalPath:
-        """delay 1: M slots, no exposed hops (the next step's forwards fill the drain)."""
-        if not self.delay:
-            return super().critical_path(num_stages, num_microbatches)
-        return CriticalPath(slots=num_microbatches, work_slots=num_microbatches, hops=0)
+        """Our executor's order (algorithms/schedule.py); delay 1 has no flush."""
+        return CriticalPath("2bw" if self.delay else "ours-1f1b", num_stages,
+                            num_microbatches)
 
     def in_flight(self, facts) -> float:
         """delay 1: S - s (the warm-up microbatches stay in flight across steps)."""

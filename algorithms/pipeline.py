@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from algorithms.base import TrainSetup, unwrap
+from algorithms.base import CriticalPath, TrainSetup, unwrap
 from algorithms.clocks import clock_for
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
@@ -80,6 +80,12 @@ class PipelineConfig(PipelineConfigBase):
                              "yet (its chunks' crossings are not modelled): commbench whatif "
                              "prices schedules 1f1b and gpipe")
         return super().traffic(cfg, facts)
+
+    def critical_path(self, num_stages: int, num_microbatches: int) -> CriticalPath:
+        """gpipe: torch's GPipe order; the others: `PipelineConfigBase.critical_path`."""
+        if self.schedule == "gpipe":
+            return CriticalPath("gpipe", num_stages, num_microbatches)
+        return super().critical_path(num_stages, num_microbatches)
 
     def in_flight(self, facts) -> float:
         """gpipe: all M; 1f1b: min(S - s, M); interleaved (V chunks): torch's warm-up of

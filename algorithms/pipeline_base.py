@@ -76,11 +76,12 @@ class PipelineConfigBase(StrategyConfig):
         # the model; split_layers also refuses it when the stages are built
 
     def critical_path(self, num_stages: int, num_microbatches: int) -> CriticalPath:
-        """With a flush: M + S - 1 slots, M of them this stage's, 2(S - 1) exposed hops
-        (V chunks per rank: V*M work slots). Configs without a flush override it."""
-        work = num_microbatches * getattr(self, "stages_per_rank", 1)
-        return CriticalPath(slots=work + num_stages - 1, work_slots=work,
-                            hops=2 * (num_stages - 1))
+        """torch's 1F1B order (bench/network/pipeline.py), a flush every step. Also how
+        DeepSpeed's 1F1B and the interleaved schedule (V chunks per rank: V*M passes on
+        S stages) are priced: approximations, not their own orders
+        (docs/algorithms.md, Pipelines, "Projection"). Other schedules override it."""
+        passes = num_microbatches * getattr(self, "stages_per_rank", 1)
+        return CriticalPath("1f1b", num_stages, passes)
 
     def traffic(self, cfg, facts) -> Traffic:
         """Per step and stage: the microbatches' activations and gradients to and from the

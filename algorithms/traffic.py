@@ -20,6 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # algorithms.base imports torch; this module does not need it
+    from algorithms.base import CriticalPath
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,8 @@ class Traffic:
     data-parallel step's compute the rank does in that step (0 for an idle worker, a
     stage's share for pipelines); `phases`: consecutive step ranges inside which the
     traffic repeats every `period` steps (the what-if prices one period of each in steady
-    state); `critical_path`: (slots, work_slots, hops) of a pipeline step, priced as
-    bench/network/pipeline.py does (None: op by op).
+    state); `critical_path`: a pipeline step's schedule (algorithms/base.py
+    `CriticalPath`), priced as bench/network/pipeline.py does (None: op by op).
     """
 
     steps: int
@@ -111,8 +115,8 @@ class Traffic:
     reads_batch: Callable[[int, int], bool] | None = None
     """Whether the rank consumes a batch in the step (its tokens count; bench/meter.py
     `step_kind`); None: where it computes."""
-    critical_path: Callable[[int], tuple[int, int, int]] | None = None
-    """rank -> (slots, work_slots, hops), or None."""
+    critical_path: Callable[[int], CriticalPath] | None = None
+    """rank -> the step's schedule, or None."""
     notes: list[str] = field(default_factory=list)
     """What the description assumes, in words (printed with every what-if)."""
 
@@ -395,7 +399,7 @@ def pipeline_traffic(config, cfg, facts: TrafficFacts) -> Traffic:
                    if no_flush and cfg.run.steps > 1 else [],
                    compute_share=lambda rank, step: work[rank % S] / sum(work),
                    reads_batch=lambda rank, step: rank % S == 0,
-                   critical_path=lambda rank: (path.slots, path.work_slots, path.hops),
+                   critical_path=lambda rank: path,
                    notes=["pipeline stages: each stage's compute its share of the model's "
                           "matmul parameters (attention's score matmuls not counted); "
                           "activations fp32, one message per microbatch and boundary "

@@ -176,6 +176,9 @@ class LoopState:
     robust_stretches: dict = field(default_factory=dict)
     """The run's stretches between coupled steps, by content (`Settled.stretches`) ->
     how many: what the robust projection prices with each rank's median compute."""
+    stretch_format: int = 2
+    """The layout of `robust_stretches`' contents (`STRETCH_FORMAT`): a checkpoint with
+    another is refused on resume (2: a pipeline column's link is its (d, h) pair)."""
     projection_s: float = 0.0
     """This rank's seconds spent projecting (`StepClock.add` and `settle`'s own work,
     its reductions left out): harness time outside the timed steps and off the clock
@@ -194,6 +197,8 @@ class LoopState:
         uninterrupted run's."""
         known = {f.name for f in fields(cls)}
         unknown, missing = sorted(set(saved) - known), sorted(known - set(saved))
+        if saved.get("stretch_format", STRETCH_FORMAT) != STRETCH_FORMAT:
+            unknown.append(f"stretch_format {saved['stretch_format']}")
         if unknown or missing:
             raise RuntimeError(
                 f"resume: the checkpoint's loop state is from another version of commbench "
@@ -253,14 +258,19 @@ class LoopState:
 ROBUST_RECORD_LIMIT = 2_000_000
 """Numbers the robust projection's stretch record may hold (`LoopState.robust_stretches`;
 ~64 MB of Python tuples, on every rank and in every checkpoint). A stretch holds about
-2 x projection columns numbers per rank, and with measured overlap nearly every step is a
+3 x projection columns numbers per rank, and with measured overlap nearly every step is a
 new stretch: on 2 ranks the record reaches the limit after ~50,000 distinct stretches, on
 64 ranks after ~1,700."""
 
 
+STRETCH_FORMAT = 2
+"""`LoopState.stretch_format` of this version."""
+
+
 def _stretch_size(stretch: tuple) -> int:
-    """Numbers in one stretch's content (`stretches`): per rank its kinds, taus, others."""
-    return sum(2 * len(kinds) + len(taus) + len(others) for kinds, taus, others in stretch)
+    """Numbers in one stretch's content (`stretches`): per rank its kinds, links, others."""
+    return sum(2 * len(kinds) + 2 * len(links) + len(others)
+               for kinds, links, others in stretch)
 
 
 @dataclass
@@ -283,8 +293,9 @@ class Settled:
     stretches: dict = field(default_factory=dict)
     """The window's stretches between coupled steps (`coupled_max`'s), each as what every
     rank did in it: per rank its step kinds (id, count) and, per projection column, the
-    modelled seconds that are not compute (`other`) and the largest transfer (`tau`,
-    critical-path columns) -> how many such stretches (`robust_projection` prices them)."""
+    modelled seconds that are not compute (`other`) and the link of its largest transfer
+    (`(d, h)`, critical-path columns: bench/network/pipeline.py) -> how many such
+    stretches (`robust_projection` prices them)."""
     step_bytes: list[float] = field(default_factory=list)
     """Per step of the window: the max over ranks of its training traffic's logical bytes."""
     step_wire_bytes: list[float] = field(default_factory=list)
@@ -385,7 +396,7 @@ class StepClock:
         self.num_profiles, self.device, self.model = len(profiles), device, model
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
         self.projected: list[float] = []  # num_profiles values per pending step
-        self.robust: list[float] = []  # per pending step: kind, compute, (tau, other) each
+        self.robust: list[float] = []  # per pending step: kind, compute, (d, h, other) each
         self.coupled: list[float] = []  # per pending step: 1 if it recorded training traffic
         self.sent: list[float] = []  # per pending step: logical bytes, wire bytes
         self.projection_s = 0.0  # this rank's seconds in add since the last settle
@@ -415,7 +426,7 @@ class StepClock:
             samples.setdefault(kind, []).append(compute_s)
         keys = [link_keys(r) for r in step_records]
         modelled: dict[bool, dict[str, float]] = {True: {}, False: {}}  # overlap -> name ->
-        inputs = {}  # (overlap, name) -> (tau, other): the step's pricing beside compute
+        inputs = {}  # (overlap, name) -> (d, h, other): the step's pricing beside compute
         for name, profile in self.profiles.items():  # this rank's modelled step seconds
             costs = []  # each record priced once, in order: slow start once per connection
             for r, k in zip(step_records, keys, strict=True):
@@ -423,7 +434,7 @@ class StepClock:
                 self.links[name].use(k)
             inputs[True, name] = self.overlap_inputs(step_records, costs, profile,
                                                      window)
-            inputs[False, name] = (0.0, sum(costs))
+            inputs[False, name] = (0.0, 0.0, sum(costs))
             modelled[True][name] = self.step_time(compute_s, *inputs[True, name])
             modelled[False][name] = compute_s + sum(costs)
         columns = [(overlap, name) for overlap in OVERLAP_MODES for name in self.profiles]
@@ -443,24 +454,22 @@ class StepClock:
     def overlap_inputs(self, records: list[CommRecord], costs: list[float],
                        profile: Profile,
                        window: Callable[[CommRecord], float] | None = None
-                       ) -> tuple[float, float]:
-        """(tau, other) of this rank's overlap-aware step on `profile`: the exposed part of
-        the records' modelled seconds `costs` (tau 0; `window`: an op that spans steps ran
-        beside that much compute), or, with a critical path, its largest transfer and the
-        rest (bench/network/pipeline.py)."""
+                       ) -> tuple[float, float, float]:
+        """(d, h, other) of this rank's overlap-aware step on `profile`: the exposed part
+        of the records' modelled seconds `costs` (d = h = 0; `window`: an op that spans
+        steps ran beside that much compute), or, with a critical path, the link of its
+        largest transfer and the rest (bench/network/pipeline.py)."""
         if self.critical_path is not None:
             return critical_path_inputs(records, pricer(profile, self.rank,
                                                         self.ranks_per_node,
                                                         backend=self.model))
-        return 0.0, exposed_s(records, costs, window)
+        return 0.0, 0.0, exposed_s(records, costs, window)
 
-    def step_time(self, compute_s: float, tau: float, other: float) -> float:
+    def step_time(self, compute_s: float, d: float, h: float, other: float) -> float:
         """The overlap-aware step from its compute and `overlap_inputs`."""
-        path = self.critical_path
-        if path is None:
+        if self.critical_path is None:
             return compute_s + other
-        return critical_path_time(compute_s, tau, other, path.slots, path.work_slots,
-                                  path.hops)
+        return critical_path_time(compute_s, d, h, other, self.critical_path)
 
     def settle(self) -> Settled:
         """Reduce over ranks (a collective: every rank calls it at the same step). Its own
@@ -484,7 +493,7 @@ class StepClock:
         sent = every[:, n:3 * n].reshape(len(ranks), n, 2).amax(dim=0)
         every = every[:, 3 * n:]  # then as without the bytes: projected, robust
         values = every[:, :n * width].reshape(len(ranks), n, width)
-        robust = every[:, n * width:].reshape(len(ranks), n, 2 + 2 * width)
+        robust = every[:, n * width:].reshape(len(ranks), n, 2 + 3 * width)
         totals, compute = (x.tolist() for x in coupled_max(values, coupled, robust[:, :, 1]))
         overlap, no_overlap, compute_overlap, compute_no_overlap = (
             {name: column[offset + i] for i, name in enumerate(self.profiles)}
@@ -502,10 +511,10 @@ class StepClock:
 def stretches(robust: torch.Tensor, coupled: torch.Tensor, width: int) -> dict:
     """The window's stretches (cut as `coupled_max` cuts them) by content -> count.
 
-    `robust` [ranks, steps, 2 + 2 * width]: per step the kind id, the compute, then
-    (tau, other) per projection column. A stretch's content, per rank: its kinds with
-    their counts, and per column the largest tau and the summed other (rounded to 1 ns,
-    so that equal stretches meet)."""
+    `robust` [ranks, steps, 2 + 3 * width]: per step the kind id, the compute, then
+    (d, h, other) per projection column. A stretch's content, per rank: its kinds with
+    their counts, and per column the link of the largest transfer, (d, h), and the summed
+    other (rounded to 1 ns, so that equal stretches meet)."""
     out: dict = {}
     ranks, steps = robust.shape[0], robust.shape[1]
     start = 0
@@ -518,11 +527,12 @@ def stretches(robust: torch.Tensor, coupled: torch.Tensor, width: int) -> dict:
             kinds: dict[float, int] = {}
             for kid in part[r, :, 0].tolist():
                 kinds[kid] = kinds.get(kid, 0) + 1
-            pairs = part[r, :, 2:].reshape(part.shape[1], width, 2)  # width 0: no profiles
-            taus = pairs[:, :, 0].amax(dim=0).tolist()
-            others = pairs[:, :, 1].sum(dim=0).tolist()
+            triples = part[r, :, 2:].reshape(part.shape[1], width, 3)  # width 0: no profiles
+            largest = triples[:, :, 0].argmax(dim=0)  # per column: the step of largest d
+            links = triples[largest, torch.arange(width), :2].tolist()
+            others = triples[:, :, 2].sum(dim=0).tolist()
             content.append((tuple(sorted(kinds.items())),
-                            tuple(round(t, 9) for t in taus),
+                            tuple((round(d, 9), round(h, 9)) for d, h in links),
                             tuple(round(o, 9) for o in others)))
         key = tuple(content)
         out[key] = out.get(key, 0) + 1
@@ -586,11 +596,10 @@ def robust_projection(stretches: dict, medians: list[dict[str, float]], width: i
         own = [sum(n * by_id[r][kid] for kid, n in kinds)
                for r, (kinds, _, _) in enumerate(content)]
         for c in range(width):
-            seconds = [critical_path_time(own[r], taus[c], others[c], critical_path.slots,
-                                          critical_path.work_slots, critical_path.hops)
+            seconds = [critical_path_time(own[r], *links[c], others[c], critical_path)
                        if critical_path is not None and c < path_columns
                        else own[r] + others[c]
-                       for r, (_, taus, others) in enumerate(content)]
+                       for r, (_, links, others) in enumerate(content)]
             ends = seconds.index(max(seconds))
             totals[c] += count * seconds[ends]
             compute[c] += count * own[ends]

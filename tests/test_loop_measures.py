@@ -187,8 +187,9 @@ def test_projection_compute_and_comm_are_the_timeline_ranks():
     assert coupled_max(tie, coupled[:1], torch.tensor([[1.5], [0.5]]))[1].tolist() == [1.5]
     # the robust projection picks its timeline alike, per column, from the medians
     kid = kind_id("train:send")
-    content = ((((kid, 2),), (0.0, 0.0), (1.0, 2.0)),   # rank 0: median 4 s, 2 steps
-               (((kid, 2),), (0.0, 0.0), (3.0, 10.0)))  # rank 1: median 1 s
+    no_link = ((0.0, 0.0), (0.0, 0.0))  # per column (d, h): no critical path
+    content = ((((kid, 2),), no_link, (1.0, 2.0)),   # rank 0: median 4 s, 2 steps
+               (((kid, 2),), no_link, (3.0, 10.0)))  # rank 1: median 1 s
     totals, robust_compute = robust_projection({content: 3}, [{"train:send": 4.0},
                                                              {"train:send": 1.0}], 2)
     assert totals == [3 * 9.0, 3 * 12.0] and robust_compute == [3 * 8.0, 3 * 2.0]
@@ -205,11 +206,11 @@ def test_robust_projection_replaces_a_spike_by_the_median():
                [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]]
     coupled = torch.tensor([0, 0, 0, 1, 0, 0, 0, 1], dtype=torch.bool)
     width = 2  # one profile, overlap-aware and not
-    robust = torch.zeros(2, 8, 2 + 2 * width, dtype=torch.float64)
+    robust = torch.zeros(2, 8, 2 + 3 * width, dtype=torch.float64)
     robust[:, :, 0] = kind_id(kind)
     robust[:, :, 1] = torch.tensor(compute, dtype=torch.float64)
-    robust[:, [3, 7], 3] = 0.5  # column 0's (tau, other): other 0.5 s at the coupled steps
-    robust[:, [3, 7], 5] = 0.7  # column 1's
+    robust[:, [3, 7], 4] = 0.5  # column 0's (d, h, other): other 0.5 s at the coupled steps
+    robust[:, [3, 7], 7] = 0.7  # column 1's
     found = stretches(robust, coupled, width)
     assert list(found.values()) == [2]  # two equal stretches of 4 steps
     totals, compute_s = robust_projection(found, [{kind: 1.0}, {kind: 2.0}], width)
@@ -230,7 +231,7 @@ def test_stretches_of_a_run_projecting_onto_no_profile():
     robust[:, :, 0] = kind_id("no traffic")
     found = stretches(robust, torch.tensor([0, 1, 0], dtype=torch.bool), 0)
     assert sum(found.values()) == 2  # [0, 1] and [2]
-    assert all(taus == others == () for stretch in found for _, taus, others in stretch)
+    assert all(links == others == () for stretch in found for _, links, others in stretch)
 
 
 def test_robust_projection_record_is_bounded(monkeypatch):
@@ -239,16 +240,17 @@ def test_robust_projection_record_is_bounded(monkeypatch):
     for the run, rather than a record that is complete for some stretches only)."""
     from bench import meter
 
-    monkeypatch.setattr(meter, "ROBUST_RECORD_LIMIT", 100)
+    monkeypatch.setattr(meter, "ROBUST_RECORD_LIMIT", 130)
 
-    def settled(step):  # 2 ranks, one kind, 2 columns: 2 * (2 + 2 + 2) = 12 numbers
-        content = tuple((((0.0, 1),), (0.0, 0.0), (step * 1e-3, 0.0)) for _ in range(2))
+    def settled(step):  # 2 ranks, one kind, 2 columns: 2 * (2 + 2 * 2 + 2) = 16 numbers
+        content = tuple((((0.0, 1),), ((0.0, 0.0), (0.0, 0.0)), (step * 1e-3, 0.0))
+                        for _ in range(2))
         return meter.Settled(0.1, 8, {}, {}, stretches={content: 1})
 
     state = meter.LoopState()
     for step in range(8):
         state.advance(settled(step))
-    assert len(state.robust_stretches) == 8 and not state.robust_dropped  # 96 numbers
+    assert len(state.robust_stretches) == 8 and not state.robust_dropped  # 128 numbers
     state.advance(settled(8))
     assert state.robust_dropped and state.robust_stretches == {}
     state.advance(settled(9))

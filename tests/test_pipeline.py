@@ -607,36 +607,78 @@ def test_deepspeed_log_gives_each_op_its_own_seconds():
     assert sum(s for name, _, s in ops if name == "all_reduce") == pytest.approx(6e-3)
 
 
-def test_critical_path_projection_hides_transfers_and_adds_the_bubble():
-    """bench/network/pipeline.py on one rank's step of M = 4 microbatches, S = 2 stages:
-    compute-bound, 2BW costs its compute, 1F1B its compute times (M+S-1)/M plus 2(S-1)
-    exposed transfers; link-bound, each slot costs two transfers."""
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "ours-1f1b", "2bw"])
+@pytest.mark.parametrize("S,M", [(2, 4), (3, 3), (4, 8), (2, 1)])
+def test_critical_path_without_transfers_is_the_bubble(schedule, S, M):
+    """bench/network/pipeline.py with free links: a flushed schedule's step is its
+    M + S - 1 slots of compute (the bubble); 2BW's steady step is its compute plus the
+    last stage's wait for S - 1 forwards after the step's synchronising all-reduce."""
+    from algorithms.base import CriticalPath
+    from bench.network.pipeline import critical_path_time
+
+    if schedule == "2bw" and M < S - 1:
+        pytest.skip("2BW needs M >= S - 1")
+    c = 0.048
+    got = critical_path_time(c, 0.0, 0.0, 0.0, CriticalPath(schedule, S, M))
+    if schedule == "2bw":
+        assert got == pytest.approx(c + (S - 1) * c / (3 * M))
+    else:
+        assert got == pytest.approx(c * (M + S - 1) / M)
+
+
+@pytest.mark.parametrize("h", [0.010, 0.0])
+def test_critical_path_of_a_latency_bound_1f1b_pays_each_receive_in_turn(h):
+    """Two stages, 4 microbatches, a link much slower than a microbatch's compute, worked
+    by hand from torch's Schedule1F1B: the last stage posts each activation receive only
+    after its previous backward, so every one of them waits h + d (the sender is
+    already waiting), the first after the first stage's first forward too (F); on gloo
+    (h > 0) torch's three steady batches of the last stage post a gradient's send before
+    the receive, so their activation arrives d - h later (the two messages one after the
+    other; our executor posts the receive first and does not pay it); the first
+    stage's last backward waits for the last gradient (d).
+    Step = max(F, h) + d + (M - 1)(h + d + late) + M c_mb + d + B + other.
+    (The old slot model gave (M + S - 1) 2 tau + 2 (S - 1) tau + other: 0.253 + other
+    here, against 0.136 (h = 10 ms) + other.)"""
+    from algorithms.base import CriticalPath
+    from bench.network.pipeline import critical_path_time
+
+    M, c, d, other = 4, 0.032, 0.0111, 0.06
+    c_mb, f, b = c / M, c / (3 * M), 2 * c / (3 * M)
+    # torch fuses each batch's sends before its receives; ours posts receives first
+    for schedule, late in (("1f1b", d - h if h > 0 else 0.0), ("ours-1f1b", 0.0)):
+        want = max(f, h) + d + (M - 1) * (h + d + late) + M * c_mb + d + b + other
+        got = critical_path_time(c, d, h, other, CriticalPath(schedule, 2, M))
+        assert got == pytest.approx(want, rel=1e-12), schedule
+
+
+def test_critical_path_inputs_price_one_message_and_gloos_handshake():
+    """d = one send of the largest point-to-point message on the profile; h = what an
+    exchange of it costs more (gloo: the ready-to-receive, one latency; NCCL: none);
+    the other records summed."""
     from algorithms.comm import CommRecord
     from bench.network import get_profile, record_seconds
-    from bench.network.pipeline import critical_path_step_s
+    from bench.network.model import pricer
+    from bench.network.pipeline import critical_path_inputs
 
-    profile, M, S = get_profile("eth-10g"), 4, 2
+    profile = get_profile("eth-10g")
+    tier = profile.link(0, 1, 1)
 
-    def rec(op, nbytes, peers, group_size):
-        return CommRecord(step=0, phase="train", op=op, group_size=group_size, peers=peers,
-                          nbytes=nbytes, seconds=0.0, tier="inter")
+    def rec(op, nbytes, peers, **kw):
+        return CommRecord(step=0, phase="train", op=op, group_size=len(peers) + 1,
+                          peers=peers, nbytes=nbytes, seconds=0.0, tier="inter", **kw)
 
-    sends = [rec("send", 4 * 8 * 32 * 4, (1,), 2) for _ in range(M)]
-    tied = rec("all_reduce", 64 * 32 * 4, (0, 1), 2)
-    tau, tied_s = record_seconds(sends[0], profile), record_seconds(tied, profile)
-    assert tau > 0 and tied_s > 0
-
-    def step(compute_s, flush):
-        slots, hops = (M + S - 1, 2 * (S - 1)) if flush else (M, 0)
-        return critical_path_step_s(compute_s, sends + [tied], profile, slots, M, hops)
-
-    compute = 100 * M * tau  # compute-bound
-    assert step(compute, flush=False) == pytest.approx(compute + tied_s)
-    assert step(compute, flush=True) == pytest.approx(
-        compute * (M + S - 1) / M + 2 * (S - 1) * tau + tied_s)
-    assert step(0.0, flush=False) == pytest.approx(M * 2 * tau + tied_s)  # link-bound
-    with pytest.raises(ValueError, match="work_slots"):
-        critical_path_step_s(1.0, [], profile, slots=2, work_slots=4, hops=0)
+    act = 8 * 32 * 64 * 4
+    records = [rec("send", act // 2, (1,)), rec("exchange", act, (1,), peer_nbytes=(act,)),
+               rec("recv", act, (1,))]
+    tied = CommRecord(step=0, phase="tied", op="all_reduce", group_size=2, peers=(0, 1),
+                      nbytes=4096, seconds=0.0, tier="inter")
+    for backend, h in (("gloo", tier.latency_s), ("nccl", 0.0), (None, 0.0)):
+        d, got_h, other = critical_path_inputs(records + [tied],
+                                               pricer(profile, backend=backend))
+        assert d == pytest.approx(tier.latency_s + act / tier.bandwidth_Bps)
+        assert got_h == pytest.approx(h, abs=1e-15)
+        assert other == pytest.approx(record_seconds(tied, profile, backend=backend))
+    assert critical_path_inputs([tied], pricer(profile))[:2] == (0.0, 0.0)
 
 
 # ---------------------------------------------------------------------- stage-local build

@@ -161,3 +161,17 @@ def test_a_checkpoint_without_the_projections_compute_is_refused_on_resume():
     with pytest.raises(RuntimeError, match=r"resume: .*another version.*projected_comm_s.*"
                                            r"missing: \['projected_compute_no_overlap_s'"):
         LoopState.restore(old)
+
+
+def test_a_checkpoint_with_the_old_stretch_layout_is_refused_on_resume():
+    """The robust projection's stretches hold a pipeline column's (d, h) link since the
+    schedule replay (bench/network/pipeline.py): a state without `stretch_format`, or with
+    another one, would price its stretches wrongly and is refused."""
+    from dataclasses import asdict
+
+    saved = asdict(LoopState(step=3))
+    old = {k: v for k, v in saved.items() if k != "stretch_format"}
+    with pytest.raises(RuntimeError, match=r"missing: \['stretch_format'\]"):
+        LoopState.restore(old)
+    with pytest.raises(RuntimeError, match="stretch_format 1"):
+        LoopState.restore({**saved, "stretch_format": 1})

@@ -1,67 +1,281 @@
-"""Pricing a pipeline step on its critical path, not op by op.
+"""Pricing a pipeline step by replaying its schedule on the modelled link, not op by op.
 
-Used by bench/meter.py's StepClock for the overlap-aware projection of strategies that
-describe their step's critical path (`Strategy.critical_path()`, algorithms/base.py:
-the pipelines); tested by `pytest tests/test_pipeline.py -k critical_path`. The model
-(docs/algorithms.md, Pipelines, "Projection"):
+Used by bench/meter.py's StepClock (and the what-if, bench/whatif/engine.py) for the
+overlap-aware projection of strategies that describe their step
+(`Strategy.critical_path()`, algorithms/base.py: the pipelines); tested by
+`pytest tests/test_pipeline.py -k critical_path`. The model (docs/algorithms.md,
+Pipelines, "Projection"):
 
-    t_step = slots * max(c, 2 * tau) + hops * tau + t_other
+- Every stage runs the schedule's program for one step: forwards (`F`) and backwards
+  (`B`), and batches of point-to-point sends and receives, posted and then waited on, in
+  the engine's own order (`programs`: torch's `Schedule1F1B` / `ScheduleGPipe` of
+  torch 2.13, our executor's `algorithms/schedule.py`).
+- A message leaves when its send is posted AND the receiver's ready-to-receive has
+  reached the sender (`h` after the receive was posted: gloo's handshake, one latency;
+  0 on NCCL), and arrives `d` later (one message on the link, latency + S/beta + TCP
+  ramp). A send is complete when its data has left (`d - h` after leaving), a receive
+  when the data has arrived. So a receive posted only when the stage needs it (every
+  engine here) waits `h + d`, and nothing hides it.
+- On gloo (h > 0) a batch that posts its sends before its receives (torch's fused
+  batches) and is posted after its peer's gets the peer's message only after its own has
+  gone: its ready-to-receive notice queues behind its own payload on the pair's one TCP
+  connection. It waits `h + d + (d - h)`, the two messages one after the other (measured
+  on the shaped links, 2 ranks, 64-512 kB each way: docs/network-model.md, "Two-way
+  exchange"). Our executor posts receives first (`Communicator.exchange`) and does not
+  pay it.
+- `F` = c / 3W and `B` = 2c / 3W, c = the rank's measured compute of the step (without
+  bubble and transfers) over its W microbatch passes: every stage is taken to compute as
+  this rank does (the projected step is the max over ranks).
+- The step ends when every stage has finished, plus `t_other`: every other record of the
+  step (data-parallel and tied-weight all-reduces, the clipping norm) priced as the plain
+  projection does, after the last backward. Without a flush (PipeDream-2BW, `delay: 1`)
+  the step is the steady-state period of consecutive steps.
 
-- `c` = the rank's measured compute per microbatch slot: its compute seconds of the step
-  (step_s - comm_s, the bubble and transfers excluded) over `work_slots` (M);
-- `tau` = the modelled seconds of one activation transfer on the profile: the largest of
-  the step's point-to-point records (send / recv / exchange) priced by `pricer`;
-  inside a slot the forward activation and the backward gradient of other microbatches
-  travel while the stage computes, so a slot lasts `max(c, 2 tau)`;
-- `slots` = the schedule's length in slots: M + S - 1 with a flush (1F1B, GPipe), M
-  without one (PipeDream-2BW's steady state);
-- `hops` = transfers that no compute hides: with a flush, the first microbatch's
-  activation crosses S - 1 boundaries forward and the last one's gradient S - 1 back
-  (2 (S - 1)); 0 without a flush;
-- `t_other` = every other record of the step (data-parallel and tied-weight all-reduces,
-  the clipping norm) priced as the plain projection does, after the last backward.
-
-The per-record projection instead adds a rank's every transfer to its compute and
-leaves the bubble out: it over-prices transfers that overlap compute (2M per end stage
-instead of 2(S - 1)) and under-prices a flushed schedule by its (S - 1) idle slots.
+`d` and `h` come from the step's largest point-to-point message: `d` = the model's price of
+one `send` of it, `h` = its price as a symmetric `exchange` minus `d` (gloo: one latency;
+NCCL and the naive model: 0). The earlier slot model charged every slot `max(c, 2 tau)`
+(transfers hidden under compute, two per slot): on latency-bound links it projected a
+2-stage 1F1B step 28-69% slower than it ran (docs/network-model.md).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
+from algorithms import schedule as ours
+from algorithms.base import CriticalPath
 from algorithms.comm import CommRecord
 from bench.network.costs import P2P
 from bench.network.model import pricer
 from bench.network.profiles import Profile
 
+Message = tuple[str, int, int]
+"""("A" activation | "G" gradient, boundary b between stages b and b + 1, microbatch)."""
+Op = tuple
+"""("F",) | ("B",) | ("post", sends, recvs, sends_first) | ("wait", ...the same) | ("sync",)."""
+FORWARD_SHARE = 1 / 3
+"""A forward's share of a microbatch's compute (a backward costs about two forwards)."""
+
 
 def critical_path_step_s(compute_s: float, records: Iterable[CommRecord], profile: Profile,
-                         slots: int, work_slots: int, hops: int, rank: int = 0,
-                         ranks_per_node: int = 1, *, backend: str | None = None) -> float:
-    """Modelled seconds of one pipeline step of this rank (module docstring's formula)."""
-    tau, other = critical_path_inputs(records, pricer(profile, rank, ranks_per_node,
-                                                      backend=backend))
-    return critical_path_time(compute_s, tau, other, slots, work_slots, hops)
+                         path: CriticalPath, rank: int = 0, ranks_per_node: int = 1, *,
+                         backend: str | None = None) -> float:
+    """Modelled seconds of one pipeline step of this rank (module docstring)."""
+    d, h, other = critical_path_inputs(records, pricer(profile, rank, ranks_per_node,
+                                                       backend=backend))
+    return critical_path_time(compute_s, d, h, other, path)
 
 
 def critical_path_inputs(records: Iterable[CommRecord],
-                         price: Callable[[CommRecord], float]) -> tuple[float, float]:
-    """(tau, t_other) of a step's records: the largest point-to-point transfer's modelled
-    seconds and every other record's, summed (`price`: `bench.network.model.pricer`)."""
-    p2p, other = [], 0.0
+                         price: Callable[[CommRecord], float]) -> tuple[float, float, float]:
+    """(d, h, t_other) of a step's records (module docstring; `price`:
+    `bench.network.model.pricer`): one message's seconds, the handshake's, and every
+    non-point-to-point record's seconds, summed."""
+    largest, size, other = None, -1.0, 0.0
     for r in records:
-        if r.op in P2P:
-            p2p.append(price(r))
-        else:
+        if r.op not in P2P:
             other += price(r)
-    return max(p2p, default=0.0), other
+            continue
+        per_peer = (max(r.peer_nbytes) if r.peer_nbytes
+                    else r.nbytes / max(1, len(r.peers or ())))
+        if per_peer > size:
+            largest, size = r, per_peer
+    if largest is None:
+        return 0.0, 0.0, other
+    one = replace(largest, op="send", nbytes=int(size), peers=largest.peers[:1],
+                  group_size=2, peer_nbytes=None)
+    d = price(one)
+    both = replace(one, op="exchange", peer_nbytes=(int(size),))
+    return d, min(d, max(0.0, price(both) - d)), other
 
 
-def critical_path_time(compute_s: float, tau: float, other: float, slots: int,
-                       work_slots: int, hops: int) -> float:
-    """slots * max(c, 2 tau) + hops * tau + t_other, c = compute_s / work_slots."""
-    if work_slots < 1 or slots < work_slots or hops < 0:
-        raise ValueError(f"critical path: need 1 <= work_slots <= slots and hops >= 0, got "
-                         f"slots={slots}, work_slots={work_slots}, hops={hops}")
-    return slots * max(compute_s / work_slots, 2 * tau) + hops * tau + other
+def critical_path_time(compute_s: float, d: float, h: float, other: float,
+                       path: CriticalPath) -> float:
+    """The step's modelled seconds: its schedule replayed (`simulate`) with this rank's
+    compute on every stage, plus `other` once per step."""
+    if compute_s < 0 or d < 0 or h < 0 or h > d:
+        raise ValueError(f"critical path: need compute_s, d >= 0 and 0 <= h <= d, got "
+                         f"compute_s={compute_s}, d={d}, h={h}")
+    steps = 3 if path.schedule == "2bw" else 1  # no flush: the steady state's period
+    f = compute_s * FORWARD_SHARE / path.passes
+    b = compute_s * (1 - FORWARD_SHARE) / path.passes
+    ends = simulate(programs(path.schedule, path.num_stages, path.passes, steps),
+                    f, b, d, h, other)
+    return ends[-1] - (ends[-2] if steps > 1 else 0.0)
+
+
+def simulate(programs: tuple[tuple[Op, ...], ...], f: float, b: float, d: float, h: float,
+             other: float) -> list[float]:
+    """Run every stage's program on one clock each (module docstring's link): the time at
+    which each step ended (every stage at the step's `sync`, plus `other`)."""
+    num = len(programs)
+    clock, at = [0.0] * num, [0] * num
+    sent: dict[Message, float] = {}  # message -> when its send was posted
+    ready: dict[Message, float] = {}  # message -> when its receive was posted
+    ends: list[float] = []
+    while True:
+        moved = False
+        for s, program in enumerate(programs):
+            while at[s] < len(program):
+                op = program[at[s]]
+                if op[0] == "F":
+                    clock[s] += f
+                elif op[0] == "B":
+                    clock[s] += b
+                elif op[0] == "post":
+                    sent.update(dict.fromkeys(op[1], clock[s]))
+                    ready.update(dict.fromkeys(op[2], clock[s]))
+                elif op[0] == "wait":
+                    if not all(m in ready for m in op[1]) or not all(m in sent for m in op[2]):
+                        break  # the peer has not posted its side yet
+                    leaves = [max(sent[m], ready[m] + h) for m in (*op[1], *op[2])]
+                    done = [t + d - h for t in leaves[:len(op[1])]]
+                    for m, t in zip(op[2], leaves[len(op[1]):], strict=True):
+                        # gloo: posted sends first after its peer, a batch's notice for
+                        # the peer's message waits behind its own (module docstring)
+                        late = h > 0 and op[3] and op[1] and sent[m] <= ready[m] + h
+                        done.append(t + d + (d - h if late else 0.0))
+                    clock[s] = max(clock[s], *done)
+                else:  # sync: wait for every stage
+                    break
+                at[s] += 1
+                moved = True
+        if all(at[s] == len(p) for s, p in enumerate(programs)):
+            return ends
+        if all(at[s] < len(p) and p[at[s]][0] == "sync" for s, p in enumerate(programs)):
+            end = max(clock) + other
+            ends.append(end)
+            clock = [end] * num
+            at = [i + 1 for i in at]
+        elif not moved:
+            raise RuntimeError(f"pipeline schedule deadlocks at ops {at} "
+                               f"(a bug in bench/network/pipeline.py's programs)")
+
+
+@functools.lru_cache(maxsize=64)
+def programs(schedule: str, num_stages: int, passes: int,
+             steps: int) -> tuple[tuple[Op, ...], ...]:
+    """Every stage's ops for `steps` consecutive steps of `passes` microbatches."""
+    if schedule not in PROGRAMS:
+        raise ValueError(f"critical path: schedule must be one of {sorted(PROGRAMS)}, "
+                         f"got {schedule!r}")
+    return tuple(tuple(PROGRAMS[schedule](s, num_stages, passes, steps))
+                 for s in range(num_stages))
+
+
+class _Stage:
+    """The messages of stage `s` of `n`, and its program under construction."""
+
+    def __init__(self, s: int, n: int, sends_first: bool):
+        self.s, self.n, self.ops = s, n, []
+        self.sends_first = sends_first
+        """Whether the engine posts a batch's sends before its receives."""
+
+    def fwd_recv(self, j: int) -> tuple[Message, ...]:
+        return (("A", self.s - 1, j),) if self.s > 0 else ()
+
+    def fwd_send(self, j: int) -> tuple[Message, ...]:
+        return (("A", self.s, j),) if self.s < self.n - 1 else ()
+
+    def bwd_recv(self, j: int) -> tuple[Message, ...]:
+        return (("G", self.s, j),) if self.s < self.n - 1 else ()
+
+    def bwd_send(self, j: int) -> tuple[Message, ...]:
+        return (("G", self.s - 1, j),) if self.s > 0 else ()
+
+    def post(self, sends=(), recvs=()) -> tuple:
+        """An asynchronous batch (nothing for an empty one): its wait op, to add later."""
+        if not sends and not recvs:
+            return ()
+        self.ops.append(("post", tuple(sends), tuple(recvs), self.sends_first))
+        return (("wait", tuple(sends), tuple(recvs), self.sends_first),)
+
+    def blocking(self, sends=(), recvs=()) -> None:
+        self.ops.extend(self.post(sends, recvs))
+
+
+def _torch_1f1b(s: int, n: int, m: int, steps: int) -> list[Op]:
+    """torch 2.13 `Schedule1F1B._step_microbatches`, op for op (a flush every step; its
+    fused batches list the sends first)."""
+    st = _Stage(s, n, sends_first=True)
+    for k in range(steps):
+        base, warm = k * m, min(m, n - s)
+        fwd = bwd = 0
+        send_work, fwd_sends = (), ()
+        for _ in range(warm):
+            st.blocking(recvs=st.fwd_recv(base + fwd))
+            st.ops.append(("F",))
+            st.ops.extend(send_work)
+            fwd_sends = st.fwd_send(base + fwd)
+            send_work = st.post(fwd_sends) if fwd != warm - 1 else ()
+            fwd += 1
+        while True:
+            st.blocking(fwd_sends, st.bwd_recv(base + bwd))
+            st.ops.append(("B",))
+            bwd_sends = st.bwd_send(base + bwd)
+            bwd += 1
+            if fwd == m:
+                break
+            st.blocking(bwd_sends, st.fwd_recv(base + fwd))
+            st.ops.append(("F",))
+            fwd_sends = st.fwd_send(base + fwd)
+            fwd += 1
+        send_work = st.post(bwd_sends)
+        while bwd < m:
+            st.blocking(recvs=st.bwd_recv(base + bwd))
+            st.ops.append(("B",))
+            st.ops.extend(send_work)
+            send_work = st.post(st.bwd_send(base + bwd))
+            bwd += 1
+        st.ops.extend(send_work)
+        st.ops.append(("sync",))
+    return st.ops
+
+
+def _torch_gpipe(s: int, n: int, m: int, steps: int) -> list[Op]:
+    """torch 2.13 `ScheduleGPipe._step_microbatches`: every forward (sends waited after the
+    last), then every backward."""
+    st = _Stage(s, n, sends_first=True)
+    for k in range(steps):
+        for recv, compute, send in ((st.fwd_recv, "F", st.fwd_send),
+                                    (st.bwd_recv, "B", st.bwd_send)):
+            pending = []
+            for j in range(k * m, (k + 1) * m):
+                st.blocking(recvs=recv(j))
+                st.ops.append((compute,))
+                pending.extend(st.post(send(j)))
+            st.ops.extend(pending)
+        st.ops.append(("sync",))
+    return st.ops
+
+
+def _ours(delay: int) -> Callable[[int, int, int, int], list[Op]]:
+    def program(s: int, n: int, m: int, steps: int) -> list[Op]:
+        """Our executor (algorithms/pipedream.py): blocking sends and receives, a send
+        held for the exchange that `schedule.p2p_plan` batches it in (receive first:
+        `Communicator.exchange`)."""
+        st, held = _Stage(s, n, sends_first=False), ()
+        for k in range(steps):
+            to_hold, exchanged = ours.p2p_plan(s, n, m, k, delay)
+            for kind, j in ours.actions(s, n, m, k, delay):
+                recv, out = ((st.fwd_recv(j), st.fwd_send(j)) if kind == "F"
+                             else (st.bwd_recv(j), st.bwd_send(j)))
+                for message in recv:  # with the held send, or alone
+                    sends, held = (held, ()) if message in exchanged else ((), held)
+                    st.blocking(sends, (message,))
+                st.ops.append((kind,))
+                for message in out:
+                    if message in to_hold:
+                        held = (message,)
+                    else:
+                        st.blocking(sends=(message,))
+            st.ops.append(("sync",))
+        return st.ops
+    return program
+
+
+PROGRAMS: dict[str, Callable[[int, int, int, int], list[Op]]] = {
+    "1f1b": _torch_1f1b, "gpipe": _torch_gpipe, "ours-1f1b": _ours(0), "2bw": _ours(1)}
+"""Schedule name (`CriticalPath.schedule`) -> (stage, stages, microbatches, steps) -> ops."""

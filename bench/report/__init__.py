@@ -78,11 +78,9 @@ def _how_measured(runs: pd.DataFrame) -> str:
             f"**Projected** times: measured compute plus modelled communication per network "
             f"profile ({models}; docs/network-model.md). On shaped TCP links (gloo, "
             "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC; 2 ranks, one per core) it predicted the "
-            "step times of DDP, DiLoCo and GASLoC within 10% in 11 of 12 cases (GASLoC at "
-            "100 Mbit/s + 1 ms: -16%); GASLoC's exchange itself was modelled 21-62% below what "
-            "it took; "
-            "a 2-stage pipeline's step was projected 28-69% too slow on latency-bound links "
-            "(not yet fixed). It is not validated for NCCL, more ranks, or lossy links.")
+            "step times of DDP, DiLoCo, GASLoC and a 2-stage 1F1B pipeline within 10% in all "
+            "16 cases; GASLoC's exchange itself was modelled 20-51% below what it took in 3 "
+            "of 4 settings. It is not validated for NCCL, more ranks, or lossy links.")
 
 
 def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,

@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from algorithms.base import CriticalPath
 from algorithms.comm import CommRecord
 from algorithms.traffic import ParamFact, Traffic, TrafficFacts, Transfer
 from bench.meter import LinkClock, step_kind
@@ -128,7 +129,7 @@ class Plan:
     overlapped: dict[tuple[int, int], list[float]]
     """(rank, step) -> each record's `overlap_steps` (streaming), 0 for none."""
     compute: dict[tuple[int, int], float]
-    critical_path: Callable[[int], tuple[int, int, int]] | None
+    critical_path: Callable[[int], CriticalPath] | None
     ranks_per_node: int
     steps: int
     notes: list[str] = field(default_factory=list)
@@ -329,9 +330,8 @@ def _step(p: Plan, rank: int, step: int, clock: LinkClock, price_one, price_warm
         costs.append(memo[key])
         clock.use(keys)
     if p.critical_path is not None:
-        slots, work, hops = p.critical_path(rank)
-        tau, other = critical_path_inputs(records, price_warm)
-        overlap = critical_path_time(compute, tau, other, slots, work, hops)
+        d, h, other = critical_path_inputs(records, price_warm)
+        overlap = critical_path_time(compute, d, h, other, p.critical_path(rank))
     else:
         held = [(r, c) for r, c, s in zip(records, costs, p.overlapped[rank, step],
                                            strict=True) if not s]

@@ -134,6 +134,27 @@ def test_projection_of_one_step(benchmark, records):
     assert clock.num_steps == (6 if records > 10**4 else 51) and clock.projected[0] > 0.49
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_projection_of_one_pipeline_step(benchmark, schedule):
+    """The same for a deep pipeline stage (8 stages, 32 microbatches: its 64 transfers and
+    a tied all-reduce): `StepClock.add` replays the schedule on every default profile
+    (bench/network/pipeline.py); 2BW replays three steps for its steady state."""
+    from algorithms.base import CriticalPath
+
+    profiles = {name: get_profile(name) for name in NetworkConfig().profiles}
+    path = CriticalPath(schedule, 8, 32)
+    clock = StepClock(profiles, 3, 1, torch.device("cpu"), "gloo", critical_path=path)
+    step = [CommRecord(step=0, phase="train", op="exchange", group_size=2, peers=(4,),
+                       nbytes=1 << 20, seconds=1e-3, tier="inter", peer_nbytes=(1 << 20,))
+            for _ in range(64)]
+    step.append(CommRecord(step=0, phase="tied", op="all_reduce", group_size=2,
+                           peers=(0, 7), nbytes=1 << 22, seconds=1e-3, tier="inter"))
+    stats = StepStats(loss=1.0, tokens=1024, comm_s=0.2)
+    benchmark.pedantic(clock.add, args=(0.5, stats, step), rounds=20, iterations=1,
+                       warmup_rounds=1)
+    assert clock.num_steps == 21 and clock.projected[0] > 0.3
+
+
 def test_batch_stream(benchmark):
     tokens = torch.randint(0, 256, (2_000_000,)).numpy().astype("uint16")
     stream = BatchStream(tokens, 1024, 16, 0, 8, seed=0)
