@@ -27,6 +27,17 @@ if TYPE_CHECKING:
     from bench.tracking.run import TrackedRun
 
 
+_STDERR = threading.Lock()
+
+
+def warn(message: str) -> None:
+    """One `warning: tracking:` line on stderr, written whole: the sinks run in threads,
+    and print's separate write of the newline let two warnings share a line."""
+    with _STDERR:
+        sys.stderr.write(f"warning: tracking: {message}\n")
+        sys.stderr.flush()
+
+
 class TensorBoardSink:
     """Event files in DIR/RUN (DIR/SWEEP/RUN), through torch.utils.tensorboard. A new
     attempt of a run whose directory is taken writes RUN.2, RUN.3, ... (the old curves
@@ -121,8 +132,8 @@ class WandbSink:
         mode = self.spec.mode
         base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
         if mode == "online" and not reachable(base_url, timeout_s=5.0):
-            print(f"warning: tracking: W&B's server {base_url} cannot be reached; {run.name} "
-                  "is written offline (upload it later with `wandb sync`)", file=sys.stderr)
+            warn(f"W&B's server {base_url} cannot be reached; {run.name} is written offline "
+                 "(upload it later with `wandb sync`)")
             mode = "offline"
         if self.spec.dir:
             Path(self.spec.dir).mkdir(parents=True, exist_ok=True)

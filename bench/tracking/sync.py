@@ -31,7 +31,7 @@ from bench import records
 from bench.records import RunDir
 from bench.tracking import SINK_CONFIGS, SINK_NAMES, TrackingConfig
 from bench.tracking.run import TrackedRun, read_yaml
-from bench.tracking.sinks import make_sink
+from bench.tracking.sinks import make_sink, warn
 from bench.typed import flatten
 
 
@@ -74,10 +74,6 @@ def _digest(data) -> str:
 _LEDGER = threading.Lock()
 
 
-def _warn(message: str) -> None:
-    print(f"warning: tracking: {message}", file=sys.stderr, flush=True)
-
-
 class RunSync:
     """Sends one run's records to its sinks; a sink that raises is dropped with one warning
     (the others go on). `failed` names the dropped sinks."""
@@ -114,7 +110,7 @@ class RunSync:
     def _drop(self, sink, reason: str) -> None:
         self.sinks.remove(sink)
         self.failed.append(sink.name)
-        _warn(f"{sink.name} dropped for {self.records.path.name}: {reason.strip()}. The run's "
+        warn(f"{sink.name} dropped for {self.records.path.name}: {reason.strip()}. The run's "
               f"records are complete; `commbench track RESULTS_DIR --to {sink.name}` "
               "sends them later")
         with contextlib.suppress(Exception):
@@ -235,7 +231,7 @@ class Follower:
             thread.join(max(0.0, deadline - time.monotonic()))
         late = [t.name.removeprefix("tracking ") for t in self.threads if t.is_alive()]
         if late:
-            _warn(f"{', '.join(late)} did not finish {self.records.path.name} within "
+            warn(f"{', '.join(late)} did not finish {self.records.path.name} within "
                   f"tracking.timeout_s={self.cfg.timeout_s:g} s and are left behind (the "
                   "records are complete; `commbench track` sends what is missing)")
 
@@ -273,7 +269,7 @@ class Follower:
                         seen = now
                     except Exception as err:  # records being written: the next poll retries
                         if stopping:
-                            _warn(f"could not read {self.records.path}: "
+                            warn(f"could not read {self.records.path}: "
                                   f"{type(err).__name__}: {err}")
             if stopping:
                 break
