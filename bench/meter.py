@@ -406,6 +406,9 @@ class StepClock:
                                      idle=self.links[name].idle)
                         for name, profile in profiles.items()}
         """Per profile: record -> modelled seconds (caches each group's tiers)."""
+        self.warm = {name: pricer(profile, rank, ranks_per_node, backend=model)
+                     for name, profile in profiles.items()} if critical_path else {}
+        """Per profile, a pipeline's: its critical path's prices, on warm connections."""
 
     def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord],
             samples: dict[str, list[float]] | None = None) -> None:
@@ -427,13 +430,12 @@ class StepClock:
         keys = [link_keys(r) for r in step_records]
         modelled: dict[bool, dict[str, float]] = {True: {}, False: {}}  # overlap -> name ->
         inputs = {}  # (overlap, name) -> (d, h, other): the step's pricing beside compute
-        for name, profile in self.profiles.items():  # this rank's modelled step seconds
+        for name in self.profiles:  # this rank's modelled step seconds
             costs = []  # each record priced once, in order: slow start once per connection
             for r, k in zip(step_records, keys, strict=True):
                 costs.append(self.pricers[name](r))
                 self.links[name].use(k)
-            inputs[True, name] = self.overlap_inputs(step_records, costs, profile,
-                                                     window)
+            inputs[True, name] = self.overlap_inputs(step_records, costs, name, window)
             inputs[False, name] = (0.0, 0.0, sum(costs))
             modelled[True][name] = self.step_time(compute_s, *inputs[True, name])
             modelled[False][name] = compute_s + sum(costs)
@@ -451,18 +453,15 @@ class StepClock:
         self.num_steps += 1
         self.projection_s += time.perf_counter() - start
 
-    def overlap_inputs(self, records: list[CommRecord], costs: list[float],
-                       profile: Profile,
+    def overlap_inputs(self, records: list[CommRecord], costs: list[float], name: str,
                        window: Callable[[CommRecord], float] | None = None
                        ) -> tuple[float, float, float]:
-        """(d, h, other) of this rank's overlap-aware step on `profile`: the exposed part
+        """(d, h, other) of this rank's overlap-aware step on profile `name`: the exposed part
         of the records' modelled seconds `costs` (d = h = 0; `window`: an op that spans
         steps ran beside that much compute), or, with a critical path, the link of its
         largest transfer and the rest (bench/network/pipeline.py)."""
         if self.critical_path is not None:
-            return critical_path_inputs(records, pricer(profile, self.rank,
-                                                        self.ranks_per_node,
-                                                        backend=self.model))
+            return critical_path_inputs(records, self.warm[name])
         return 0.0, 0.0, exposed_s(records, costs, window)
 
     def step_time(self, compute_s: float, d: float, h: float, other: float) -> float:

@@ -48,8 +48,6 @@ from algorithms import schedule as ours
 from algorithms.base import CriticalPath
 from algorithms.comm import CommRecord
 from bench.network.costs import P2P
-from bench.network.model import pricer
-from bench.network.profiles import Profile
 
 Message = tuple[str, int, int]
 """("A" activation | "G" gradient, boundary b between stages b and b + 1, microbatch)."""
@@ -57,15 +55,6 @@ Op = tuple
 """("F",) | ("B",) | ("post", sends, recvs, sends_first) | ("wait", ...the same) | ("sync",)."""
 FORWARD_SHARE = 1 / 3
 """A forward's share of a microbatch's compute (a backward costs about two forwards)."""
-
-
-def critical_path_step_s(compute_s: float, records: Iterable[CommRecord], profile: Profile,
-                         path: CriticalPath, rank: int = 0, ranks_per_node: int = 1, *,
-                         backend: str | None = None) -> float:
-    """Modelled seconds of one pipeline step of this rank (module docstring)."""
-    d, h, other = critical_path_inputs(records, pricer(profile, rank, ranks_per_node,
-                                                       backend=backend))
-    return critical_path_time(compute_s, d, h, other, path)
 
 
 def critical_path_inputs(records: Iterable[CommRecord],
@@ -106,18 +95,18 @@ def critical_path_time(compute_s: float, d: float, h: float, other: float,
     return ends[-1] - (ends[-2] if steps > 1 else 0.0)
 
 
-def simulate(programs: tuple[tuple[Op, ...], ...], f: float, b: float, d: float, h: float,
+def simulate(stages: tuple[tuple[Op, ...], ...], f: float, b: float, d: float, h: float,
              other: float) -> list[float]:
     """Run every stage's program on one clock each (module docstring's link): the time at
     which each step ended (every stage at the step's `sync`, plus `other`)."""
-    num = len(programs)
+    num = len(stages)
     clock, at = [0.0] * num, [0] * num
     sent: dict[Message, float] = {}  # message -> when its send was posted
     ready: dict[Message, float] = {}  # message -> when its receive was posted
     ends: list[float] = []
     while True:
         moved = False
-        for s, program in enumerate(programs):
+        for s, program in enumerate(stages):
             while at[s] < len(program):
                 op = program[at[s]]
                 if op[0] == "F":
@@ -142,9 +131,9 @@ def simulate(programs: tuple[tuple[Op, ...], ...], f: float, b: float, d: float,
                     break
                 at[s] += 1
                 moved = True
-        if all(at[s] == len(p) for s, p in enumerate(programs)):
+        if all(at[s] == len(p) for s, p in enumerate(stages)):
             return ends
-        if all(at[s] < len(p) and p[at[s]][0] == "sync" for s, p in enumerate(programs)):
+        if all(at[s] < len(p) and p[at[s]][0] == "sync" for s, p in enumerate(stages)):
             end = max(clock) + other
             ends.append(end)
             clock = [end] * num
