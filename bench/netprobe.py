@@ -21,11 +21,12 @@ projection uses for `--backend` (bench/network/costs.py):
 - alpha and beta on the barrier-synchronised ops: linear least squares on (alpha, 1/beta),
   refined on the formulas themselves where they are not linear in them (gloo's
   segment-level all_reduce);
-- the exchange is not fitted: its excess over the formula (median over sizes) is kept
-  under `fit:` as `exchange_excess_s`, a diagnostic the projection does not use (posted
-  send first it was tens of milliseconds on the shaped links of docs/network-model.md,
-  gloo's ready notice queued behind the payload; receive first, as now, it should be
-  near 0: a large excess says the link does something the formula does not);
+- the exchange is measured, not fitted: its time against the projection's formula at
+  each size is the tier's `exchange_scale` ([bytes, ratio] pairs), which the projection
+  multiplies gossip's exchanges by (interpolated between the sizes). On TCP links whose
+  round trip is short and whose messages span several windows it is above 1: the
+  congestion window stays below the bandwidth-delay product (1.2-2 at 1 Gbit/s + 1 ms
+  in the shaped-link lab, docs/network-model.md), which the alpha-beta formula lacks;
 - the drift: the latency every message of a step's op pays on top of alpha because the
   ranks come to it from compute (their communication threads wake, slower ranks are
   waited for) on the in-step points. The profile's latency is alpha + drift: what runs
@@ -241,7 +242,8 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
                 if rank == 0:
                     n = 2 if op in ("p2p", EXCHANGE) else len(ranks)
                     rows.append(dict(tier=tier, op=op, n=n, nbytes=buf.numel() * 4,
-                                     seconds=statistics.median(times)))
+                                     seconds=statistics.median(times),
+                                     **({"idle_s": exchange_gap_s} if op == EXCHANGE else {})))
     dist.barrier()
     return rows
 
@@ -331,12 +333,30 @@ def _fit_drift(rows: list[dict], base: Tier, algorithm: str) -> float:
     return float(fit.x[0] * scale)
 
 
+def exchange_scale(rows: list[dict], tier: Tier, algorithm: str
+                   ) -> tuple[tuple[float, float], ...]:
+    """The measured exchange against the projection's, per size: ((bytes, ratio), ...).
+
+    The ratio is (measured - TCP's ramp after the probe's idle) / the warm formula on
+    `tier` (alpha + drift, as the projection prices it), so that the projection, which
+    scales the warm formula by it and adds the ramp of its own idle, gives back what was
+    measured. TCP's congestion window is what the formula lacks: on short round trips it
+    stays below the bandwidth-delay product (docs/network-model.md)."""
+    by_size: dict[int, list[float]] = {}
+    for r in rows:
+        ramp = costs.slow_start_extra_s(r["nbytes"], tier, r.get("idle_s", 0.0))
+        warm = costs.exchange_s([r["nbytes"]], dataclasses.replace(tier, exchange_scale=()),
+                                algorithm)
+        by_size.setdefault(int(r["nbytes"]), []).append(max(r["seconds"] - ramp, 1e-9) / warm)
+    return tuple((float(s), statistics.median(v)) for s, v in sorted(by_size.items()))
+
+
 def fit_tier(rows: list[dict], algorithm: str, tcp_window: float | None = None
              ) -> tuple[Tier, dict]:
     """A tier fitted to one tier's measured points (`probe`'s rows) and its fit record.
 
     alpha, beta from the synchronised ops (`_fit_alpha_beta`); the drift from the in-step
-    points; the exchange's excess over its formula, a diagnostic under `fit:`. The tier's
+    points; the exchange's measured ratio to its formula (`exchange_scale`). The tier's
     latency is alpha + drift (what an op inside a step sees)."""
     if algorithm == "nccl":
         algorithm = "nccl-ring"  # the fit needs one formula, not the cheaper of two
@@ -345,18 +365,16 @@ def fit_tier(rows: list[dict], algorithm: str, tcp_window: float | None = None
         raise ValueError("netprobe has no synchronised points to fit alpha and beta to")
     base = _fit_alpha_beta(synced, algorithm)
     base = dataclasses.replace(base, tcp_initial_window_B=tcp_window)
-    exchanges = [r for r in rows if r["op"] == EXCHANGE]
-    excess = (statistics.median(r["seconds"] - model_s(EXCHANGE, 2, r["nbytes"], base,
-                                                       algorithm) for r in exchanges)
-              if exchanges else None)  # a diagnostic: not in the tier
     in_step = [r for r in rows if r["op"] == IN_STEP]
     drift = _fit_drift(in_step, base, algorithm) if in_step else 0.0
     tier = dataclasses.replace(base, latency_s=base.latency_s + drift)
+    exchanges = [r for r in rows if r["op"] == EXCHANGE]
+    tier = dataclasses.replace(tier, exchange_scale=exchange_scale(exchanges, tier, algorithm))
     residuals = (_residuals(synced + exchanges, base, algorithm)
                  + _residuals(in_step, tier, algorithm))
     rel = [r["rel_residual"] for r in residuals if r["op"] != EXCHANGE]  # the fitted points
     fit = dict(points=len(rows), algorithm=algorithm, link_latency_s=base.latency_s,
-               drift_s=drift, exchange_excess_s=excess,
+               drift_s=drift,
                rms_rel_residual=math.sqrt(sum(e * e for e in rel) / len(rel)),
                max_abs_rel_residual=max(abs(e) for e in rel), residuals=residuals)
     return tier, fit
@@ -382,6 +400,8 @@ def fit_profile(rows: list[dict], backend: str, name: str, description: str) -> 
         doc_tiers[f"{name}-{tier}"] = dict(
             latency_s=t.latency_s, bandwidth_Bps=t.bandwidth_Bps,
             **({"tcp_initial_window": t.tcp_initial_window_B} if window else {}),
+            **({"exchange_scale": [[int(b), round(r, 4)] for b, r in t.exchange_scale]}
+               if t.exchange_scale else {}),
             fit=fits[source] if source == tier else f"not measured: copy of {source}")
     profile = dict(description=description, intra=f"{name}-intra", inter=f"{name}-inter")
     return dict(tiers=doc_tiers, profiles={name: profile})
@@ -397,8 +417,9 @@ def format_fit(doc: dict) -> str:
         if isinstance(fit, str):
             lines.append(f"{head} ({fit})")
             continue
-        exchange = (f"; exchange {fit['exchange_excess_s'] * 1e3:+.2f} ms beyond its formula"
-                    if fit.get("exchange_excess_s") is not None else "")
+        exchange = ("; exchange x " + ", x ".join(f"{r:.2f} at {b} B" for b, r in
+                                                  spec["exchange_scale"])
+                    if spec.get("exchange_scale") else "")
         lines.append(f"{head} (alpha {fit['link_latency_s'] * 1e6:.1f} us + drift "
                      f"{fit['drift_s'] * 1e6:.1f} us{exchange}); {fit['algorithm']} formulas, "
                      f"{fit['points']} points, rms relative residual "

@@ -107,6 +107,9 @@ def layout(strategy: str, world: int) -> dict:
     return out
 
 
+NETPROBED = str(Path(__file__).parent / "profiles" / "netprobe-tcp.yaml")
+"""A profile as netprobe writes it for TCP: slow start after idle, the measured exchange."""
+
 DIMENSIONS: dict[str, list] = {
     "strategy": list(STRATEGIES),
     "outer": list(OUTER),
@@ -115,8 +118,8 @@ DIMENSIONS: dict[str, list] = {
     "optim.delay": [0, 1],
     "optim.delay_correction": ["none", "ef", "predict"],
     "model.precision": ["fp32", "bf16"],
-    "network.emulate": [None, "eth-10g"],
-    "network.profiles": [("eth-10g",), ()],  # () = project onto nothing (a shaped-link run)
+    "network.emulate": [None, "eth-10g", NETPROBED],
+    "network.profiles": [("eth-10g",), (), (NETPROBED,)],  # () = onto nothing (a shaped-link run)
     "resume": [False, True],
     "model.arch": ["gpt2", "llama"],
     "parallel.shard": ["none", "fsdp"],
@@ -135,7 +138,8 @@ class Combination:
 
     @property
     def id(self) -> str:
-        return "-".join(str(v) for v in self.values).replace(".", "")
+        return ("-".join(str(v) for v in self.values).replace(NETPROBED, "netprobe-tcp")
+                .replace(".", ""))
 
     def config_dict(self) -> dict:
         named = self.named

@@ -8,6 +8,7 @@ import yaml
 
 from bench.netprobe import (
     coefficients,
+    exchange_scale,
     fit_profile,
     parse_size,
     probe,
@@ -21,6 +22,7 @@ from bench.network import (
     exchange_s,
     get_profile,
     p2p_s,
+    slow_start_extra_s,
 )
 from tests.distributed import run_distributed
 
@@ -76,11 +78,16 @@ def test_fit_recovers_alpha_beta_exchange_drift_and_writes_a_loadable_profile(tm
     fit = yaml.safe_load(out.read_text())["tiers"]["lab-inter"]["fit"]
     assert fit["link_latency_s"] == pytest.approx(2e-3) and fit["drift_s"] == pytest.approx(
         5e-4, rel=1e-3)
-    # the exchange is a diagnostic: its excess over the formula, kept, not in the tier
-    assert fit["exchange_excess_s"] == pytest.approx(0.04)
-    assert "exchange_excess_s" not in yaml.safe_load(out.read_text())["tiers"]["lab-inter"]
-    intra_fit = yaml.safe_load(out.read_text())["tiers"]["lab-intra"]["fit"]
-    assert intra_fit["exchange_excess_s"] is None  # no exchange measured there
+    # the exchange is measured, not fitted: its ratio to the projection's formula (alpha
+    # + drift) at each size, which gives back what was measured (40 ms beyond its formula)
+    sizes = [4096, 65536, 2**20, 2**22]
+    assert [b for b, _ in p.inter.exchange_scale] == sizes
+    for s, (_, ratio) in zip(sizes, p.inter.exchange_scale, strict=True):
+        assert ratio == pytest.approx((2 * 2e-3 + s / 12.5e6 + 0.04) / (2 * 2.5e-3 + s / 12.5e6),
+                                      rel=1e-3)
+        assert exchange_s([s], p.inter, "gloo") == pytest.approx(
+            exchange_s([s], inter, "gloo") + 0.04, rel=1e-3)
+    assert p.intra.exchange_scale == ()  # no exchange measured there
     # the residuals cover the fitted points (the exchange's are its excess, not a misfit)
     assert fit["points"] == 24
     fitted = [r for r in fit["residuals"] if r["op"] != "exchange"]
@@ -89,6 +96,24 @@ def test_fit_recovers_alpha_beta_exchange_drift_and_writes_a_loadable_profile(tm
     assert p.inter.tcp_initial_window_B == p.intra.tcp_initial_window_B == 14480
     nccl = fit_profile(rows, "nccl", "ib", "synthetic")
     assert all("tcp_initial_window" not in t for t in nccl["tiers"].values())
+
+
+def test_exchange_scale_leaves_out_the_probes_own_slow_start():
+    # a probe idle longer than TCP's RTO paid slow start on each exchange; the ratio is of
+    # the warm part, so the projection (ratio x warm + its own ramp) gives back the
+    # measurement at the same idle, and a warm exchange without that ramp
+    tier = Tier(10e-3, 1e6, tcp_initial_window_B=1000)
+    rows = [dict(tier="inter", op="exchange", n=2, nbytes=s, idle_s=1.0,
+                 seconds=1.3 * exchange_s([s], tier, "gloo") + slow_start_extra_s(s, tier, 1.0))
+            for s in (10_000, 100_000)]
+    assert slow_start_extra_s(10_000, tier, 1.0) > 0
+    scale = exchange_scale(rows, tier, "gloo")
+    assert [b for b, _ in scale] == [10_000, 100_000]
+    assert [r for _, r in scale] == pytest.approx([1.3, 1.3])
+    scaled = replace(tier, exchange_scale=scale)
+    for r in rows:
+        assert exchange_s([r["nbytes"]], scaled, "gloo", idle_s=1.0) == pytest.approx(r["seconds"])
+    assert exchange_s([10_000], scaled, "gloo") == pytest.approx(1.3 * 0.03)
 
 
 def test_parse_size_names_the_bad_entry():

@@ -33,6 +33,7 @@ from bench.network import (
     slow_start_extra_s,
     wire_bytes,
 )
+from bench.network.model import shared_tier
 from bench.network.profiles import parse_tier
 
 MB = 1e6
@@ -280,6 +281,13 @@ def test_user_yaml_profile_by_path(tmp_path):
      r"mine.yaml.inter.latency must be given exactly once"),
     ("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1GB/s, tcp_initial_window: 0}\n",
      r"mine.yaml.inter.tcp_initial_window must be a number of bytes > 0 .*got 0"),
+    ("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1GB/s, exchange_scale: [[65536, 0]]}\n",
+     r"mine.yaml.inter.exchange_scale must be a list of \[bytes per peer, measured / formula\]"
+     r" pairs, sizes ascending, every number > 0 .*got \[65536, 0\]"),
+    ("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1GB/s, exchange_scale: [[2e6, 1.2], "
+     "[65536, 1.1]]}\n", r"mine.yaml.inter.exchange_scale must be .*sizes ascending"),
+    ("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1GB/s, exchange_scale: 1.2}\n",
+     r"mine.yaml.inter.exchange_scale must be a list .*got 1.2"),
 ])
 def test_yaml_validation_names_field_value_and_valid(tmp_path, text, message):
     path = tmp_path / "mine.yaml"
@@ -435,6 +443,30 @@ def test_exchange_formula_by_hand():
     # the projection prices a one-peer gossip record the same way
     assert project([rec("exchange", 100_000, 2, peers=(1,))], Profile("t", tier, tier), 0, 1,
                    backend="gloo", idle=math.inf) == pytest.approx(0.013)
+
+
+def test_measured_exchange_scale_by_hand():
+    # netprobe's measured ratios (bytes per peer, measured / formula): linear in log(size)
+    # between the sizes, held beyond them; 1 without any
+    tier = Tier(1e-3, 10e6, tcp_initial_window_B=10_000,
+                exchange_scale=((1_000.0, 1.0), (100_000.0, 2.0)))
+    assert tier.exchange_factor(10_000) == pytest.approx(1.5)
+    assert tier.exchange_factor(100) == 1.0 and tier.exchange_factor(10**7) == 2.0
+    assert Tier(1e-3, 10e6).exchange_factor(10_000) == 1.0
+    # it scales the warm exchange (2 alpha + S / beta = 12 ms at 100 kB), not the ramp
+    assert exchange_s([100_000], tier, "gloo") == pytest.approx(0.024)
+    assert exchange_s([100_000], tier, "gloo", idle_s=math.inf) == pytest.approx(0.025)
+    # the projection: one peer as exchange_s; two peers on this rank's one link, 50 kB
+    # each (ratio 1 + log(50)/log(100) = 1.849): 1.849 x (2 ms + 10 ms)
+    prof = Profile("t", tier, tier)
+    assert project([rec("exchange", 100_000, 2, peers=(1,))], prof, 0, 1, backend="gloo",
+                   idle=math.inf) == pytest.approx(0.025)
+    two = record_seconds(rec("exchange", 100_000, 3, peers=(1, 2)), prof, 0, 1, backend="gloo")
+    assert two == pytest.approx((1 + math.log(50) / math.log(100)) * 0.012)
+    # a shared inter-node tier keeps the measurement
+    assert shared_tier(replace(tier, nics=1), 2).exchange_factor(100_000) == 2.0
+    with pytest.raises(ValueError, match="exchange_scale must be .* sizes ascending"):
+        Tier(1e-3, 10e6, exchange_scale=((2.0, 1.0), (1.0, 1.0)))
 
 
 def test_cold_links_pay_slow_start_once_per_op():

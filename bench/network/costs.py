@@ -221,11 +221,13 @@ def exchange_s(peer_nbytes: list[float], tier: Tier, algorithm: str = "naive",
                idle_s: float = 0.0) -> float:
     """A symmetric exchange with peers over one link of `tier`: h a + sum(S_p) / b (h = 2
     on gloo: each send waits for the peer's ready-to-receive, posted at the same moment),
-    plus the slowest peer's TCP ramp after `idle_s` (the projection's exchange, for one
-    link: bench/network/model.py)."""
+    times the ratio netprobe measured on the tier (`Tier.exchange_factor`, 1 without), plus
+    the slowest peer's TCP ramp after `idle_s` (the projection's exchange, for one link:
+    bench/network/model.py)."""
     h = handshakes(check_algorithm(algorithm))
     ramp = max((slow_start_extra_s(s, tier, idle_s) for s in peer_nbytes), default=0.0)
-    return h * tier.latency_s + sum(peer_nbytes) / tier.bandwidth_Bps + ramp
+    scale = max((tier.exchange_factor(s) for s in peer_nbytes), default=1.0)
+    return scale * (h * tier.latency_s + sum(peer_nbytes) / tier.bandwidth_Bps) + ramp
 
 
 def resolve(op: str, n: int, nbytes: float, tier: Tier, algorithm: str) -> str:

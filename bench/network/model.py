@@ -68,6 +68,8 @@ def record_seconds(record: CommRecord, profile: Profile, rank: int = 0,
       ready-to-receive, posted at the same moment), else 1; peers inside the node
       likewise share the intra link;
       the two classes run concurrently. Each peer's link is the slower of both directions.
+      A tier netprobe measured the exchange on (`Tier.exchange_scale`) scales its class's
+      time by the measured ratio at the per-peer size (TCP's window; docs/network-model.md).
     """
     return _Model(profile, rank, ranks_per_node, backend)(record)
 
@@ -131,16 +133,18 @@ class _Model:
                        + slow_start_extra_s(record.nbytes, t, idle) for t in self._both(peer))
         per_peer = record.nbytes / len(record.peers)
         node = self.rank // self.ranks_per_node
-        classes: dict[bool, list[tuple[float, float]]] = {}
+        classes: dict[bool, list[tuple[float, float, float]]] = {}
         ramp = 0.0
         for peer in record.peers:
             tiers = self._both(peer)
             classes.setdefault(peer // self.ranks_per_node == node, []).append(
-                (max(t.latency_s for t in tiers), max(per_peer / t.bandwidth_Bps for t in tiers)))
+                (max(t.latency_s for t in tiers), max(per_peer / t.bandwidth_Bps for t in tiers),
+                 max(t.exchange_factor(per_peer) for t in tiers)))
             idle = self.idle(("peer", peer))
             ramp = max(ramp, *(slow_start_extra_s(per_peer, t, idle) for t in tiers))
         h = handshakes(self.algorithm)
-        return ramp + max(h * max(a for a, _ in msgs) + sum(s for _, s in msgs)
+        return ramp + max(max(f for _, _, f in msgs)
+                          * (h * max(a for a, _, _ in msgs) + sum(s for _, s, _ in msgs))
                           for msgs in classes.values())
 
     def _both(self, peer: int) -> tuple[Tier, Tier]:

@@ -19,9 +19,11 @@ A user's file may also hold ONE profile at the top level (keys `intra`, `inter`,
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import yaml
@@ -50,12 +52,17 @@ class Tier:
     segments, 14480 B): a message over a connection idle longer than the RTO ramps up
     by slow start (bench/network/costs.py `slow_start_extra_s`); None = no slow start
     (RDMA, NVLink, InfiniBand).
+    `exchange_scale`: the two-way exchange (gossip) as netprobe measured it on this link,
+    ((bytes per peer, measured / formula), ...) with sizes ascending; the projection
+    multiplies the exchange's warm formula by `exchange_factor` (docs/network-model.md,
+    "TCP's window on short round trips"). () = the formula as it is.
     """
 
     latency_s: float
     bandwidth_Bps: float
     nics: int = 1
     tcp_initial_window_B: float | None = None
+    exchange_scale: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         if not self.latency_s >= 0:
@@ -67,6 +74,26 @@ class Tier:
         if self.tcp_initial_window_B is not None and not self.tcp_initial_window_B > 0:
             raise ValueError(f"Tier.tcp_initial_window_B must be > 0 bytes or None, got "
                              f"{self.tcp_initial_window_B!r}")
+        sizes = [p[0] for p in self.exchange_scale]
+        if not (all(len(p) == 2 and 0 < p[0] < math.inf and 0 < p[1] < math.inf
+                    for p in self.exchange_scale)
+                and all(a < b for a, b in pairwise(sizes))):
+            raise ValueError("Tier.exchange_scale must be (bytes > 0, ratio > 0) pairs with "
+                             f"the sizes ascending, got {self.exchange_scale!r}")
+
+    def exchange_factor(self, nbytes: float) -> float:
+        """`exchange_scale`'s ratio at `nbytes` per peer: linear in log(size) between the
+        measured sizes, held at the nearest one outside them; 1 without measurements."""
+        points = self.exchange_scale
+        if not points:
+            return 1.0
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (s0, r0), (s1, r1) in pairwise(points):
+            if nbytes <= s1:
+                w = math.log(nbytes / s0) / math.log(s1 / s0)
+                return r0 + w * (r1 - r0)
+        return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -156,7 +183,7 @@ def parse_bandwidth(value, where: str) -> float:
 
 
 _TIER_KEYS = {"latency", "latency_s", "bandwidth", "bandwidth_Bps", "nics", "tcp_initial_window",
-              "fit"}
+              "exchange_scale", "fit"}
 
 
 def _reject_unknown(spec: dict, allowed: set[str], where: str, noun: str) -> None:
@@ -202,7 +229,26 @@ def parse_tier(spec, where: str, named: dict[str, Tier]) -> Tier:
         raise _fail(f"{where}.tcp_initial_window", window,
                     "a number of bytes > 0 (Linux: 14480 = 10 segments of 1448 B), or absent "
                     "for links without TCP slow start")
-    return Tier(latency, bandwidth, nics, None if window is None else float(window))
+    return Tier(latency, bandwidth, nics, None if window is None else float(window),
+                _parse_exchange_scale(spec.get("exchange_scale", []), f"{where}.exchange_scale"))
+
+
+def _parse_exchange_scale(spec, where: str) -> tuple[tuple[float, float], ...]:
+    """netprobe's measured exchange ratios: a list of [bytes per peer, measured / formula]."""
+    valid = ("a list of [bytes per peer, measured / formula] pairs, sizes ascending, every "
+             "number > 0 (written by commbench netprobe)")
+    if not isinstance(spec, list):
+        raise _fail(where, spec, valid)
+    points = []
+    for item in spec:
+        if (not isinstance(item, (list, tuple)) or len(item) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                           and 0 < v < math.inf for v in item)):
+            raise _fail(where, item, valid)
+        points.append((float(item[0]), float(item[1])))
+    if any(a[0] >= b[0] for a, b in pairwise(points)):
+        raise _fail(where, spec, valid)
+    return tuple(points)
 
 
 _PROFILE_KEYS = {"name", "description", "intra", "inter", "sites", "links"}
