@@ -10,7 +10,8 @@ tests/netlab/experiment.py says what is compared. Replicates are interleaved (ev
 once, then every case again) so that slow drift of the machine lands on every case alike;
 the assertion is on the MEDIAN over replicates of the step-time error of the aware model
 (gloo formulas, overlap-aware: what reports show). GASLoC's exchange is also compared op by
-op. netprobe fits a profile on the shaped links themselves (2 ranks: at every setting;
+op, on the textbook profile and on netprobe's (which carries the exchange as it measured
+it). netprobe fits a profile on the shaped links themselves (2 ranks: at every setting;
 4 ranks: two settings) and the unshaped runs project onto it too (the calibration loop);
 DDP's communication per step on it is asserted within 20%. Every row carries the load the
 machine ran under. Rows go to $NETLAB_OUT (markdown), run directories to $NETLAB_DIR
