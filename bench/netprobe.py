@@ -345,8 +345,8 @@ def exchange_scale(rows: list[dict], tier: Tier, algorithm: str
     by_size: dict[int, list[float]] = {}
     for r in rows:
         ramp = costs.slow_start_extra_s(r["nbytes"], tier, r.get("idle_s", 0.0))
-        warm = costs.exchange_s([r["nbytes"]], dataclasses.replace(tier, exchange_scale=()),
-                                algorithm)
+        warm = model_s(EXCHANGE, r["n"], r["nbytes"],
+                       dataclasses.replace(tier, exchange_scale=()), algorithm)
         by_size.setdefault(int(r["nbytes"]), []).append(max(r["seconds"] - ramp, 1e-9) / warm)
     return tuple((float(s), statistics.median(v)) for s, v in sorted(by_size.items()))
 

@@ -464,7 +464,7 @@ def test_measured_exchange_scale_by_hand():
     two = record_seconds(rec("exchange", 100_000, 3, peers=(1, 2)), prof, 0, 1, backend="gloo")
     assert two == pytest.approx((1 + math.log(50) / math.log(100)) * 0.012)
     # a shared inter-node tier keeps the measurement
-    assert shared_tier(replace(tier, nics=1), 2).exchange_factor(100_000) == 2.0
+    assert shared_tier(tier, 2).exchange_factor(100_000) == 2.0
     with pytest.raises(ValueError, match="exchange_scale must be .* sizes ascending"):
         Tier(1e-3, 10e6, exchange_scale=((2.0, 1.0), (1.0, 1.0)))
 

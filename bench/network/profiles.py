@@ -42,6 +42,12 @@ LINUX_TCP_INITIAL_WINDOW_B = 14480
 shaped-link lab; bench/profiles.yaml spells it for wan-1g)."""
 
 
+def _valid_exchange_scale(points) -> bool:
+    """(bytes, ratio) pairs, every number finite and > 0, the sizes ascending."""
+    return (all(len(p) == 2 and all(0 < v < math.inf for v in p) for p in points)
+            and all(a[0] < b[0] for a, b in pairwise(points)))
+
+
 @dataclass(frozen=True)
 class Tier:
     """One kind of link: latency alpha in seconds, bandwidth beta in bytes per second.
@@ -74,10 +80,7 @@ class Tier:
         if self.tcp_initial_window_B is not None and not self.tcp_initial_window_B > 0:
             raise ValueError(f"Tier.tcp_initial_window_B must be > 0 bytes or None, got "
                              f"{self.tcp_initial_window_B!r}")
-        sizes = [p[0] for p in self.exchange_scale]
-        if not (all(len(p) == 2 and 0 < p[0] < math.inf and 0 < p[1] < math.inf
-                    for p in self.exchange_scale)
-                and all(a < b for a, b in pairwise(sizes))):
+        if not _valid_exchange_scale(self.exchange_scale):
             raise ValueError("Tier.exchange_scale must be (bytes > 0, ratio > 0) pairs with "
                              f"the sizes ascending, got {self.exchange_scale!r}")
 
@@ -239,16 +242,16 @@ def _parse_exchange_scale(spec, where: str) -> tuple[tuple[float, float], ...]:
              "number > 0 (written by commbench netprobe)")
     if not isinstance(spec, list):
         raise _fail(where, spec, valid)
-    points = []
     for item in spec:
         if (not isinstance(item, (list, tuple)) or len(item) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                           and 0 < v < math.inf for v in item)):
+                           for v in item)
+                or not _valid_exchange_scale([item])):
             raise _fail(where, item, valid)
-        points.append((float(item[0]), float(item[1])))
-    if any(a[0] >= b[0] for a, b in pairwise(points)):
+    points = tuple((float(b), float(r)) for b, r in spec)
+    if not _valid_exchange_scale(points):
         raise _fail(where, spec, valid)
-    return tuple(points)
+    return points
 
 
 _PROFILE_KEYS = {"name", "description", "intra", "inter", "sites", "links"}

@@ -79,9 +79,10 @@ def _how_measured(runs: pd.DataFrame) -> str:
             f"profile ({models}; docs/network-model.md). On shaped TCP links (gloo, "
             "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC; 2 ranks, one per core) it predicted the "
             "step times of DDP, DiLoCo, GASLoC and a 2-stage 1F1B pipeline within 10% in all "
-            "16 cases; GASLoC's exchange itself within 5% op by op but at 1 Gbit/s + 1 ms "
-            "(28% below what it took). It is not validated for NCCL, more ranks, or lossy "
-            "links.")
+            "16 cases; GASLoC's exchange itself within 9% op by op but at 1 Gbit/s + 1 ms "
+            "(30% below what it took: TCP's window; a profile from `commbench netprobe`, "
+            "which measures the exchange, priced it within 6% there and 13% too high at "
+            "1 Gbit/s + 10 ms). It is not validated for NCCL, more ranks, or lossy links.")
 
 
 def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
