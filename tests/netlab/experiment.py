@@ -33,7 +33,15 @@ from pathlib import Path
 from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B
 from tests.netlab.lab import ROOT, Lab
 
-STEPS = int(os.environ.get("NETLAB_STEPS", "40"))
+STEPS = {"gasloc": 100}
+"""Steps per run: 40, GASLoC 100 (its config's own: 10 gossip rounds, so its exchange per
+op is a mean over 9 exchanges on a used connection, not 3); NETLAB_STEPS sets them all."""
+
+
+def steps_of(strategy: str) -> int:
+    return int(os.environ.get("NETLAB_STEPS") or STEPS.get(strategy, 40))
+
+
 LOG_EVERY = 10
 CONFIGS = {"ddp": "configs/ddp-tiny.yaml", "diloco": "configs/diloco-tiny.yaml",
            "gasloc": "configs/gasloc-tiny.yaml", "pipeline": "configs/pipeline-1f1b-tiny.yaml"}
@@ -141,18 +149,20 @@ def read_run(run_dir: Path) -> Run:
 
 
 def train(lab: Lab, strategy: str, run_dir: Path, port: int,
-          profiles: list[str] = (), model: str = "gloo") -> Run:
-    """One run, rank i in namespace i, projecting onto `profiles` (YAML paths)."""
+          profiles: list[str] = (), model: str = "gloo", traced: bool = False) -> Run:
+    """One run, rank i in namespace i, projecting onto `profiles` (YAML paths); `traced`:
+    every rank's ledger records also to RUN_DIR/trace-rank*.jsonl (tests/netlab/traced.py)."""
     from bench.config import load_config, to_yaml
 
-    sets = [f"run.steps={STEPS}", "run.val_every=100000", f"run.log_every={LOG_EVERY}",
+    sets = [f"run.steps={steps_of(strategy)}", "run.val_every=100000", f"run.log_every={LOG_EVERY}",
             f"parallel.world_size={lab.n}",
             "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
             f"network.model={model}", f"network.profiles=[{','.join(profiles)}]"]
     cfg = load_config(ROOT / CONFIGS[strategy], sets)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    launch(lab, ["bench.train", str(run_dir)], run_dir / "logs", port)
+    launch(lab, ["tests.netlab.traced" if traced else "bench.train", str(run_dir)],
+           run_dir / "logs", port)
     return read_run(run_dir)
 
 
@@ -168,32 +178,74 @@ def netprobe_in_lab(lab: Lab, out: Path, port: int,
     return out
 
 
-def exchange_per_op(rows: list[dict], step_s: float, inner_steps: int, profile) -> tuple:
-    """GASLoC's exchange, per op: (measured, modelled) mean seconds. Measured: the mean gossip
-    exchange (comm.jsonl) of the rank that waited least (the last to arrive: the other
-    also waited for it, which the projection's stretches already charge). Modelled: the
-    projection's prices of the same exchanges with one peer, as its link clock sees them:
-    the first on a connection never used (TCP slow start from the initial window), every
-    later one after a round of idle (inner_steps x the shaped run's step time, less the
-    exchange). Pricing all of them warm, as before, left the first one's ramp out: at
-    10 ms it is about 100 ms, a quarter of it per op over 4 exchanges."""
+@dataclass
+class Exchanges:
+    """GASLoC's exchanges in one run, each timed on the rank that arrived last (its seconds
+    hold no wait for the other) and priced by the model with the idle its connection had."""
+    steady: tuple[float, float]
+    """(measured, modelled) mean seconds of the exchanges on a connection used before."""
+    cold: tuple[float, float] | None
+    """The same for the exchanges on a connection never used before (TCP slow start from
+    the initial window), None if none was traced."""
+    count: int
+    """How many exchanges `steady` averages."""
+
+
+def exchange_per_op(run_dir: Path, world: int, profile) -> Exchanges:
+    """GASLoC's exchange, op by op, from the ranks' traces (tests/netlab/traced.py).
+
+    Each exchange of a pair (one peer per exchange: the lab's random matching) is
+    measured on the rank that arrived last: the smaller of the pair's two seconds, the
+    other rank's holding its wait for it (which the projection charges apart, as a
+    stretch). It is priced by `bench.network.model.pricer` for that rank, the connection
+    idle from the end of that rank's last op on it (an exchange or send/receive with the
+    peer; on a world of 2 also the world's collectives, which gloo carries over the same
+    connection: GASLoC's consensus all-reduce) to the exchange's start; never used: cold.
+    Measuring each rank's total instead mixed in the waits whenever the later rank
+    changed from round to round (docs/network-model.md, Results)."""
     from algorithms.comm import CommRecord
     from bench.network.model import pricer
+    from tests.netlab.traced import trace_path
 
-    mine = [r for r in rows if r["phase"] == "gossip" and r["op"] == "exchange" and r["count"]]
-    if not mine:
-        raise ValueError("no gossip exchange in comm.jsonl")
-    last = min(mine, key=lambda r: r["seconds"] / r["count"])  # the last to arrive
-    count = last["count"]
-    measured = last["seconds"] / count
-    rank = last["rank"]
-    peer = (rank + 1) % last["group_size"]  # any other rank: the lab's links are alike
-    record = CommRecord(0, "gossip", "exchange", 2, (peer,), last["bytes"] / count,
-                        0.0, "inter")
-    idle = max(0.0, inner_steps * step_s - measured)
-    first = pricer(profile, rank, 1, backend="gloo", idle=math.inf)(record)
-    later = pricer(profile, rank, 1, backend="gloo", idle=idle)(record)
-    return measured, (first + (count - 1) * later) / count
+    traces = [[json.loads(line) for line in trace_path(run_dir, r).read_text().splitlines()]
+              for r in range(world)]
+    pairs: dict[tuple, dict[int, dict]] = {}
+    for rank, records in enumerate(traces):
+        for r in records:
+            if r["phase"] == "gossip" and r["op"] == "exchange":
+                if len(r["peers"]) != 1:
+                    raise ValueError(f"one peer per exchange, got {r['peers']} (rank {rank})")
+                pairs.setdefault((r["step"], *sorted((rank, r["peers"][0]))), {})[rank] = r
+    steady: list[tuple[float, float]] = []
+    cold: list[tuple[float, float]] = []
+    for key, sides in sorted(pairs.items()):
+        if len(sides) != 2:
+            raise ValueError(f"exchange at step {key[0]} of ranks {key[1:]} traced on "
+                             f"{sorted(sides)} only")
+        rank, last = min(sides.items(), key=lambda kv: kv[1]["seconds"])
+        peer = last["peers"][0]
+        start = last["end"] - last["seconds"]
+        used = [r["end"] for r in traces[rank]
+                if r["end"] <= start and _uses_connection(r, peer, world)]
+        idle = start - max(used) if used else math.inf
+        record = CommRecord(last["step"], "gossip", "exchange", 2, (peer,), last["nbytes"],
+                            0.0, "inter")
+        priced = pricer(profile, rank, 1, backend="gloo", idle=idle)(record)
+        (cold if math.isinf(idle) else steady).append((last["seconds"], priced))
+    if not steady:
+        raise ValueError(f"{run_dir}: no exchange on a used connection in the traces")
+
+    def mean(rows):
+        return (statistics.fmean(m for m, _ in rows), statistics.fmean(p for _, p in rows))
+    return Exchanges(mean(steady), mean(cold) if cold else None, len(steady))
+
+
+def _uses_connection(record: dict, peer: int, world: int) -> bool:
+    """Whether a traced op went over the world group's TCP connection to `peer` (gloo: one
+    per pair of ranks in a process group)."""
+    if record["op"] in ("exchange", "send", "recv"):
+        return peer in record["peers"]
+    return record["peers"] is None and world == 2  # a world of 2: its only connection
 
 
 def naive_comm_per_step(rows: list[dict], profile, steps: int, world: int) -> float:

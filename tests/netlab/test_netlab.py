@@ -26,22 +26,20 @@ from pathlib import Path
 
 import pytest
 
-from bench.config import load_config
 from bench.network import get_profile
 from tests.netlab.experiment import (
     CASES,
-    CONFIGS,
-    STEPS,
     ZERO_PROFILE,
     Case,
     exchange_per_op,
     load_note,
     naive_comm_per_step,
     netprobe_in_lab,
+    steps_of,
     summarize,
     train,
 )
-from tests.netlab.lab import ROOT, Lab, build_delayer, missing_requirements
+from tests.netlab.lab import Lab, build_delayer, missing_requirements
 
 pytestmark = [pytest.mark.netlab, pytest.mark.timeout(10800)]
 REPS = int(os.environ.get("NETLAB_REPS", "3"))
@@ -55,8 +53,6 @@ SELECTED = [c for c in CASES if (not ONLY or c.strategy in ONLY) and c.world in 
 PROBED = [c for c in CASES if c.strategy == "ddp" and c.world == 2]
 PROBED += [Case("ddp", (100,) * 4, (10,) * 4), Case("ddp", (1000,) * 4, (1,) * 4)]
 """The settings netprobe is fitted on: every 2-rank one, two of the 4-rank ones."""
-GASLOC_H = load_config(ROOT / CONFIGS["gasloc"]).strategy.inner_steps
-"""The exchange's round: the GASLoC config's inner_steps."""
 
 
 def _report(line: str) -> None:
@@ -135,11 +131,12 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
     for c in cases:
         port += 1
         with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC) as lab:
-            shaped = train(lab, c.strategy, rdir / c.id, port)
+            shaped = train(lab, c.strategy, rdir / c.id, port, traced=c.strategy == "gasloc")
         load = load_note()
         profile = get_profile(str(profiles[c.id]))
         aware = base.projected_step_s[str(profiles[c.id])]
-        naive = compute + naive_comm_per_step(base.comm_rows, profile, STEPS, world)
+        naive = compute + naive_comm_per_step(base.comm_rows, profile, steps_of(c.strategy),
+                                              world)
         row = dict(measured=shaped.step_s, compute=compute, aware=aware, naive=naive, load=load)
         out.setdefault(c.id, []).append(row)
         err = {k: (row[k] - row["measured"]) / row["measured"] for k in ("naive", "aware")}
@@ -149,21 +146,25 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
                 f"{aware - compute:.3f} |")
         probe = probes.get(c.setting)
         if c.strategy == "gasloc":  # the exchange, op by op
-            measured, modelled = exchange_per_op(shaped.comm_rows, shaped.step_s, GASLOC_H,
-                                                 profile)
-            out.setdefault(f"exchange:{c.id}", []).append(
-                dict(measured=measured, projected=modelled))
-            _report(f"| exchange:{c.id} | {rep} | {load} | measured {measured * 1e3:.1f} ms"
-                    f" | modelled {modelled * 1e3:.1f} ms "
-                    f"({(modelled - measured) / measured:+.0%}) | | | | |")
-            if probe is not None:  # with the exchange netprobe measured on these links
-                measured, fitted = exchange_per_op(shaped.comm_rows, shaped.step_s, GASLOC_H,
-                                                   get_profile(str(probe)))
-                out.setdefault(f"exchange-netprobe:{c.id}", []).append(
-                    dict(measured=measured, projected=fitted))
-                _report(f"| exchange-netprobe:{c.id} | {rep} | {load} | measured "
-                        f"{measured * 1e3:.1f} ms | netprobe {fitted * 1e3:.1f} ms "
-                        f"({(fitted - measured) / measured:+.0%}) | | | | |")
+            for tag, prof in (("exchange", profile),
+                              ("exchange-netprobe", get_profile(str(probe)) if probe else None)):
+                if prof is None:
+                    continue
+                ex = exchange_per_op(rdir / c.id, world, prof)
+                (measured, modelled), name = ex.steady, "model" if prof is profile else "netprobe"
+                out.setdefault(f"{tag}:{c.id}", []).append(
+                    dict(measured=measured, projected=modelled))
+                _report(f"| {tag}:{c.id} | {rep} | {load} | measured {measured * 1e3:.1f} ms "
+                        f"| {name} {modelled * 1e3:.1f} ms ({(modelled - measured) / measured:+.0%})"
+                        f" | {ex.count} exchanges on a used connection | | | |")
+                if ex.cold is not None:
+                    measured, modelled = ex.cold
+                    out.setdefault(f"{tag}-cold:{c.id}", []).append(
+                        dict(measured=measured, projected=modelled))
+                    _report(f"| {tag}-cold:{c.id} | {rep} | {load} | measured "
+                            f"{measured * 1e3:.1f} ms | {name} {modelled * 1e3:.1f} ms "
+                            f"({(modelled - measured) / measured:+.0%}) | the first, cold "
+                            "| | | |")
         if probe is not None:
             fitted = base.projected_step_s[str(probe)]
             comm = shaped.step_s - compute
