@@ -62,6 +62,10 @@ class Tier:
     ((bytes per peer, measured / formula), ...) with sizes ascending; the projection
     multiplies the exchange's warm formula by `exchange_factor` (docs/network-model.md,
     "TCP's window on short round trips"). () = the formula as it is.
+    `tcp_queue_s`: seconds of queue the link's bottleneck buffers at line rate. A TCP
+    window can grow to the bandwidth-delay product plus that much before losses cap it,
+    which decides how far it has to ramp after an idle (`slow_start_extra_s`); 0 = a
+    buffer too shallow to count (the window capped at the bandwidth-delay product).
     """
 
     latency_s: float
@@ -69,6 +73,7 @@ class Tier:
     nics: int = 1
     tcp_initial_window_B: float | None = None
     exchange_scale: tuple[tuple[float, float], ...] = ()
+    tcp_queue_s: float = 0.0
 
     def __post_init__(self):
         if not self.latency_s >= 0:
@@ -83,6 +88,9 @@ class Tier:
         if not _valid_exchange_scale(self.exchange_scale):
             raise ValueError("Tier.exchange_scale must be (bytes > 0, ratio > 0) pairs with "
                              f"the sizes ascending, got {self.exchange_scale!r}")
+        if not 0 <= self.tcp_queue_s <= MAX_LATENCY_S:
+            raise ValueError(f"Tier.tcp_queue_s must be from 0 to {MAX_LATENCY_S:g} s, got "
+                             f"{self.tcp_queue_s!r}")
 
     def exchange_factor(self, nbytes: float) -> float:
         """`exchange_scale`'s ratio at `nbytes` per peer: linear in log(size) between the
@@ -186,7 +194,7 @@ def parse_bandwidth(value, where: str) -> float:
 
 
 _TIER_KEYS = {"latency", "latency_s", "bandwidth", "bandwidth_Bps", "nics", "tcp_initial_window",
-              "exchange_scale", "fit"}
+              "exchange_scale", "tcp_queue", "fit"}
 
 
 def _reject_unknown(spec: dict, allowed: set[str], where: str, noun: str) -> None:
@@ -232,8 +240,14 @@ def parse_tier(spec, where: str, named: dict[str, Tier]) -> Tier:
         raise _fail(f"{where}.tcp_initial_window", window,
                     "a number of bytes > 0 (Linux: 14480 = 10 segments of 1448 B), or absent "
                     "for links without TCP slow start")
+    queue = parse_latency(spec.get("tcp_queue", 0.0), f"{where}.tcp_queue")
+    if not 0 <= queue <= MAX_LATENCY_S:
+        raise _fail(f"{where}.tcp_queue", spec["tcp_queue"],
+                    f"from 0 to {MAX_LATENCY_S:g} s (how long the link's bottleneck buffer "
+                    "queues at line rate, e.g. 20ms; absent: a shallow buffer)")
     return Tier(latency, bandwidth, nics, None if window is None else float(window),
-                _parse_exchange_scale(spec.get("exchange_scale", []), f"{where}.exchange_scale"))
+                _parse_exchange_scale(spec.get("exchange_scale", []), f"{where}.exchange_scale"),
+                queue)
 
 
 def _parse_exchange_scale(spec, where: str) -> tuple[tuple[float, float], ...]:

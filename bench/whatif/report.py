@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.network.profiles import Tier, parse_bandwidth
+from bench.network.profiles import parse_bandwidth
 from bench.whatif.engine import (
     Compute,
     Plan,
@@ -139,7 +139,7 @@ def evaluate(s: Scenario) -> list[MethodResult]:
 
         def priced(bandwidth: float, p: Plan = p, cache: dict = cache):
             if bandwidth not in cache:
-                tier = Tier(swept.latency_s, bandwidth, swept.nics, swept.tcp_initial_window_B)
+                tier = replace(swept, bandwidth_Bps=bandwidth)
                 cache[bandwidth] = price(p, with_tier(profile, swept, tier), s.network.model)
             return cache[bandwidth]
 

@@ -206,7 +206,7 @@ def base_profile(s: Scenario) -> tuple[Profile, Tier]:
     latency = inter.latency_s if s.network.latency is None else parse_latency(
         s.network.latency, "network.latency")
     swept = Tier(latency, inter.bandwidth_Bps, s.network.nics or inter.nics,
-                 inter.tcp_initial_window_B)
+                 inter.tcp_initial_window_B, tcp_queue_s=inter.tcp_queue_s)
     nodes = -(-s.world.replicas * s.world.gpus_per_replica // s.world.gpus_per_node)
     per_site = s.world.nodes_per_site
     if per_site is not None and per_site < nodes:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B
-from tests.netlab.lab import ROOT, Lab
+from tests.netlab.lab import QUEUE_S, ROOT, Lab
 
 STEPS = {"gasloc": 100}
 """Steps per run: 40, GASLoC 100 (its config's own: 10 gossip rounds, so its exchange per
@@ -72,13 +72,14 @@ class Case:
 
     def profile_yaml(self) -> str:
         """The profile describing the shaped links (docs/network-model.md): alpha = delay +
-        50 us, beta = rate x 1448/1514 / 8, TCP's initial window 10 x 1448 B (Linux); a
-        pair's link is its slower endpoint's."""
+        50 us, beta = rate x 1448/1514 / 8, TCP's initial window 10 x 1448 B (Linux), the
+        tbf's queue as the buffer; a pair's link is its slower endpoint's."""
         def tier(i, j):
             rate = min(self.rates_mbit[i], self.rates_mbit[j]) * 1e6 * 1448 / 1514 / 8
             delay = max(self.delays_ms[i], self.delays_ms[j]) / 1e3 + 50e-6
             return (f"{{latency_s: {delay!r}, bandwidth_Bps: {rate!r}, "
-                    f"tcp_initial_window: {LINUX_TCP_INITIAL_WINDOW_B}}}")
+                    f"tcp_initial_window: {LINUX_TCP_INITIAL_WINDOW_B}, "
+                    f"tcp_queue: {QUEUE_S!r}}}")
         lines = ["intra: {latency_s: 5.0e-06, bandwidth_Bps: 1.0e+10}", f"inter: {tier(0, 1)}",
                  "links:"]
         lines += [f"  - {{nodes: [{i}, {j}], tier: {tier(i, j)}}}"

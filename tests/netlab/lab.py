@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DELAYER_SRC = ROOT / "tools" / "netlab" / "delay.c"
 PREFIX = "cbl"
 SUBNET = "10.77.0"
+QUEUE_S = 0.02
+"""tbf's queue: how long a packet may wait in it at the shaped rate (deeper: dropped)."""
 ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 AVAILABLE_CC = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 
@@ -136,10 +138,10 @@ class Lab:
 
     @staticmethod
     def tbf(dev: str, rate_mbit: float) -> list[str]:
-        """tbf: burst = rate x 1 ms (>= 4 KiB), queue ~20 ms (NETLAB facts)."""
+        """tbf: burst = rate x 1 ms (>= 4 KiB), queue `QUEUE_S` (NETLAB facts)."""
         burst = max(4096, int(rate_mbit * 1e6 / 8 * 1e-3))
         return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-                "burst", str(burst), "latency", "20ms"]
+                "burst", str(burst), "latency", f"{QUEUE_S * 1e3:g}ms"]
 
     def popen(self, i: int, cmd: list[str], env: dict, **kw) -> subprocess.Popen:
         """Start `cmd` inside rank i's namespace (env passed through `env`)."""
