@@ -11,8 +11,12 @@ ranks_per_node):
 - p2p ping-pong between two ranks (one-way time = round trip / 2);
 - all_reduce, all_gather and broadcast on a group of that tier (the ops the ledger records);
 - a two-way exchange between two ranks as gossip runs it: both compute for
-  `--exchange-gap` seconds (a gossip round), then send S to each other at once over one
-  connection, no barrier;
+  `--exchange-gap` seconds, then send S to each other at once over one connection, no
+  barrier. The gap stays under TCP's minimum RTO (0.2 s), so the exchange is measured on
+  a warm connection: the projection adds the ramp after a longer idle (a gossip round)
+  itself (bench/network/costs.py `slow_start_extra_s`). First, untimed,
+  `EXCHANGE_WARMUPS` exchanges back to back open the window whatever the earlier ops
+  left;
 - all_reduce inside a step: every rank computes `--step-compute` seconds, then runs it,
   no barrier between, as training does; the op's time is the last rank to arrive's;
 at each message size, the median of `--iters` timed repetitions after one warm-up.
@@ -62,8 +66,14 @@ compute (a gossip round), no barrier."""
 IN_STEP = "all_reduce_in_step"
 """all_reduce right after `--step-compute` seconds of compute, no barrier: the drift fit."""
 OPS = (*SYNCED_OPS, EXCHANGE, IN_STEP)
+EXCHANGE_WARMUPS = 3
+"""Back-to-back exchanges before the timed ones, so that the window they find is the one
+a connection sending S keeps, not what the earlier ops (other sizes) left it."""
 DEFAULT_STEP_COMPUTE_S = 0.05
-DEFAULT_EXCHANGE_GAP_S = 0.2
+DEFAULT_EXCHANGE_GAP_S = 0.1
+"""Under TCP's minimum RTO, with room: with a gap of 0.2 s (a gossip round of the lab's)
+the kernel's RTO (0.2 s + the smoothed round trip) decided from one replicate to the next
+whether the probe's exchanges restarted slow start: at 1 Gbit/s + 10 ms x0.91 or x1.54."""
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 10**3, "KB": 10**3,
           "MB": 10**6, "GB": 10**9}
 
@@ -96,10 +106,14 @@ MAX_SIZE = 4 * 2**30
 def check_args(args) -> None:
     """The `commbench netprobe` arguments, before torchrun starts (ValueError naming the
     option, the value and what is valid)."""
-    for option, value in (("--step-compute", args.step_compute),
-                          ("--exchange-gap", args.exchange_gap)):
-        if not 0 <= value <= 60:
-            raise ValueError(f"netprobe {option} must be from 0 to 60 seconds, got {value}")
+    if not 0 <= args.step_compute <= 60:
+        raise ValueError(f"netprobe --step-compute must be from 0 to 60 seconds, got "
+                         f"{args.step_compute}")
+    if not 0 <= args.exchange_gap < costs.TCP_MIN_RTO_S:
+        raise ValueError(f"netprobe --exchange-gap must be from 0 to under "
+                         f"{costs.TCP_MIN_RTO_S:g} seconds (TCP's minimum RTO: the exchange is "
+                         f"measured warm, the projection adds the ramp after longer idles), got "
+                         f"{args.exchange_gap}")
     for option, value, low in (("--world-size", args.world_size, 2), ("--iters", args.iters, 1),
                                ("--nnodes", args.nnodes, 1),
                                ("--ranks-per-node", args.ranks_per_node, 1)):
@@ -214,6 +228,8 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
                 if op in (IN_STEP, EXCHANGE):  # no barrier: the ranks arrive from compute
                     mine = []
                     dist.barrier()
+                    for _ in range(EXCHANGE_WARMUPS if op == EXCHANGE else 0):
+                        run_op(op, buf, ranks, pg)
                     for _ in range(iters + 1):
                         compute(step_compute_s if op == IN_STEP else exchange_gap_s)
                         t0 = time.perf_counter()
@@ -455,8 +471,8 @@ def add_arguments(p) -> None:
                    help="seconds of compute before each in-step all_reduce (about your "
                         "run's compute per step; default %(default)s)")
     p.add_argument("--exchange-gap", type=float, default=DEFAULT_EXCHANGE_GAP_S,
-                   help="seconds of compute before each exchange (about a gossip round: "
-                        "inner_steps x your step time; default %(default)s)")
+                   help="seconds of compute before each exchange, under 0.2 (TCP's "
+                        "minimum RTO: measured warm; default %(default)s)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                    help="torch.distributed backend; also picks the fitted formulas")
     p.add_argument("--name", default="netprobe", help="profile name inside the YAML")

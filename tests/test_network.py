@@ -429,29 +429,26 @@ def test_slow_start_by_hand():
 
 def test_slow_start_after_idle_restarts_the_window():
     # Linux halves the window once per RTO of idle beyond the first (RTO = 200 ms + one
-    # round trip = 220 ms here), down to w0, from what a connection sending 10 kB messages
-    # keeps: 2 x 10 kB (slow start grows it while under twice the flight), capped at the
-    # bandwidth-delay product (1 MB/s x 20 ms = 20 kB) without a buffer
+    # round trip = 220 ms here), from what the message needed (10 kB), down to w0
     tcp = Tier(10e-3, 1e6, tcp_initial_window_B=1000)
     assert slow_start_extra_s(10_000, tcp, idle_s=0.1) == 0.0  # shorter than the RTO
-    # 0.3 s: one halving, 10 kB: the window still covers the message
-    assert slow_start_extra_s(10_000, tcp, idle_s=0.3) == 0.0
-    # 0.5 s: two halvings, 5000 B: one round of 5000 B, then the window covers the rest
-    assert slow_start_extra_s(10_000, tcp, idle_s=0.5) == pytest.approx(0.02 - 0.005)
-    # 1 s: four halvings, 1250 B: rounds of 1250, 2500, 5000 B
-    assert slow_start_extra_s(10_000, tcp, idle_s=1.0) == pytest.approx(
-        0.06 - 0.00125 - 0.0025 - 0.005)
-    assert slow_start_extra_s(10_000, tcp) == pytest.approx(0.053)  # never used: from w0
+    # 0.3 s: one halving, 5000 B: one round of 5000 B, then the window covers the rest
+    assert slow_start_extra_s(10_000, tcp, idle_s=0.3) == pytest.approx(0.02 - 0.005)
+    # 1 s: four halvings, down to w0: the full ramp, as for a connection never used
+    assert slow_start_extra_s(10_000, tcp, idle_s=1.0) == pytest.approx(0.053)
 
 
 def test_the_buffer_decides_the_ramp_after_an_idle():
     # 125 kB/s x 20 ms = 2500 B in flight. Without a buffer losses cap the window there:
     # one halving (0.3 s idle) leaves 1250 B, a round below the path's 2500 B. Behind a
-    # 100 ms queue it grows to 125 kB/s x 120 ms = 15 kB first: 7500 B after the halving
+    # 100 ms queue the window is the 10 kB message itself: 5000 B after the halving
     shallow = Tier(10e-3, 1.25e5, tcp_initial_window_B=1000)
     deep = Tier(10e-3, 1.25e5, tcp_initial_window_B=1000, tcp_queue_s=0.1)
     assert slow_start_extra_s(10_000, shallow, idle_s=0.3) == pytest.approx(0.02 - 0.01)
     assert slow_start_extra_s(10_000, deep, idle_s=0.3) == 0.0
+    # a buffer of 10 ms: 125 kB/s x 30 ms = 3750 B, 1875 B after the halving: a round
+    mid = Tier(10e-3, 1.25e5, tcp_initial_window_B=1000, tcp_queue_s=0.01)
+    assert slow_start_extra_s(10_000, mid, idle_s=0.3) == pytest.approx(0.02 - 0.015)
     # a cold connection ramps from w0 whatever the buffer
     assert slow_start_extra_s(10_000, deep) == slow_start_extra_s(10_000, shallow) > 0
     assert parse_tier({"latency": "10ms", "bandwidth": 1.25e5, "tcp_initial_window": 1000,
@@ -540,7 +537,7 @@ def test_slow_start_follows_the_algorithm_nccl_picks():
 
 def test_step_clock_prices_idle_connections():
     """The loop's clock: a connection unused since the previous step is warm; one unused
-    for a modelled second (four RTOs) has its window halved four times."""
+    for a modelled second (four RTOs) restarts from the initial window."""
     import torch
 
     from bench.meter import StepClock
@@ -553,10 +550,7 @@ def test_step_clock_prices_idle_connections():
         clock.add(1.0, stats, records)
     overlap_aware = clock.projected[0::2]  # [overlap, no-overlap] per step
     warm = 1.0 + all_reduce_s(2, 20_000, tcp)
-    # step 4: the 20 kB window (2 x the ring's 10 kB chunk) halved 4 times: 1250 B, then
-    # rounds of 1250, 2500 and 5000 B
-    assert overlap_aware == pytest.approx([warm + 0.053, warm, 1.0,
-                                           warm + 0.06 - 0.00125 - 0.0025 - 0.005])
+    assert overlap_aware == pytest.approx([warm + 0.053, warm, 1.0, warm + 0.053])
     assert clock.coupled == [1.0, 1.0, 0.0, 1.0]
     # two records on one cold connection in one step (two DDP buckets): the first ramps the
     # window up, the second finds it open; a record on another group still pays

@@ -196,17 +196,16 @@ def slow_start_extra_s(nbytes: float, tier: Tier, idle_s: float = math.inf) -> f
     Linux restarts the congestion window after an idle longer than the RTO (RTO =
     TCP_MIN_RTO_S + 2 alpha; `tcp_slow_start_after_idle`, on by default): it halves the
     window once for every further RTO idle, down to the initial window w0 =
-    `tcp_initial_window_B`. The window before the idle is what a connection sending
-    messages of S keeps: slow start grows it while it is under twice the flight (the
-    kernel's tcp_is_cwnd_limited), so to 2 S, unless losses cap it first, at the
-    bandwidth-delay product plus the bottleneck's buffer (`tcp_queue_s`): min(2 S,
-    b * (2a + queue)). Measured on the shaped links (docs/network-model.md, "Slow start
-    after idle"): 690-695 segments for a 345-segment message, and after one halving no
-    ramp behind a 20 ms queue, a ramp behind a 2 ms one. From there the window doubles
-    every round trip until it covers the message or the bandwidth-delay product; each such
-    round costs a round trip instead of w / b. Extra = sum over those rounds of
-    (2a - w_i / b). 0 for a tier without TCP slow start (window None), an idle shorter
-    than the RTO, or a message inside the window.
+    `tcp_initial_window_B`. The window before the idle is taken to be what the message
+    needs, S, unless losses cap it first, at the bandwidth-delay product plus the
+    bottleneck's buffer (`tcp_queue_s`): min(S, b * (2a + queue)). Measured on the shaped
+    links (docs/network-model.md, "TCP slow start after idle"): a connection carrying one
+    499 kB exchange per 0.25 s of idle paid about a round trip of ramp at 1 Gbit/s +
+    10 ms; at 100 Mbit/s + 10 ms behind a 20 ms queue none, behind a 2 ms one a ramp and
+    losses. From there the window doubles every round trip until it covers the message or
+    the bandwidth-delay product; each such round costs a round trip instead of w / b.
+    Extra = sum over those rounds of (2a - w_i / b). 0 for a tier without TCP slow start
+    (window None), an idle shorter than the RTO, or a message inside the window.
     """
     w0 = tier.tcp_initial_window_B
     rtt, beta = 2 * tier.latency_s, tier.bandwidth_Bps
@@ -214,7 +213,7 @@ def slow_start_extra_s(nbytes: float, tier: Tier, idle_s: float = math.inf) -> f
         return 0.0
     bdp = beta * rtt
     halvings = min(64, math.ceil(min(idle_s, 1e9) / (TCP_MIN_RTO_S + rtt)) - 1)
-    window = max(w0, min(2 * nbytes, beta * (rtt + tier.tcp_queue_s)) / 2**halvings)
+    window = max(w0, min(nbytes, beta * (rtt + tier.tcp_queue_s)) / 2**halvings)
     sent = extra = 0.0
     while sent + window < nbytes and window < bdp:
         sent += window

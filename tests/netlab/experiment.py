@@ -172,10 +172,9 @@ def netprobe_in_lab(lab: Lab, out: Path, port: int,
                     step_compute_s: float = 0.02) -> Path:
     """Fit a profile on the lab's links with `commbench netprobe`'s worker, one rank per
     namespace (how a user runs it multi-node); `step_compute_s` about the tiny runs'
-    compute per step, the exchange after a gossip round of them (GASLoC's H = 10)."""
+    compute per step (the exchange keeps netprobe's default gap, under the RTO)."""
     launch(lab, ["bench.netprobe", "--out", str(out), "--iters", "5", "--step-compute",
-                 str(step_compute_s), "--exchange-gap", str(10 * step_compute_s),
-                 "--sizes", *sizes], out.parent / f"{out.stem}-logs", port)
+                 str(step_compute_s), "--sizes", *sizes], out.parent / f"{out.stem}-logs", port)
     return out
 
 
