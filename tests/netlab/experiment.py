@@ -42,7 +42,11 @@ def steps_of(strategy: str) -> int:
     return int(os.environ.get("NETLAB_STEPS") or STEPS.get(strategy, 40))
 
 
-LOG_EVERY = 10
+LOG_EVERY = {"gasloc": 50}
+"""Steps per metrics row: 10, GASLoC 50. A metrics row runs GASLoC's consensus all-reduce
+(harness traffic, the model's size, over the exchange's connection): one on every round
+kept TCP's window open for the next exchange, which the model, pricing the training
+traffic alone, did not know (docs/network-model.md, Results)."""
 CONFIGS = {"ddp": "configs/ddp-tiny.yaml", "diloco": "configs/diloco-tiny.yaml",
            "gasloc": "configs/gasloc-tiny.yaml", "pipeline": "configs/pipeline-1f1b-tiny.yaml"}
 
@@ -155,7 +159,7 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int,
     every rank's ledger records also to RUN_DIR/trace-rank*.jsonl (tests/netlab/traced.py)."""
     from bench.config import load_config, to_yaml
 
-    sets = [f"run.steps={steps_of(strategy)}", "run.val_every=100000", f"run.log_every={LOG_EVERY}",
+    sets = [f"run.steps={steps_of(strategy)}", "run.val_every=100000", f"run.log_every={LOG_EVERY.get(strategy, 10)}",
             f"parallel.world_size={lab.n}",
             "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
             f"network.model={model}", f"network.profiles=[{','.join(profiles)}]"]
