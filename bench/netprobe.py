@@ -358,11 +358,11 @@ def exchange_scale(rows: list[dict], tier: Tier, algorithm: str
     scales the warm formula by it and adds the ramp of its own idle, gives back what was
     measured. TCP's congestion window is what the formula lacks: on short round trips it
     stays below the bandwidth-delay product (docs/network-model.md)."""
+    plain = dataclasses.replace(tier, exchange_scale=())
     by_size: dict[int, list[float]] = {}
     for r in rows:
         ramp = costs.slow_start_extra_s(r["nbytes"], tier, r.get("idle_s", 0.0))
-        warm = model_s(EXCHANGE, r["n"], r["nbytes"],
-                       dataclasses.replace(tier, exchange_scale=()), algorithm)
+        warm = model_s(EXCHANGE, r["n"], r["nbytes"], plain, algorithm)
         by_size.setdefault(int(r["nbytes"]), []).append(max(r["seconds"] - ramp, 1e-9) / warm)
     return tuple((float(s), statistics.median(v)) for s, v in sorted(by_size.items()))
 

@@ -78,11 +78,14 @@ def _how_measured(runs: pd.DataFrame) -> str:
             f"**Projected** times: measured compute plus modelled communication per network "
             f"profile ({models}; docs/network-model.md). On shaped TCP links (gloo, "
             "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC; 2 ranks, one per core) it predicted the "
-            "step times of DDP, DiLoCo, GASLoC and a 2-stage 1F1B pipeline within 10% in all "
-            "16 cases; GASLoC's exchange itself within 9% op by op but at 1 Gbit/s + 1 ms "
-            "(30% below what it took: TCP's window; a profile from `commbench netprobe`, "
-            "which measures the exchange, priced it within 6% there and 13% too high at "
-            "1 Gbit/s + 10 ms). It is not validated for NCCL, more ranks, or lossy links.")
+            "step times of DDP, DiLoCo, GASLoC and a 2-stage 1F1B pipeline within 10% in 14 "
+            "of 16 cases in its last run (DDP at 1 Gbit/s + 1 ms 16% too fast, 7-9% in other "
+            "runs; GASLoC there 10.1%); GASLoC's exchange itself within 4% op by op at "
+            "100 Mbit/s, 37% too fast at 1 Gbit/s + 1 ms (TCP's window; a profile from "
+            "`commbench netprobe`, which measures the exchange, within 1% there) and at "
+            "1 Gbit/s + 10 ms 50-65% too slow in one replicate in three (its gossip round "
+            "on TCP's retransmission timeout). It is not validated for NCCL, more ranks, or "
+            "lossy links.")
 
 
 def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,

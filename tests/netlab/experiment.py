@@ -159,8 +159,8 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int,
     every rank's ledger records also to RUN_DIR/trace-rank*.jsonl (tests/netlab/traced.py)."""
     from bench.config import load_config, to_yaml
 
-    sets = [f"run.steps={steps_of(strategy)}", "run.val_every=100000", f"run.log_every={LOG_EVERY.get(strategy, 10)}",
-            f"parallel.world_size={lab.n}",
+    sets = [f"run.steps={steps_of(strategy)}", "run.val_every=100000",
+            f"run.log_every={LOG_EVERY.get(strategy, 10)}", f"parallel.world_size={lab.n}",
             "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
             f"network.model={model}", f"network.profiles=[{','.join(profiles)}]"]
     cfg = load_config(ROOT / CONFIGS[strategy], sets)

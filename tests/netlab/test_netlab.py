@@ -146,12 +146,12 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
                 f"{aware - compute:.3f} |")
         probe = probes.get(c.setting)
         if c.strategy == "gasloc":  # the exchange, op by op
-            for tag, prof in (("exchange", profile),
-                              ("exchange-netprobe", get_profile(str(probe)) if probe else None)):
-                if prof is None:
-                    continue
+            priced_by = [("exchange", "model", profile)]
+            if probe is not None:
+                priced_by.append(("exchange-netprobe", "netprobe", get_profile(str(probe))))
+            for tag, name, prof in priced_by:
                 ex = exchange_per_op(rdir / c.id, world, prof)
-                (measured, modelled), name = ex.steady, "model" if prof is profile else "netprobe"
+                measured, modelled = ex.steady
                 out.setdefault(f"{tag}:{c.id}", []).append(
                     dict(measured=measured, projected=modelled))
                 _report(f"| {tag}:{c.id} | {rep} | {load} | measured {measured * 1e3:.1f} ms "
