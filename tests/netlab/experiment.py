@@ -34,8 +34,17 @@ from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B
 from tests.netlab.lab import QUEUE_S, ROOT, Lab
 
 STEPS = {"gasloc": 100}
-"""Steps per run: 40, GASLoC 100 (its config's own: 10 gossip rounds, so its exchange per
-op is a mean over 9 exchanges on a used connection, not 3); NETLAB_STEPS sets them all."""
+"""Steps per run: 40, GASLoC 100 (20 gossip rounds at `INNER_STEPS`, so its exchange per
+op is a mean over 19 exchanges on a used connection); NETLAB_STEPS sets them all."""
+
+INNER_STEPS = {"gasloc": 5}
+"""Local steps per gossip round in the lab: GASLoC 5 (its config: 10). A round of 10 steps
+(0.19-0.29 s) sat on the kernel's RTO (0.2 s + the smoothed RTT: 224-228 ms measured at
+1 Gbit/s + 10 ms), where whether an exchange restarts slow start depends on when the
+sender last sent (gloo's ready-to-receive, the arrival order), which no trace records:
+warm and ramped exchanges overlapped across 0.22-0.26 s of idle. At 5 steps (0.11-0.18 s)
+every exchange is warm at every setting, a case the model decides (docs/network-model.md,
+Results)."""
 
 
 def steps_of(strategy: str) -> int:
@@ -161,6 +170,7 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int,
 
     sets = [f"run.steps={steps_of(strategy)}", "run.val_every=100000",
             f"run.log_every={LOG_EVERY.get(strategy, 10)}", f"parallel.world_size={lab.n}",
+            *([f"strategy.inner_steps={INNER_STEPS[strategy]}"] if strategy in INNER_STEPS else []),
             "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
             f"network.model={model}", f"network.profiles=[{','.join(profiles)}]"]
     cfg = load_config(ROOT / CONFIGS[strategy], sets)

@@ -148,6 +148,20 @@ class Lab:
         pairs = [f"{k}={v}" for k, v in env.items()]
         return subprocess.Popen(["ip", "netns", "exec", self.ns(i), "env", *pairs, *cmd], **kw)
 
+    def emulation_cpu_s(self) -> float:
+        """CPU seconds spent so far on emulating the links: the delayers' own (user +
+        system) plus the host's interrupt and softirq time (tbf, the bridge, NFQUEUE; the
+        whole host's, so read it with nothing else running). On 2 cores this is taken
+        from the ranks' compute, which a real network would not do (docs/network-model.md,
+        Results)."""
+        tck = os.sysconf("SC_CLK_TCK")
+        ticks = 0
+        for p in self.procs:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return (ticks + int(cpu[6]) + int(cpu[7])) / tck  # + irq, softirq
+
     def close(self) -> None:
         for p in self.procs:
             p.terminate()
