@@ -77,15 +77,15 @@ def _how_measured(runs: pd.DataFrame) -> str:
     return (f"**Measured** times: {links} (runs, by where their communication ran). "
             f"**Projected** times: measured compute plus modelled communication per network "
             f"profile ({models}; docs/network-model.md). On shaped TCP links (gloo, "
-            "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC; 2 ranks, one per core) it predicted the "
-            "step times of DDP, DiLoCo, GASLoC and a 2-stage 1F1B pipeline within 10% in 14 "
-            "of 16 cases in its last run (DDP at 1 Gbit/s + 1 ms 16% too fast, 7-9% in other "
-            "runs; GASLoC there 10.1%); GASLoC's exchange itself within 4% op by op at "
-            "100 Mbit/s, 37% too fast at 1 Gbit/s + 1 ms (TCP's window; a profile from "
-            "`commbench netprobe`, which measures the exchange, within 1% there) and at "
-            "1 Gbit/s + 10 ms 50-65% too slow in one replicate in three (its gossip round "
-            "on TCP's retransmission timeout). It is not validated for NCCL, more ranks, or "
-            "lossy links.")
+            "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC; 2 ranks, one per core) a run projected "
+            "onto the link it ran on came within 10% of its measured step for DDP, DiLoCo, "
+            "GASLoC and a 2-stage 1F1B pipeline in 15 of 16 cases in each of two runs (the "
+            "pipeline at 100 Mbit/s + 1 ms 11-12% too slow); projected from a fast network "
+            "onto the slow one, 15 and 14 of 16 (the lab's link emulation takes CPU from the "
+            "ranks). GASLoC's exchange op by op came within 8% in both with a profile from "
+            "`commbench netprobe`, which measures the exchange; the textbook formula is 37% "
+            "too fast at 1 Gbit/s + 1 ms (TCP's window). It is not validated for NCCL, more "
+            "ranks, or lossy links.")
 
 
 def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
