@@ -27,7 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B
@@ -147,6 +147,9 @@ class Run:
     """Per profile path: the run's own projected seconds per step over the same steps."""
     comm_rows: list[dict]
     """comm.jsonl: every rank's ledger aggregates."""
+    emulation_s: float = 0.0
+    """CPU seconds the lab's link emulation took per step of the run (`Lab.emulation_cpu_s`
+    over the whole launch / its steps): taken from the ranks' cores on this machine."""
 
 
 def read_run(run_dir: Path) -> Run:
@@ -176,9 +179,11 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int,
     cfg = load_config(ROOT / CONFIGS[strategy], sets)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    emulated = lab.emulation_cpu_s()
     launch(lab, ["tests.netlab.traced" if traced else "bench.train", str(run_dir)],
            run_dir / "logs", port)
-    return read_run(run_dir)
+    emulated = lab.emulation_cpu_s() - emulated
+    return replace(read_run(run_dir), emulation_s=emulated / steps_of(strategy))
 
 
 def netprobe_in_lab(lab: Lab, out: Path, port: int,

@@ -124,24 +124,20 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
         profiles[c.id].parent.mkdir(parents=True, exist_ok=True)
         profiles[c.id].write_text(c.profile_yaml())
     port += 1
-    steps = steps_of(cases[0].strategy)
     with Lab([0] * world, [0] * world, delayer, CC, always_delayer=True) as lab:
-        emulated = lab.emulation_cpu_s()
         base = train(lab, cases[0].strategy, rdir / "unshaped", port,
                      [str(zero), *map(str, profiles.values()), *map(str, probes.values())])
-        base_emulation = (lab.emulation_cpu_s() - emulated) / steps
     compute = base.projected_step_s[str(zero)]
     for c in cases:
         port += 1
         with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC) as lab:
-            emulated = lab.emulation_cpu_s()
             shaped = train(lab, c.strategy, rdir / c.id, port, [str(zero), str(profiles[c.id])],
                            traced=c.strategy == "gasloc")
-            emulation = (lab.emulation_cpu_s() - emulated) / steps
         load = load_note()
         profile = get_profile(str(profiles[c.id]))
         aware = base.projected_step_s[str(profiles[c.id])]
-        naive = compute + naive_comm_per_step(base.comm_rows, profile, steps, world)
+        naive = compute + naive_comm_per_step(base.comm_rows, profile, steps_of(c.strategy),
+                                              world)
         row = dict(measured=shaped.step_s, compute=compute, aware=aware, naive=naive, load=load)
         out.setdefault(c.id, []).append(row)
         err = {k: (row[k] - row["measured"]) / row["measured"] for k in ("naive", "aware")}
@@ -160,7 +156,8 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
                 f"({(own['projected'] - own['measured']) / own['measured']:+.0%}) | compute "
                 f"{own_compute:.4f} against unshaped {compute:.4f} "
                 f"({own_compute / compute - 1:+.0%}) | emulation CPU "
-                f"{emulation * 1e3:.1f} ms/step, unshaped {base_emulation * 1e3:.1f} | | |")
+                f"{shaped.emulation_s * 1e3:.1f} ms/step, unshaped {base.emulation_s * 1e3:.1f} "
+                "| | |")
         probe = probes.get(c.setting)
         if c.strategy == "gasloc":  # the exchange, op by op
             priced_by = [("exchange", "model", profile)]
