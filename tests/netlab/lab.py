@@ -60,6 +60,25 @@ def build_delayer(out_dir: Path) -> Path:
     return exe
 
 
+TBF_MIN_BURST_B = 2 * 1514
+"""Two full frames: tbf's smallest bucket that passes every frame."""
+
+
+def tbf_burst_b(rate_mbit: float) -> int:
+    """tbf's bucket: rate x 1 ms at 1 Gbit/s and above (smaller ones under-deliver there:
+    a 0.25 ms bucket carried 8 MiB at 77% of 1 Gbit/s), two frames below it.
+
+    After an idle gap the bucket lets its bytes through at the veth's own speed, which a
+    real link does not: each message then arrives about burst / rate early. At 100 Mbit/s a
+    1 ms bucket made every 16 kB-2 MiB message after 20 ms of idle 0.7-1.0 ms faster than
+    the link's alpha + S/beta; two frames (0.24 ms) 0.2-0.36 ms, at full rate on 2 MiB. At
+    1 Gbit/s the veth and the delayer drain the 1 ms bucket little faster than the rate:
+    128 kB-8 MiB within 0.2 ms of the formula (docs/network-model.md, "Validation on
+    shaped links")."""
+    rate_Bps = rate_mbit * 1e6 / 8
+    return max(TBF_MIN_BURST_B, int(rate_Bps * 1e-3)) if rate_mbit >= 1000 else TBF_MIN_BURST_B
+
+
 def _sh(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
     return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
@@ -138,8 +157,8 @@ class Lab:
 
     @staticmethod
     def tbf(dev: str, rate_mbit: float) -> list[str]:
-        """tbf: burst = rate x 1 ms (>= 4 KiB), queue `QUEUE_S` (NETLAB facts)."""
-        burst = max(4096, int(rate_mbit * 1e6 / 8 * 1e-3))
+        """tbf: burst `tbf_burst_b`, queue `QUEUE_S`."""
+        burst = tbf_burst_b(rate_mbit)
         return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
                 "burst", str(burst), "latency", f"{QUEUE_S * 1e3:g}ms"]
 
