@@ -16,10 +16,12 @@ ranks_per_node):
   a warm connection: the projection adds the ramp after a longer idle (a gossip round)
   itself (bench/network/costs.py `slow_start_extra_s`). First, untimed,
   `EXCHANGE_WARMUPS` exchanges back to back open the window whatever the earlier ops
-  left;
+  left; it is timed over at least `EXCHANGE_ROUNDS` rounds (the window a connection
+  settles to when it exchanges every gap, as gossip's does over a run);
 - all_reduce inside a step: every rank computes `--step-compute` seconds, then runs it,
   no barrier between, as training does; the op's time is the last rank to arrive's;
-at each message size, the median of `--iters` timed repetitions after one warm-up.
+at each message size, the median of `--iters` timed repetitions (the exchange: at least
+`EXCHANGE_ROUNDS`) after one warm-up.
 It then fits, per tier, by least squares on relative errors with the SAME formulas the
 projection uses for `--backend` (bench/network/costs.py):
 - alpha and beta on the barrier-synchronised ops: linear least squares on (alpha, 1/beta),
@@ -69,6 +71,12 @@ OPS = (*SYNCED_OPS, EXCHANGE, IN_STEP)
 EXCHANGE_WARMUPS = 3
 """Back-to-back exchanges before the timed ones, so that the window they find is the one
 a connection sending S keeps, not what the earlier ops (other sizes) left it."""
+EXCHANGE_ROUNDS = 15
+"""Timed exchanges per size, at least (more with a larger `--iters`): on a short round trip
+the window keeps growing over a connection's first gap-separated exchanges. In the lab at
+1 Gbit/s + 1 ms, 512 KiB each way, 5 rounds read 7.7-11.5 ms over 3 probes and 15 rounds
+6.8-8.1 ms over 4, against 8.2-8.3 ms for GASLoC's 19 exchanges of 487 kB in each of run
+l's 3 replicates (docs/network-model.md, Results)."""
 DEFAULT_STEP_COMPUTE_S = 0.05
 DEFAULT_EXCHANGE_GAP_S = 0.1
 """Under TCP's minimum RTO, with room: with a gap of 0.2 s (a gossip round of the lab's)
@@ -230,7 +238,8 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
                     dist.barrier()
                     for _ in range(EXCHANGE_WARMUPS if op == EXCHANGE else 0):
                         run_op(op, buf, ranks, pg)
-                    for _ in range(iters + 1):
+                    rounds = iters if op == IN_STEP else max(iters, EXCHANGE_ROUNDS)
+                    for _ in range(rounds + 1):
                         compute(step_compute_s if op == IN_STEP else exchange_gap_s)
                         t0 = time.perf_counter()
                         run_op(op, buf, ranks, pg)

@@ -149,7 +149,7 @@ def test_commbench_netprobe_cli(tmp_path):
     out = tmp_path / "mine.yaml"
     assert main(["netprobe", "--world-size", "2", "--out", str(out), "--sizes", "4KiB", "1MiB",
                  "--iters", "2", "--name", "mine", "--timeout", "240",
-                 "--step-compute", "0.01"]) == 0
+                 "--step-compute", "0.01", "--exchange-gap", "0.02"]) == 0
     p = get_profile(str(out))
     assert p.name == "mine"
     tiers = yaml.safe_load(out.read_text())["tiers"]
