@@ -79,12 +79,14 @@ def _how_measured(runs: pd.DataFrame) -> str:
             f"profile ({models}; docs/network-model.md). On shaped TCP links (gloo, "
             "100 Mbit/s-1 Gbit/s, 1-10 ms, CUBIC; 2 ranks, one per core) a run projected "
             "onto the link it ran on came within 10% of its measured step for DDP, DiLoCo, "
-            "GASLoC and a 2-stage 1F1B pipeline in 15 of 16 cases in each of two runs (the "
-            "pipeline at 100 Mbit/s + 1 ms 11-12% too slow); projected from a fast network "
-            "onto the slow one, 15 and 14 of 16 (the lab's link emulation takes CPU from the "
-            "ranks). GASLoC's exchange op by op came within 8% in both with a profile from "
-            "`commbench netprobe`, which measures the exchange; the textbook formula is 37% "
-            "too fast at 1 Gbit/s + 1 ms (TCP's window). It is not validated for NCCL, more "
+            "GASLoC and a 2-stage 1F1B pipeline in all 16 cases of each of two runs; "
+            "projected from a fast network onto the slow one, 16 and 15 of 16 (DDP at "
+            "1 Gbit/s + 1 ms 10.8% too fast in one; the lab's link emulation takes CPU from "
+            "the ranks). GASLoC's exchange op by op came within 5% at three of four "
+            "settings; at 1 Gbit/s + 1 ms, where TCP's window stays below the "
+            "bandwidth-delay product, the textbook formula is 25-34% too fast and a profile "
+            "from `commbench netprobe`, which measures the exchange, read +22% and -10%. "
+            "It is not validated for NCCL, more "
             "ranks, or lossy links.")
 
 
