@@ -2,23 +2,24 @@
 refuses the combination with a reason. No combination may fail after launch.
 
     pytest tests/test_matrix.py                 # pairwise: every accepted pair of values runs
-    tox -e matrix                               # every accepted combination runs (hours)
+    tox -e matrix                               # 3-wise: every accepted triple runs (~20 min)
 
-Each dimension below is one option of the schema with the values a user can pick. The
-whole product is validated (`bench.config.from_dict`, the check `commbench run` makes
+Each dimension below is one option of the schema with the values a user can pick. A
+combination is validated by `bench.config.from_dict` (the check `commbench run` makes
 before launch); a refused combination must name a config key in its message. From the
-accepted combinations a greedy all-pairs cover is chosen (every pair of values that occurs
-in some accepted combination occurs in a chosen one), and each chosen combination trains
-3 steps on a tiny model on real gloo ranks through the loop's own `Trainer`: the run ends
-`ok`, its loss and validation loss are finite, its records are written, the what-if's
-traffic description of its config (`StrategyConfig.traffic`) is its ledger's training
-records step by step (or the strategy has none, refused naming a key), and where it
-checkpoints, a resume from step 2 ends bit-identical to the uninterrupted run.
+accepted combinations a greedy t-wise cover is chosen (every t values that occur together
+in some accepted combination occur in a chosen one: pairs by default, triples under tox -e
+matrix), and each chosen combination trains 3 steps on a tiny model on real gloo ranks
+through the loop's own `Trainer`: the run ends `ok`, its loss and validation loss are
+finite, its records are written, the what-if's traffic description of its config
+(`StrategyConfig.traffic`) is its ledger's training records step by step (or the strategy
+has none, refused naming a key), and where it checkpoints, a resume from step 2 ends
+bit-identical to the uninterrupted run.
 
-The product is too large to validate in the default run (0.5 ms a combination), so the
-pairwise rows are generated greedily, validating only what is built: a pair counts as
-refused when ATTEMPTS completions of it are all refused. The full product under tox -e
-matrix validates everything and checks that no pair was refused wrongly.
+The product (4,064,256 combinations) is too large to validate (0.5 ms a combination) or
+train, so the rows are generated greedily, validating only what is built: a tuple counts
+as refused when ATTEMPTS completions of it are all refused. tox -e matrix checks that no
+pair the pairwise search refused is in a combination the 3-wise search accepted.
 
 Counts: `test_the_matrix_counts` prints them; docs/architecture.md records the latest.
 
@@ -168,45 +169,53 @@ def validate(combo: Combination) -> str | None:
     return None
 
 
-def product() -> list[Combination]:
-    return [Combination(values) for values in itertools.product(*DIMENSIONS.values())]
+def tuples_of(combo: Combination, t: int = 2) -> set[tuple]:
+    """Every t options' values in `combo`, flat and in option order: (i, a, j, b), i < j,
+    for t = 2."""
+    return {sum(group, ()) for group in itertools.combinations(enumerate(combo.values), t)}
 
 
 def pairs_of(combo: Combination) -> set[tuple]:
-    items = list(enumerate(combo.values))
-    return {(i, a, j, b) for (i, a), (j, b) in itertools.combinations(items, 2)}
+    return tuples_of(combo, 2)
 
 
 CHEAPER = {"world": (4, 2), "resume": (True, False), "model.compile": (True, False)}
 """Values that make a row dearer (two ranks per core, a second training, dynamo's
 tracing), each with its cheaper one: once the cover is built, a row keeps the dearer value
-only where it covers a pair no other row covers (`cheapen`)."""
+only where it covers a tuple no other row covers (`cheapen`)."""
 
 ATTEMPTS = 200
-"""Completions tried for a pair before it counts as refused (the first greedy, the rest
-random). The full product (tox -e matrix) checks that no pair was refused wrongly."""
+"""Greedy and random completions tried for a tuple before the accepted combinations'
+neighbours are (`cover`'s `candidates`); refused when none is accepted. tox -e matrix
+checks the pairs refused against the 3-wise search's accepted combinations."""
 
 
 @dataclass
-class Pairwise:
+class Cover:
     rows: list[Combination]
-    """Accepted combinations covering every pair of values some accepted one has, as few
-    of them on `CHEAPER`'s dearer values as the greedy pass left necessary."""
-    refused_pairs: dict[tuple, str]
-    """Pairs no tried completion made acceptable, with the last refusal's reason."""
+    """Accepted combinations covering every t values some accepted one has, as few of them
+    on `CHEAPER`'s dearer values as the greedy pass left necessary."""
+    refused: dict[tuple, str]
+    """Tuples no tried completion made acceptable, with the last refusal's reason."""
     verdicts: dict[Combination, str | None]
     """Every combination validated on the way: None (accepted) or its refusal."""
 
 
-def all_pairs(seed: int = 0) -> Pairwise:
-    """Greedy all-pairs generation validating only what it builds: for the first uncovered
-    pair, fill the other options with the values covering most uncovered pairs, validate;
-    when refused, try random completions; a pair no completion makes acceptable is
-    refused. Deterministic (seeded)."""
+def cover(t: int = 2, seed: int = 0, refused_below: dict | None = None) -> Cover:
+    """Greedy t-wise generation validating only what it builds: for the first uncovered
+    tuple of t values, fill the other options with the values covering most uncovered
+    tuples, validate; when refused, try random completions; a tuple no completion makes
+    acceptable is refused. Tuples holding a pair of `refused_below` are left out.
+    Deterministic (seeded)."""
     rng = random.Random(seed)
     values = list(DIMENSIONS.values())
-    uncovered = {(i, a, j, b) for i, j in itertools.combinations(range(len(values)), 2)
-                 for a in values[i] for b in values[j]}
+    every = {sum(group, ()) for dims in itertools.combinations(range(len(values)), t)
+             for group in itertools.product(*([(d, v) for v in values[d]] for d in dims))}
+    if refused_below:
+        every = {u for u in every
+                 if not any(sum(g, ()) in refused_below
+                            for g in itertools.combinations(zip(u[::2], u[1::2], strict=True), 2))}
+    uncovered = set(every)
     verdicts: dict[Combination, str | None] = {}
     rows, refused = [], {}
 
@@ -215,43 +224,57 @@ def all_pairs(seed: int = 0) -> Pairwise:
             verdicts[combo] = validate(combo)
         return verdicts[combo]
 
-    def fill(i, a, j, b, greedy: bool) -> Combination:
-        chosen = {i: a, j: b}
+    def fill(items: tuple, greedy: bool) -> Combination:
+        chosen = dict(zip(items[::2], items[1::2], strict=True))
         for k in range(len(values)):
             if k in chosen:
                 continue
             if not greedy:
                 chosen[k] = rng.choice(values[k])
                 continue
-            gain = {v: sum(((min(k, m), v if k < m else w, max(k, m), w if k < m else v)
-                            in uncovered) for m, w in chosen.items()) for v in values[k]}
+            others = list(itertools.combinations(sorted(chosen.items()), t - 1))
+            gain = {v: sum(sum(sorted(((k, v), *rest)), ()) in uncovered for rest in others)
+                    for v in values[k]}
             chosen[k] = max(values[k], key=lambda v: gain[v])
         return Combination(tuple(chosen[k] for k in range(len(values))))
 
-    while uncovered:
-        pair = min(uncovered, key=repr)
-        reason = None
+    def candidates(items: tuple):
+        """Completions of `items`: the greedy one, random ones, then every accepted
+        combination so far with `items` set in it (a narrow option, e.g. ZeRO's, is
+        rarely met at random: 200 random completions refused 6 pairs that such a
+        neighbour of an accepted row makes acceptable)."""
         for attempt in range(ATTEMPTS):
-            combo = fill(*pair, greedy=attempt == 0)
+            yield fill(items, greedy=attempt == 0)
+        for done in [c for c, reason in verdicts.items() if reason is None]:
+            values_ = list(done.values)
+            for k, v in zip(items[::2], items[1::2], strict=True):
+                values_[k] = v
+            yield Combination(tuple(values_))
+
+    for items in sorted(every, key=repr):  # the first uncovered, in a fixed order
+        if items not in uncovered:
+            continue
+        reason = None
+        for combo in candidates(items):
             reason = verdict(combo)
             if reason is None:
                 rows.append(combo)
-                uncovered -= pairs_of(combo)
+                uncovered -= tuples_of(combo, t)
                 break
         else:
-            refused[pair] = reason
-            uncovered.discard(pair)
-    return Pairwise(cheapen(rows, verdict), refused, verdicts)
+            refused[items] = reason
+            uncovered.discard(items)
+    return Cover(cheapen(rows, verdict, t), refused, verdicts)
 
 
-def cheapen(rows: list[Combination], verdict) -> list[Combination]:
+def cheapen(rows: list[Combination], verdict, t: int = 2) -> list[Combination]:
     """`rows` with each `CHEAPER` dearer value swapped for its cheaper one wherever every
-    pair it forms is covered by another row too and the swapped row is accepted (and not
-    already a row): the same pairs stay covered (the swapped row's new pairs only add),
-    with fewer dear rows (the greedy cover takes the dearer value whenever it covers more
-    new pairs: 64 of 132 rows on 4 ranks)."""
+    tuple it is in is covered by another row too and the swapped row is accepted (and not
+    already a row): the same tuples stay covered (the swapped row's new ones only add),
+    with fewer dear rows (the greedy pairwise cover takes the dearer value whenever it
+    covers more new pairs: 64 of 132 rows on 4 ranks)."""
     names = list(DIMENSIONS)
-    count = Counter(p for c in rows for p in pairs_of(c))
+    count = Counter(u for c in rows for u in tuples_of(c, t))
     out, seen = list(rows), set(rows)
     for name, (dear, cheap) in CHEAPER.items():
         k = names.index(name)
@@ -259,30 +282,18 @@ def cheapen(rows: list[Combination], verdict) -> list[Combination]:
             combo = out[i]
             if combo.values[k] != dear:
                 continue
-            if any(count[p] < 2 for p in pairs_of(combo)
-                   if (p[0], p[1]) == (k, dear) or (p[2], p[3]) == (k, dear)):
+            if any(count[u] < 2 for u in tuples_of(combo, t)
+                   if any(u[x:x + 2] == (k, dear) for x in range(0, 2 * t, 2))):
                 continue
             swapped = Combination(combo.values[:k] + (cheap,) + combo.values[k + 1:])
             if swapped in seen or verdict(swapped) is not None:
                 continue
-            count.subtract(pairs_of(combo))
-            count.update(pairs_of(swapped))
+            count.subtract(tuples_of(combo, t))
+            count.update(tuples_of(swapped, t))
             out[i] = swapped
             seen.discard(combo)
             seen.add(swapped)
     return out
-
-
-def classify() -> tuple[list[Combination], dict[Combination, str]]:
-    """The whole product, validated (tox -e matrix)."""
-    accepted, refused = [], {}
-    for combo in product():
-        reason = validate(combo)
-        if reason is None:
-            accepted.append(combo)
-        else:
-            refused[combo] = reason
-    return accepted, refused
 
 
 # ---------------------------------------------------------------------- the runs
@@ -433,7 +444,7 @@ def check(combo: Combination, found: dict) -> None:
 
 @pytest.fixture(scope="module")
 def pairwise():
-    return all_pairs()
+    return cover(2)
 
 
 def test_every_refusal_names_a_config_key(pairwise):
@@ -463,13 +474,11 @@ def test_the_matrix_counts(pairwise):
             for name, (value, _) in CHEAPER.items()}
     print(f"\nmatrix: {size} combinations; {len(pairwise.verdicts)} validated, "
           f"{len(pairwise.rows)} pairwise rows ({dear} on the dearer values), "
-          f"{len(pairwise.refused_pairs)} pairs refused")
+          f"{len(pairwise.refused)} pairs refused")
 
 
-@pytest.mark.timeout(1500)
-def test_every_accepted_pair_of_values_runs(pairwise, tmp_path):
-    rows = pairwise.rows
-    results = run_rows(rows, tmp_path, timeout=1400)
+def _run_and_check(rows: list[Combination], tmp_path: Path, timeout: float) -> None:
+    results = run_rows(rows, tmp_path, timeout=timeout)
     failures = []
     for combo in rows:
         try:
@@ -482,18 +491,25 @@ def test_every_accepted_pair_of_values_runs(pairwise, tmp_path):
                                          for c in slowest))
 
 
+@pytest.mark.timeout(1500)
+def test_every_accepted_pair_of_values_runs(pairwise, tmp_path):
+    _run_and_check(pairwise.rows, tmp_path, timeout=1400)
+
+
 @pytest.mark.matrix
 @pytest.mark.timeout(0)
-def test_every_accepted_combination_runs(pairwise, tmp_path):
-    """The full product (tox -e matrix): every combination validated, every accepted one
-    trained; and the pairwise generator refused no pair an accepted combination has."""
-    accepted, refused = classify()
-    assert all(r for r in refused.values())
-    possible = set().union(*(pairs_of(c) for c in accepted))
-    wrongly = possible & set(pairwise.refused_pairs)
-    assert not wrongly, f"pairs refused by the sampled search but accepted: {sorted(wrongly)}"
-    print(f"\nmatrix: {len(accepted) + len(refused)} combinations, {len(accepted)} accepted, "
-          f"{len(refused)} refused")
-    results = run_rows(accepted, tmp_path, timeout=10**6)
-    for combo in accepted:
-        check(combo, results[combo])
+def test_every_accepted_triple_of_values_runs(pairwise, tmp_path):
+    """tox -e matrix: a 3-wise cover (every three values some accepted combination has,
+    in a trained row; triples holding a pair the pairwise cover refused left out), and no
+    pair the pairwise cover refused in a combination the 3-wise search accepted. The full
+    product (4,064,256 combinations) is out of reach: validating it alone takes about
+    35 minutes, and training its accepted ones weeks."""
+    triples = cover(3, refused_below=pairwise.refused)
+    accepted = [c for c, reason in triples.verdicts.items() if reason is None]
+    wrongly = set().union(*(pairs_of(c) for c in accepted)) & set(pairwise.refused)
+    assert not wrongly, f"pairs refused by the pairwise search but accepted: {sorted(wrongly)}"
+    dear = {name: sum(c.named[name] == value for c in triples.rows)
+            for name, (value, _) in CHEAPER.items()}
+    print(f"\nmatrix: {len(triples.verdicts)} validated, {len(triples.rows)} 3-wise rows "
+          f"({dear} on the dearer values), {len(triples.refused)} triples refused")
+    _run_and_check(triples.rows, tmp_path, timeout=10**6)
