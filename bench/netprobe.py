@@ -75,8 +75,9 @@ EXCHANGE_ROUNDS = 15
 """Timed exchanges per size, at least (more with a larger `--iters`): on a short round trip
 the window keeps growing over a connection's first gap-separated exchanges. In the lab at
 1 Gbit/s + 1 ms, 512 KiB each way, 5 rounds read 7.7-11.5 ms over 3 probes and 15 rounds
-6.8-8.1 ms over 4, against 8.2-8.3 ms for GASLoC's 19 exchanges of 487 kB in each of run
-l's 3 replicates (docs/network-model.md, Results)."""
+6.8-8.1 ms over 4; GASLoC's 19 exchanges of 487 kB read 8.2-8.3 ms in each replicate of
+one lab run and 9.2-9.8 ms in the next, when netprobe's 15 rounds read 8.2-9.6 ms
+(docs/network-model.md, Results)."""
 DEFAULT_STEP_COMPUTE_S = 0.05
 DEFAULT_EXCHANGE_GAP_S = 0.1
 """Under TCP's minimum RTO, with room: with a gap of 0.2 s (a gossip round of the lab's)

@@ -71,12 +71,11 @@ def tbf_burst_b(rate_mbit: float) -> int:
     After an idle gap the bucket lets its bytes through at the veth's own speed, which a
     real link does not: each message then arrives about burst / rate early. At 100 Mbit/s a
     1 ms bucket made every 16 kB-2 MiB message after 20 ms of idle 0.7-1.0 ms faster than
-    the link's alpha + S/beta; two frames (0.24 ms) 0.2-0.36 ms, at full rate on 2 MiB. At
+    the link's alpha + S/beta; two frames (0.24 ms) 0.2-0.4 ms, at full rate on 2 MiB. At
     1 Gbit/s the veth and the delayer drain the 1 ms bucket little faster than the rate:
     128 kB-8 MiB within 0.2 ms of the formula (docs/network-model.md, "Validation on
     shaped links")."""
-    rate_Bps = rate_mbit * 1e6 / 8
-    return max(TBF_MIN_BURST_B, int(rate_Bps * 1e-3)) if rate_mbit >= 1000 else TBF_MIN_BURST_B
+    return int(rate_mbit * 1e6 / 8 * 1e-3) if rate_mbit >= 1000 else TBF_MIN_BURST_B
 
 
 def _sh(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
