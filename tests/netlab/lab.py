@@ -11,7 +11,7 @@ sizes): docs/network-model.md, "Validation on shaped links".
 Topology: namespace `cbl-sw` holds bridge `br0`; namespace `cbl-I` holds `lab0`
 (10.77.0.I+1/24), a veth whose peer `p I` sits on the bridge. Rank I's upload is shaped by
 tbf on `lab0`, its download by tbf on `pI`; received packets on `lab0` pass an NFQUEUE
-held by tools/netlab/delay.c for delays_ms[I]. Nothing is routed out: no uplink, no
+held by tools/netlab/delay.c for delays_ms[I], run real-time (`DELAYER_RT_PRIORITY`). Nothing is routed out: no uplink, no
 default route, addresses only inside the namespaces. `close()` kills the delayers and
 deletes the namespaces (which removes the veths and the bridge).
 
@@ -37,6 +37,16 @@ PREFIX = "cbl"
 SUBNET = "10.77.0"
 QUEUE_S = 0.02
 """tbf's queue: how long a packet may wait in it at the shaped rate (deeper: dropped)."""
+DELAYER_RT_PRIORITY = 50
+"""The delayers run SCHED_FIFO at this priority (`chrt`): a packet's release must not wait
+for a core. At the default policy, with both cores busy with the ranks' compute, a delayer
+waited behind them. Probe (2 ranks at 1 Gbit/s + 1 ms, 35 steps each of 35 ms of compute,
+a 499 kB gloo all-reduce and a one-float one; median step): 49.4-52.0 ms with the compute
+a busy loop (4 runs) against 46.4-48.2 with it a sleep; delayers real-time, 45.9-46.2 busy
+and 46.3-46.4 asleep (the formulas: 47.6). GASLoC's 499 kB exchange after 100 ms of busy
+compute, the second rank 5 ms late (median on that rank, 3 runs): 6.0, 6.6, 10.4 ms;
+real-time 5.8, 5.9, 6.1 (2a + S/b: 6.3). A NIC needs no core to pass a packet on
+(docs/network-model.md, "Validation on shaped links")."""
 ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 AVAILABLE_CC = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 
@@ -45,7 +55,7 @@ def missing_requirements() -> str | None:
     """Why the lab cannot run here, or None."""
     if os.geteuid() != 0:
         return "needs root (network namespaces, tc, iptables)"
-    for tool in ("ip", "tc", "iptables", "gcc"):
+    for tool in ("ip", "tc", "iptables", "gcc", "chrt"):
         if shutil.which(tool) is None:
             return f"needs `{tool}` (tools/netlab/setup.sh installs it)"
     if not Path("/usr/include/libnetfilter_queue/libnetfilter_queue.h").exists():
@@ -151,8 +161,9 @@ class Lab:
                 _sh("iptables", "-A", "INPUT", "-i", "lab0", "-j", "NFQUEUE", "--queue-num",
                     "0", ns=ns)
                 self.procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns, str(self.delayer), "0",
-                     str(self.delays[i] * 1000)], stderr=subprocess.DEVNULL))
+                    ["chrt", "-f", str(DELAYER_RT_PRIORITY), "ip", "netns", "exec", ns,
+                     str(self.delayer), "0", str(self.delays[i] * 1000)],
+                    stderr=subprocess.DEVNULL))
 
     @staticmethod
     def tbf(dev: str, rate_mbit: float) -> list[str]:
