@@ -37,8 +37,9 @@ PREFIX = "cbl"
 SUBNET = "10.77.0"
 QUEUE_S = 0.02
 """tbf's queue: how long a packet may wait in it at the shaped rate (deeper: dropped)."""
-DELAYER_RT_PRIORITY = 50
-"""The delayers run SCHED_FIFO at this priority (`chrt`): a packet's release must not wait
+DELAYER_RT_PRIORITY = int(os.environ.get("NETLAB_DELAYER_RT", "50"))
+"""The delayers run SCHED_FIFO at this priority (`chrt`; $NETLAB_DELAYER_RT, 0: the default
+policy): a packet's release must not wait
 for a core. At the default policy, with both cores busy with the ranks' compute, a delayer
 waited behind them. Probe (2 ranks at 1 Gbit/s + 1 ms, 35 steps each of 35 ms of compute,
 a 499 kB gloo all-reduce and a one-float one; median step): 49.4-52.0 ms with the compute
@@ -160,10 +161,10 @@ class Lab:
             if self.delays[i] > 0 or self.always_delayer:
                 _sh("iptables", "-A", "INPUT", "-i", "lab0", "-j", "NFQUEUE", "--queue-num",
                     "0", ns=ns)
+                rt = ["chrt", "-f", str(DELAYER_RT_PRIORITY)] if DELAYER_RT_PRIORITY else []
                 self.procs.append(subprocess.Popen(
-                    ["chrt", "-f", str(DELAYER_RT_PRIORITY), "ip", "netns", "exec", ns,
-                     str(self.delayer), "0", str(self.delays[i] * 1000)],
-                    stderr=subprocess.DEVNULL))
+                    [*rt, "ip", "netns", "exec", ns, str(self.delayer), "0",
+                     str(self.delays[i] * 1000)], stderr=subprocess.DEVNULL))
 
     @staticmethod
     def tbf(dev: str, rate_mbit: float) -> list[str]:
