@@ -288,10 +288,11 @@ def model_s(op: str, n: int, nbytes: float, tier: Tier, algorithm: str) -> float
 
 
 def coefficients(op: str, n: int, nbytes: float, algorithm: str) -> tuple[float, float]:
-    """(k_a, k_b): the formula's seconds at (alpha = 1, beta = inf) and, per byte, at
-    (alpha = 0, beta = 1). For a formula k_a * alpha + k_b * S / beta these are exact; for
-    gloo's all_reduce (a max-plus recurrence) they are its two limits."""
-    k_a = model_s(op, n, 0.0, Tier(1.0, 1e300), algorithm)
+    """(k_a, k_b): the formula's seconds for `nbytes` at (alpha = 1, beta = inf) and, per
+    byte, at (alpha = 0, beta = 1). For a formula k_a * alpha + k_b * S / beta these are
+    exact; for gloo's all_reduce (a max-plus recurrence) they are its two limits (its
+    latencies depend on the size: a one-element buffer skips empty segments)."""
+    k_a = model_s(op, n, nbytes, Tier(1.0, 1e300), algorithm)
     k_b = model_s(op, n, nbytes, Tier(0.0, 1.0), algorithm) / nbytes if nbytes else 0.0
     return k_a, k_b
 

@@ -18,6 +18,7 @@ from bench.network import (
     Tier,
     all_gather_s,
     all_reduce_s,
+    barrier_s,
     broadcast_s,
     bucket_timeline,
     delay_policy,
@@ -315,8 +316,9 @@ def test_gloo_all_reduce_replays_the_ring_by_hand():
     assert all_reduce_s(4, 32, Tier(1.0, 4.0), "gloo") == pytest.approx(20.0)
     # two ranks: 4 segments, nothing to hide, 2 x (2 alpha + S/(2 beta)) = 4 alpha + S/beta
     assert all_reduce_s(2, 16, Tier(1.0, 4.0), "gloo") == pytest.approx(8.0)
-    # latency bound: 4(n - 1) alpha; bandwidth bound: 2(n - 1)/n S/beta, the ring's bytes
-    assert all_reduce_s(8, 0, Tier(1e-3, 1e9), "gloo") == pytest.approx(28e-3)
+    # latency bound, one element per segment (16 segments on 8 ranks): 4(n - 1) alpha;
+    # bandwidth bound: 2(n - 1)/n S/beta, the ring's bytes
+    assert all_reduce_s(8, 64, Tier(1e-3, 1e12), "gloo") == pytest.approx(28e-3)
     assert all_reduce_s(4, 64 * MB, Tier(0.0, 1e9), "gloo") == pytest.approx(1.5 * 64 * MB / 1e9)
     # segments of at most 1 MiB: 8 MiB on 2 ranks is 8 segments of 1 s, 4 sends per phase,
     # two in flight. With 2 ranks the ready-to-receive shares the pair's one connection
@@ -328,6 +330,29 @@ def test_gloo_all_reduce_replays_the_ring_by_hand():
     # Without the shared connection (n >= 3, notices to the other neighbour) it would be
     # 14; 2 x (2 alpha + 4 s) = 12.
     assert all_reduce_s(2, 8 * 2**20, Tier(1.0, 2.0**20), "gloo") == pytest.approx(16.0)
+
+
+def test_gloo_all_reduce_of_a_few_elements_skips_the_empty_segments_by_hand():
+    # gloo posts nothing for a segment past the buffer's end, so a tiny buffer is not the
+    # symmetric ring: every rank is replayed. alpha = 1 s, a 4-byte segment takes 1 s.
+    # One element on 2 ranks (4 segments, only segment 0 holds data):
+    #   reduce-scatter: rank 1 sends segment 0 at 1 (rank 0's notice), off at 2, rank 0
+    #   has it at 3; all-gather: rank 1 posted its receive at 2 (its send done), the
+    #   notice is at rank 0 at 3, rank 0 sends at 3, off at 4, rank 1 has it at 5.
+    assert all_reduce_s(2, 4, Tier(1.0, 4.0), "gloo") == pytest.approx(5.0)
+    # the latency limit: the element crosses the ring twice after one notice, (2n - 1)
+    # alpha, where the symmetric replay (and the segment-counted model before) said 4(n - 1)
+    for n in (2, 3, 4, 8):
+        assert all_reduce_s(n, 4, Tier(1.0, 1e12), "gloo") == pytest.approx(2 * n - 1)
+    # 3 elements on 2 ranks: segments 0-2 hold one each, 3 is empty.
+    #   reduce-scatter: rank 1 sends 0 and 1 (leave 1 and 2, arrive 3 and 4), rank 0 sends
+    #   2 (leaves 1, arrives 3): rank 0 done at 4, rank 1 at 3 (its sends off at 2, 3);
+    #   all-gather: rank 0 (from 4) sends 0 and 1 (rank 1's notices in at 4; leave 4, 5,
+    #   arrive 6, 7); rank 1 (from 3) sends 2 once rank 0's notice is in at 5 (arrives 7)
+    assert all_reduce_s(2, 12, Tier(1.0, 4.0), "gloo") == pytest.approx(7.0)
+    # nothing to reduce: gloo returns at once; a barrier keeps the ring's latencies
+    assert all_reduce_s(4, 0, Tier(1.0, 4.0), "gloo") == 0.0
+    assert barrier_s(4, 0, Tier(1.0, 4.0), "gloo") == pytest.approx(12.0)
 
 
 def test_backend_formulas_by_hand():

@@ -14,9 +14,10 @@ Algorithms (`algorithm=` below; bench.network's `backend=` picks them):
   all_reduce is gloo's ring (gloo/allreduce.cc) replayed segment by segment
   (`gloo_ring_all_reduce_s`): the buffer cut into at least 2n segments of at most 1 MiB,
   two in flight, each send leaving when the peer's notification (posted when the receive
-  was, a one-way latency earlier) has arrived and the link is free; a tiny message costs
-  4(n-1)a, the handshake of one segment hides under the other's transfer when the link is
-  the bottleneck. reduce_scatter (n-1)(2a + S/(n b)); all_gather (n-1)(2a + S/b);
+  was, a one-way latency earlier) has arrived and the link is free; a buffer of one
+  element per segment costs 4(n-1)a, one element (2n-1)a (gloo skips empty segments),
+  the handshake of one segment hides under the other's transfer when the link is the
+  bottleneck. reduce_scatter (n-1)(2a + S/(n b)); all_gather (n-1)(2a + S/b);
   broadcast L(2a + S/b) (a handshake per step; not measured separately). send/recv stay
   a + S/b (the receive is posted before the data arrives; ping-pong measured within 13%);
   a symmetric `exchange` (both peers post at once, gossip) pays the handshake:
@@ -89,6 +90,16 @@ GLOO_ELEMENT_B = 4
 """Segments are rounded up to whole elements; the ledger records bytes, float32 assumed."""
 
 
+def _gloo_ring_segments(n: int, nbytes: float) -> tuple[int, int, int]:
+    """(segments, bytes per segment, bytes in all) of gloo's ring all-reduce of `nbytes`
+    on n ranks: max(ceil(S / 1 MiB), 2n) segments rounded up to a multiple of n, each of
+    ceil(S / segments) bytes rounded up to whole elements (gloo/allreduce.cc, `ring`)."""
+    total = math.ceil(nbytes / GLOO_ELEMENT_B) * GLOO_ELEMENT_B
+    segments = math.ceil(max(math.ceil(total / GLOO_MAX_SEGMENT_B), 2 * n) / n) * n
+    seg_b = math.ceil(math.ceil(total / segments) / GLOO_ELEMENT_B) * GLOO_ELEMENT_B
+    return segments, seg_b, total
+
+
 @functools.lru_cache(maxsize=4096)
 def gloo_ring_all_reduce_s(n: int, nbytes: float, alpha: float, beta: float) -> float:
     """gloo's ring all_reduce (gloo/allreduce.cc, `ring`), replayed segment by segment.
@@ -104,14 +115,16 @@ def gloo_ring_all_reduce_s(n: int, nbytes: float, alpha: float, beta: float) -> 
     the ready-to-receive then queues behind the data this rank has already written to it
     (measured, 2 ranks, 8 MiB at 100 Mbit/s + 10 ms: 791 ms; this 782, without the queue
     742). Every rank runs the same timeline (symmetric ring, one tier), so one rank's is
-    replayed. Segments are counted full: exact unless the buffer holds fewer than ~2n
-    elements, where gloo skips empty segments and the ranks that skip run ahead (a
-    one-element all-reduce costs down to about half of the 4(n-1) alpha charged here).
+    replayed, segments counted full. A buffer with an empty segment (fewer than about 2n
+    elements) is not symmetric: gloo skips the empty segments' sends and receives, and
+    every rank is replayed (`_gloo_sparse_ring_s`).
     """
-    if n <= 1:
-        return 0.0
-    segments = math.ceil(max(math.ceil(nbytes / GLOO_MAX_SEGMENT_B), 2 * n) / n) * n
-    seg_s = math.ceil(nbytes / segments / GLOO_ELEMENT_B) * GLOO_ELEMENT_B / beta
+    if n <= 1 or nbytes <= 0:
+        return 0.0  # gloo returns at once for 0 elements
+    segments, seg_b, total = _gloo_ring_segments(n, nbytes)
+    if (segments - 1) * seg_b >= total:
+        return _gloo_sparse_ring_s(n, segments, seg_b, total, alpha, beta)
+    seg_s = seg_b / beta
     sends = segments - segments // n
     now = link_free = 0.0
     written: list[tuple[float, float]] = []  # this rank's data: (leaves, off the link)
@@ -133,6 +146,77 @@ def gloo_ring_all_reduce_s(n: int, nbytes: float, alpha: float, beta: float) -> 
                 written.append((leaves, link_free))
                 arrivals.append(link_free + alpha)
     return now
+
+
+def _gloo_sparse_ring_s(n: int, segments: int, seg_b: int, total: int, alpha: float,
+                        beta: float) -> float:
+    """gloo's ring all-reduce of a buffer with empty segments, every rank replayed: the
+    time the last rank finishes, all starting at 0.
+
+    Rank r's iteration i of a phase sends segment k_s = ((r + 1) P + i) mod segments in
+    the reduce-scatter (r P + i in the all-gather; P = segments / n) to rank r - 1, and
+    receives k_s of rank r + 1's; a segment past the buffer's end is empty, and gloo posts
+    and waits for nothing of it. The loop of `gloo_ring_all_reduce_s` otherwise: receive
+    and send i posted, then from i = 2 the waits for receive and send i - 2. A send leaves
+    when it is posted, the receiver's ready-to-receive has arrived (a latency after the
+    receive was posted) and the sender's link is free; it is done once off the link, and
+    arrives a latency later. One element on 2 ranks: rank 1's element leaves at alpha and
+    reaches rank 0 at 2 alpha, whose reduced element reaches rank 1 at 3 alpha (3 alpha,
+    where the symmetric replay charges 4); on n ranks (2n - 1) alpha.
+    Tiny messages: the n = 2 queue of a notice behind this rank's data is not modelled."""
+    per_rank = segments // n
+    posts = segments - per_rank
+
+    def length(k: int) -> int:
+        return max(0, min(seg_b, total - (k % segments) * seg_b))
+
+    def plan(r: int, phase: int, i: int) -> tuple[int, int]:
+        """Bytes sent to r - 1 and received from r + 1 at iteration i (0: empty)."""
+        first = (r + 1) * per_rank if phase == 0 else r * per_rank
+        return length(first + i), length(first + per_rank + i)
+
+    now = [0.0] * n
+    link_free = [0.0] * n
+    for phase in (0, 1):
+        # A message is (i, sender r); its receiver r - 1 posts the receive at the same i.
+        recv_posted: dict[tuple[int, int], float] = {}
+        sends: list[list[tuple[int, float]]] = [[] for _ in range(n)]  # posted, in order
+        off: dict[tuple[int, int], float] = {}  # the message's last byte off the link
+        step = [0] * n  # each rank's next action: iteration i's waits (2i), posts (2i + 1)
+        last = 2 * (posts + 2)
+        while min(step) < last:
+            progressed = False
+            for r in range(n):
+                while step[r] < last:
+                    i, post = divmod(step[r], 2)
+                    if not post and i >= 2:  # wait for receive and send i - 2
+                        sent, received = plan(r, phase, i - 2)
+                        src = (i - 2, (r + 1) % n)
+                        if (received and src not in off) or (sent and (i - 2, r) not in off):
+                            break
+                        if received:
+                            now[r] = max(now[r], off[src] + alpha)
+                        if sent:
+                            now[r] = max(now[r], off[(i - 2, r)])
+                    elif post and i < posts:
+                        sent, received = plan(r, phase, i)
+                        if received:
+                            recv_posted[(i, (r + 1) % n)] = now[r]
+                        if sent:
+                            sends[r].append((i, now[r]))
+                    step[r] += 1
+                    progressed = True
+                for i, posted in sends[r]:  # onto r's link in order, once notified
+                    if (i, r) in off:
+                        continue
+                    if (i, r) not in recv_posted:
+                        break
+                    leaves = max(posted, recv_posted[(i, r)] + alpha, link_free[r])
+                    link_free[r] = off[(i, r)] = leaves + plan(r, phase, i)[0] / beta
+                    progressed = True
+            if not progressed:  # cannot happen in gloo's ring; guard against a hang
+                raise RuntimeError("gloo ring replay made no progress")
+    return max(now)
 
 
 def reduce_scatter_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> float:
@@ -266,7 +350,11 @@ def p2p_s(nbytes: float, tier: Tier, algorithm: str = "naive") -> float:
 
 
 def barrier_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") -> float:
-    """An all-reduce of nothing."""
+    """An all-reduce of nothing: its latency terms. On gloo 4(n-1) a, the ring's two
+    handshakes per step (gloo's barrier is its own algorithm; not measured here)."""
+    _check(n, nbytes)
+    if check_algorithm(algorithm) == "gloo":
+        return 4 * (n - 1) * tier.latency_s
     return all_reduce_s(n, 0, tier, algorithm)
 
 
