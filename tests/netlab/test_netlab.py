@@ -212,8 +212,8 @@ WINDOW_LIMITED = {"4r-1000mbit-1ms"}
 slower than the textbook formula, which the model puts down to TCP's window staying below
 the BDP (docs/network-model.md, "TCP's window on short round trips"); netprobe's measured
 exchange is what prices it there. 2 ranks at 1 Gbit/s + 1 ms left this set when the
-lab's delayers ran real-time: within 10% in runs o and p (+1.4%, -3.1%; before, -24% to
--34%, the delayers waiting for a core)."""
+lab's delayers ran real-time: within 10% in runs o, p and r (+1.4%, -3.1%, -8.0%; before,
+-24% to -34%, the delayers waiting for a core)."""
 
 
 @pytest.mark.parametrize("case", [
