@@ -131,8 +131,10 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
     compute = base.projected_step_s[str(zero)]
     for c in cases:
         port += 1
+        probe = probes.get(c.setting)
         with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC) as lab:
-            shaped = train(lab, c.strategy, rdir / c.id, port, [str(zero), str(profiles[c.id])],
+            shaped = train(lab, c.strategy, rdir / c.id, port,
+                           [str(zero), str(profiles[c.id]), *([str(probe)] if probe else [])],
                            traced=c.strategy == "gasloc")
         load = load_note()
         profile = get_profile(str(profiles[c.id]))
@@ -159,7 +161,6 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
                 f"({own_compute / compute - 1:+.0%}) | emulation CPU "
                 f"{shaped.emulation_s * 1e3:.1f} ms/step, unshaped {base.emulation_s * 1e3:.1f} "
                 "| | |")
-        probe = probes.get(c.setting)
         if c.strategy == "gasloc":  # the exchange, op by op
             priced_by = [("exchange", "model", profile)]
             if probe is not None:
@@ -190,6 +191,16 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
                     f"| projected comm {fitted - compute:.3f} "
                     f"({(fitted - shaped.step_s) / comm:+.0%}); step "
                     f"{(fitted - shaped.step_s) / shaped.step_s:+.0%} | | | | |")
+        if probe is not None and c.strategy == "ddp":
+            # Reported, not asserted: netprobe's pricing of DDP's communication on the
+            # shaped run's own compute, not on the difference of two runs' compute.
+            own_comm = shaped.step_s - own_compute
+            own_fitted = shaped.projected_step_s[str(probe)] - own_compute
+            out.setdefault(f"netprobe-own-compute:{c.id}", []).append(
+                dict(measured=own_comm, projected=own_fitted))
+            _report(f"| netprobe-own-compute:{c.id} | {rep} | {load} | measured comm "
+                    f"{own_comm:.3f} | projected comm {own_fitted:.3f} "
+                    f"({(own_fitted - own_comm) / own_comm:+.0%}) | | | | |")
     return port
 
 
