@@ -11,9 +11,10 @@ sizes): docs/network-model.md, "Validation on shaped links".
 Topology: namespace `cbl-sw` holds bridge `br0`; namespace `cbl-I` holds `lab0`
 (10.77.0.I+1/24), a veth whose peer `p I` sits on the bridge. Rank I's upload is shaped by
 tbf on `lab0`, its download by tbf on `pI`; received packets on `lab0` pass an NFQUEUE
-held by tools/netlab/delay.c for delays_ms[I], run real-time (`DELAYER_RT_PRIORITY`). Nothing is routed out: no uplink, no
-default route, addresses only inside the namespaces. `close()` kills the delayers and
-deletes the namespaces (which removes the veths and the bridge).
+held by tools/netlab/delay.c for delays_ms[I], run real-time (`DELAYER_RT_PRIORITY`).
+Nothing is routed out: no uplink, no default route, addresses only inside the namespaces.
+`close()` kills the delayers and deletes the namespaces (which removes the veths and the
+bridge).
 
 TCP congestion control: every namespace runs `congestion_control` (default "cubic", the
 Linux default; $NETLAB_CC overrides it in the experiment). A host whose default is BBR
@@ -39,10 +40,10 @@ QUEUE_S = 0.02
 """tbf's queue: how long a packet may wait in it at the shaped rate (deeper: dropped)."""
 DELAYER_RT_PRIORITY = int(os.environ.get("NETLAB_DELAYER_RT", "50"))
 """The delayers run SCHED_FIFO at this priority (`chrt`; $NETLAB_DELAYER_RT, 0: the default
-policy): a packet's release must not wait
-for a core. At the default policy, with both cores busy with the ranks' compute, a delayer
-waited behind them. Probe (2 ranks at 1 Gbit/s + 1 ms, 35 steps each of 35 ms of compute,
-a 499 kB gloo all-reduce and a one-float one; median step): 49.4-52.0 ms with the compute
+policy): a packet's release must not wait for a core. At the default policy, with both
+cores busy with the ranks' compute, a delayer waited behind them. Probe (2 ranks at
+1 Gbit/s + 1 ms, 35 steps each of 35 ms of compute, a 499 kB gloo all-reduce and a
+one-float one; median step): 49.4-52.0 ms with the compute
 a busy loop (4 runs) against 46.4-48.2 with it a sleep; delayers real-time, 45.9-46.2 busy
 and 46.3-46.4 asleep (the formulas: 47.6). GASLoC's 499 kB exchange after 100 ms of busy
 compute, the second rank 5 ms late (median on that rank, 3 runs): 6.0, 6.6, 10.4 ms;
