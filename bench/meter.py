@@ -37,8 +37,11 @@ op launched in an earlier step, Streaming DiLoCo's overlapped exchange, runs bes
 measured compute of the steps since its launch, `span_window_s`) and no-overlap (every
 modelled op added to compute). A strategy with a `critical_path()` (the
 pipelines) is priced overlap-aware on its schedule instead (bench/network/pipeline.py:
-slots of max(compute, transfers) plus the exposed hops). Per-step values are buffered and reduced
-at settle points, so measuring adds no synchronisation to the steps.
+the schedule replayed on the modelled link), each stage at the compute its own rank
+measured in that step, gathered at the settle point (`pipeline_values`); every rank of a
+replica then holds the replica's seconds, so the timeline's compute is its first stage's.
+Per-step values are buffered and reduced at settle points, so measuring adds no
+synchronisation to the steps.
 
 Projection cost. Pricing every step's records on every profile and overlap mode
 (`StepClock.add`) and reducing them (`settle`) runs on the host after each step, outside
@@ -493,6 +496,8 @@ class StepClock:
         every = every[:, 3 * n:]  # then as without the bytes: projected, robust
         values = every[:, :n * width].reshape(len(ranks), n, width)
         robust = every[:, n * width:].reshape(len(ranks), n, 2 + 3 * width)
+        if self.critical_path is not None:  # each stage at its own rank's compute
+            values = pipeline_values(values, robust, self.critical_path, self.num_profiles)
         totals, compute = (x.tolist() for x in coupled_max(values, coupled, robust[:, :, 1]))
         overlap, no_overlap, compute_overlap, compute_no_overlap = (
             {name: column[offset + i] for i, name in enumerate(self.profiles)}
@@ -568,6 +573,44 @@ def coupled_max(values: torch.Tensor, coupled: torch.Tensor,
     return total, timeline
 
 
+def pipeline_step_s(compute: Sequence[float], links: Sequence[tuple[float, float]],
+                    others: Sequence[float], path: CriticalPath) -> list[float]:
+    """Every rank's projected seconds of a pipeline step (`bench/network/pipeline.py`):
+    each replica's schedule replayed with each stage's own compute (`compute[rank]`), the
+    link (d, h) of its ranks' largest transfer and the largest of their `others`, the
+    replica's seconds given to each of its ranks. Ranks are laid out replica-major,
+    rank = replica * num_stages + stage (algorithms/pipeline_base.py `make_grid`; the
+    DeepSpeed engine's topology is built to match)."""
+    ranks, stages = len(compute), path.num_stages
+    if ranks % stages:
+        raise ValueError(f"pipeline projection: {ranks} ranks is not a whole number of "
+                         f"{stages}-stage replicas")
+    out: list[float] = []
+    for first in range(0, ranks, stages):
+        replica = range(first, first + stages)
+        d, h = max((links[r] for r in replica), key=lambda link: link[0])
+        seconds = critical_path_time([compute[r] for r in replica], d, h,
+                                     max(others[r] for r in replica), path)
+        out += [seconds] * stages
+    return out
+
+
+def pipeline_values(values: torch.Tensor, robust: torch.Tensor, path: CriticalPath,
+                    columns: int) -> torch.Tensor:
+    """`values` [ranks, steps, k] with its first `columns` columns (the overlap-aware ones)
+    priced by `pipeline_step_s` from `robust` [ranks, steps, 2 + 3 * width] (per step:
+    kind, compute, then (d, h, other) per column)."""
+    values = values.clone()
+    for step in range(values.shape[1]):
+        compute = robust[:, step, 1].tolist()
+        for c in range(columns):
+            triples = robust[:, step, 2 + 3 * c:5 + 3 * c].tolist()
+            values[:, step, c] = torch.tensor(pipeline_step_s(
+                compute, [(d, h) for d, h, _ in triples], [o for _, _, o in triples], path),
+                dtype=values.dtype)
+    return values
+
+
 def compute_stats(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Per step kind: how many steps, and the median, 10th and 90th percentile and mean of
     their compute seconds (one rank's `LoopState.compute_samples`)."""
@@ -595,10 +638,12 @@ def robust_projection(stretches: dict, medians: list[dict[str, float]], width: i
         own = [sum(n * by_id[r][kid] for kid, n in kinds)
                for r, (kinds, _, _) in enumerate(content)]
         for c in range(width):
-            seconds = [critical_path_time(own[r], *links[c], others[c], critical_path)
-                       if critical_path is not None and c < path_columns
-                       else own[r] + others[c]
-                       for r, (_, links, others) in enumerate(content)]
+            if critical_path is not None and c < path_columns:
+                seconds = pipeline_step_s(own, [links[c] for _, links, _ in content],
+                                          [others[c] for _, _, others in content],
+                                          critical_path)
+            else:
+                seconds = [own[r] + others[c] for r, (_, _, others) in enumerate(content)]
             ends = seconds.index(max(seconds))
             totals[c] += count * seconds[ends]
             compute[c] += count * own[ends]

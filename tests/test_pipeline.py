@@ -651,6 +651,47 @@ def test_critical_path_of_a_latency_bound_1f1b_pays_each_receive_in_turn(h):
         assert got == pytest.approx(want, rel=1e-12), schedule
 
 
+def test_critical_path_replays_each_stage_at_its_own_compute():
+    """Two stages, free links, torch's 1F1B worked by hand with the last stage slower
+    (c1 = 0.06 s, c0 = 0.04 s a step, 4 microbatches): the last stage runs its 4
+    microbatches back to back after the first stage's first forward, and the first
+    stage's last backward follows: f0 + 4 c1/4 + b0 = 0.07 s. Every stage at the slower
+    one's compute (the old projection) gives the bubble at its rate: 0.06 x 5/4 = 0.075."""
+    from algorithms.base import CriticalPath
+    from bench.network.pipeline import critical_path_time
+
+    path, c0, c1, M = CriticalPath("1f1b", 2, 4), 0.04, 0.06, 4
+    want = c0 / (3 * M) + c1 + 2 * c0 / (3 * M)
+    assert critical_path_time([c0, c1], 0.0, 0.0, 0.0, path) == pytest.approx(want)
+    assert want == pytest.approx(0.07)
+    assert critical_path_time(c1, 0.0, 0.0, 0.0, path) == pytest.approx(0.075)
+    assert critical_path_time([c1, c1], 0.0, 0.0, 0.0, path) == pytest.approx(0.075)
+    with pytest.raises(ValueError, match="one compute per stage"):
+        critical_path_time([c0, c1, c1], 0.0, 0.0, 0.0, path)
+
+
+def test_a_runs_pipeline_projection_prices_each_replica_with_its_stages_compute():
+    """bench/meter.py `pipeline_step_s`: 4 ranks = 2 replicas of 2 stages (rank = replica
+    x 2 + stage); each replica's ranks get its replay with their own computes, the larger
+    d of its ranks (with that rank's h) and the larger other; a world that is not whole
+    replicas is refused."""
+    from algorithms.base import CriticalPath
+    from bench.meter import pipeline_step_s
+    from bench.network.pipeline import critical_path_time
+
+    path = CriticalPath("1f1b", 2, 4)
+    compute = [0.04, 0.06, 0.05, 0.05]
+    links = [(0.010, 0.001), (0.012, 0.002), (0.0, 0.0), (0.0, 0.0)]
+    others = [0.003, 0.001, 0.0, 0.002]
+    got = pipeline_step_s(compute, links, others, path)
+    first = critical_path_time([0.04, 0.06], 0.012, 0.002, 0.003, path)
+    second = critical_path_time(0.05, 0.0, 0.0, 0.002, path)
+    assert got == pytest.approx([first, first, second, second], rel=1e-12)
+    assert second == pytest.approx(0.05 * 5 / 4 + 0.002)
+    with pytest.raises(ValueError, match="whole number"):
+        pipeline_step_s(compute[:3], links[:3], others[:3], path)
+
+
 def test_critical_path_inputs_price_one_message_and_gloos_handshake():
     """d = one send of the largest point-to-point message on the profile; h = what an
     exchange of it costs more (gloo: the ready-to-receive, one latency; NCCL: none);

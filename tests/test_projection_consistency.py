@@ -11,7 +11,10 @@ projected clock is total_s.
 
 One 2-rank launch runs a tiny real run of every strategy family; the oracle re-cuts the
 ranks' per-step priced values (captured from `StepClock.add` as the loop made them) into
-stretches and picks each stretch's slowest rank, independently of `StepClock.settle`.
+stretches and picks each stretch's slowest rank, independently of `StepClock.settle`. A
+pipeline's overlap-aware values are the replica's schedule replayed with each stage's own
+compute (`critical_path_time` on the captured (d, h, other) of both ranks), as settle
+prices them (bench/meter.py, `pipeline_values`).
 """
 
 from pathlib import Path
@@ -39,15 +42,17 @@ FAMILIES = {
 
 
 def run_and_capture(rank, world_size, base):
-    """Every family's run; per run the summary and this rank's per-step log: (compute_s,
-    coupled, priced values per column) for each `StepClock.add`, None at each settle."""
+    """Every family's run; per run the summary, this rank's per-step log: (compute_s,
+    coupled, priced values per column, (d, h, other) per column) for each `StepClock.add`,
+    None at each settle; the metrics rows and the strategy's critical path."""
     log: list = []
     add, settle = StepClock.add, StepClock.settle
 
     def logged_add(self, step_s, stats, step_records, samples=None):
-        before = len(self.projected)
+        before, inputs = len(self.projected), len(self.robust)
         add(self, step_s, stats, step_records, samples)
-        log.append((step_s - stats.comm_s, bool(step_records), self.projected[before:]))
+        log.append((step_s - stats.comm_s, bool(step_records), self.projected[before:],
+                    self.robust[inputs + 2:]))
 
     def logged_settle(self):
         if self.num_steps:
@@ -63,15 +68,35 @@ def run_and_capture(rank, world_size, base):
                                    Path(base) / name)
             summary = trainer.run()
             trainer.strategy.close()
-            out[name] = (summary, list(log), trainer.records.read_metrics())
+            out[name] = (summary, list(log), trainer.records.read_metrics(),
+                         trainer.strategy.critical_path())
     finally:
         StepClock.add, StepClock.settle = add, settle
     return out
 
 
-def timeline(logs: list[list]) -> tuple[list[float], list[float]]:
+def replayed(entries: tuple, path) -> list[list[float]]:
+    """Every rank's values of one step of a 2-stage pipeline (one replica): the
+    overlap-aware columns (the first half) are the schedule replayed with each rank's
+    compute, the larger d (with its h) and the larger other."""
+    from bench.network.pipeline import critical_path_time
+
+    assert len(entries) == path.num_stages == 2
+    values = [list(v) for _, _, v, _ in entries]
+    for c in range(len(values[0]) // len(OVERLAP_MODES)):
+        triples = [inputs[3 * c:3 * c + 3] for _, _, _, inputs in entries]
+        d, h, _ = max(triples, key=lambda t: t[0])
+        seconds = critical_path_time([compute for compute, _, _, _ in entries], d, h,
+                                     max(t[2] for t in triples), path)
+        for v in values:
+            v[c] = seconds
+    return values
+
+
+def timeline(logs: list[list], path=None) -> tuple[list[float], list[float]]:
     """(total, compute) per column: per stretch (cut at each coupled step and each settle),
-    the rank with the largest summed priced seconds, and that rank's compute."""
+    the rank with the largest summed priced seconds, and that rank's compute; a
+    pipeline's (`path`) values `replayed` per step."""
     ranks = len(logs)
     width = len(next(e for e in logs[0] if e is not None)[2])
     totals, compute = [0.0] * width, [0.0] * width
@@ -91,10 +116,12 @@ def timeline(logs: list[list]) -> tuple[list[float], list[float]]:
         if entries[0] is None:
             close()
             continue
-        for r, (c, _, values) in enumerate(entries):
+        step_values = ([v for _, _, v, _ in entries] if path is None
+                       else replayed(entries, path))
+        for r, ((c, _, _, _), values) in enumerate(zip(entries, step_values, strict=True)):
             own[r] += c
             sums[r] = [s + v for s, v in zip(sums[r], values, strict=True)]
-        if any(coupled for _, coupled, _ in entries):
+        if any(coupled for _, coupled, _, _ in entries):
             close()
     return totals, compute
 
@@ -118,10 +145,10 @@ def assert_consistent(p: dict, steps: int, tokens: int, warmup_tokens: int, wher
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_projected_figure_prices_one_timeline(runs, family):
-    summary, _, rows = runs[0][family]
+    summary, _, rows, path = runs[0][family]
     steps, tokens = summary["steps"], summary["total_tokens"]
     assert steps == 6 and summary["status"] == "ok"
-    totals, compute = timeline([result[family][1] for result in runs])
+    totals, compute = timeline([result[family][1] for result in runs], path)
     val = next(r for r in rows if "val_loss" in r)  # the first: target_loss 100 reached
     columns = [("projected" if overlap else "projected_no_overlap", name)
                for overlap in OVERLAP_MODES for name in PROFILES]

@@ -23,9 +23,16 @@ Pipelines, "Projection"):
   on the shaped links, 2 ranks, 64-512 kB each way: docs/network-model.md, "Two-way
   exchange"). Our executor posts receives first (`Communicator.exchange`) and does not
   pay it.
-- `F` = c / 3W and `B` = 2c / 3W, c = the rank's measured compute of the step (without
-  bubble and transfers) over its W microbatch passes: every stage is taken to compute as
-  this rank does (the projected step is the max over ranks).
+- `F` = c_s / 3W and `B` = 2c_s / 3W on stage s, c_s = the measured compute of the step
+  (without bubble and transfers) of the rank that runs stage s, over its W microbatch
+  passes. The run's projection gathers every stage's compute of the step
+  (bench/meter.py, `pipeline_step_s`); given one compute (the what-if), every stage
+  computes it. Taking the slowest rank's for every stage charged the bubble at its rate
+  and, step by step, the largest of the stages' jitter. On the 2-rank lab (100 Mbit/s +
+  1 ms, a traced step) the last stage computed 14.2 ms a microbatch and the first 13.0
+  (its first forward and last backward, the bubble, 11.4); the 2-stage 1F1B step,
+  projected on its own compute, was 6-11% over its run at 1 ms with the slowest rank's
+  compute everywhere, +5% with each stage's (docs/network-model.md, Results).
 - The step ends when every stage has finished, plus `t_other`: every other record of the
   step (data-parallel and tied-weight all-reduces, the clipping norm) priced as the plain
   projection does, after the last backward. Without a flush (PipeDream-2BW, `delay: 1`)
@@ -41,7 +48,7 @@ NCCL and the naive model: 0). The earlier slot model charged every slot `max(c, 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from algorithms import schedule as ours
@@ -80,25 +87,32 @@ def critical_path_inputs(records: Iterable[CommRecord],
     return d, min(d, max(0.0, price(both) - d)), other
 
 
-def critical_path_time(compute_s: float, d: float, h: float, other: float,
-                       path: CriticalPath) -> float:
-    """The step's modelled seconds: its schedule replayed (`simulate`) with this rank's
-    compute on every stage, plus `other` once per step."""
-    if compute_s < 0 or d < 0 or h < 0 or h > d:
+def critical_path_time(compute_s: float | Sequence[float], d: float, h: float,
+                       other: float, path: CriticalPath) -> float:
+    """The step's modelled seconds: its schedule replayed (`simulate`) with each stage's
+    compute (`compute_s`: one per stage, or one for every stage), plus `other` once per
+    step."""
+    computes = ([compute_s] * path.num_stages if isinstance(compute_s, (int, float))
+                else list(compute_s))
+    if len(computes) != path.num_stages:
+        raise ValueError(f"critical path: need one compute per stage ({path.num_stages}), "
+                         f"got {len(computes)}")
+    if min(computes) < 0 or d < 0 or h < 0 or h > d:
         raise ValueError(f"critical path: need compute_s, d >= 0 and 0 <= h <= d, got "
                          f"compute_s={compute_s}, d={d}, h={h}")
     steps = 3 if path.schedule == "2bw" else 1  # no flush: the steady state's period
-    f = compute_s * FORWARD_SHARE / path.passes
-    b = compute_s * (1 - FORWARD_SHARE) / path.passes
+    f = [c * FORWARD_SHARE / path.passes for c in computes]
+    b = [c * (1 - FORWARD_SHARE) / path.passes for c in computes]
     ends = simulate(programs(path.schedule, path.num_stages, path.passes, steps),
                     f, b, d, h, other)
     return ends[-1] - (ends[-2] if steps > 1 else 0.0)
 
 
-def simulate(stages: tuple[tuple[Op, ...], ...], f: float, b: float, d: float, h: float,
-             other: float) -> list[float]:
-    """Run every stage's program on one clock each (module docstring's link): the time at
-    which each step ended (every stage at the step's `sync`, plus `other`)."""
+def simulate(stages: tuple[tuple[Op, ...], ...], f: Sequence[float], b: Sequence[float],
+             d: float, h: float, other: float) -> list[float]:
+    """Run every stage's program on one clock each (module docstring's link), stage s's
+    forward taking f[s] and its backward b[s]: the time at which each step ended (every
+    stage at the step's `sync`, plus `other`)."""
     num = len(stages)
     clock, at = [0.0] * num, [0] * num
     sent: dict[Message, float] = {}  # message -> when its send was posted
@@ -110,9 +124,9 @@ def simulate(stages: tuple[tuple[Op, ...], ...], f: float, b: float, d: float, h
             while at[s] < len(program):
                 op = program[at[s]]
                 if op[0] == "F":
-                    clock[s] += f
+                    clock[s] += f[s]
                 elif op[0] == "B":
-                    clock[s] += b
+                    clock[s] += b[s]
                 elif op[0] == "post":
                     sent.update(dict.fromkeys(op[1], clock[s]))
                     ready.update(dict.fromkeys(op[2], clock[s]))

@@ -155,6 +155,25 @@ def test_projection_of_one_pipeline_step(benchmark, schedule):
     assert clock.num_steps == 21 and clock.projected[0] > 0.3
 
 
+def test_pipeline_replay_at_settle(benchmark):
+    """What `StepClock.settle` adds for a pipeline (bench/meter.py `pipeline_values`): a
+    10-step window of 32 ranks (4 replicas of 8 stages, 32 microbatches) replayed per
+    replica with each stage's compute, on every default profile."""
+    from algorithms.base import CriticalPath
+    from bench.meter import pipeline_values
+
+    columns = len(NetworkConfig().profiles)
+    ranks, steps, width = 32, 10, 2 * columns
+    robust = torch.zeros(ranks, steps, 2 + 3 * width, dtype=torch.float64)
+    robust[:, :, 1] = 0.4 + 0.01 * torch.rand(ranks, steps, dtype=torch.float64)
+    robust[:, :, 2::3] = 2e-3  # d
+    robust[:, :, 3::3] = 1e-3  # h
+    values = torch.zeros(ranks, steps, width, dtype=torch.float64)
+    got = benchmark.pedantic(pipeline_values, args=(values, robust, CriticalPath("1f1b", 8, 32),
+                                                    columns), rounds=3, iterations=1)
+    assert (got[:, :, :columns] > 0.4).all() and (got[:, :, columns:] == 0).all()
+
+
 def test_batch_stream(benchmark):
     tokens = torch.randint(0, 256, (2_000_000,)).numpy().astype("uint16")
     stream = BatchStream(tokens, 1024, 16, 0, 8, seed=0)
