@@ -31,8 +31,9 @@ Pipelines, "Projection"):
   and, step by step, the largest of the stages' jitter. On the 2-rank lab (100 Mbit/s +
   1 ms, a traced step) the last stage computed 14.2 ms a microbatch and the first 13.0
   (its first forward and last backward, the bubble, 11.4); the 2-stage 1F1B step,
-  projected on its own compute, was 6-11% over its run at 1 ms with the slowest rank's
-  compute everywhere, +5% with each stage's (docs/network-model.md, Results).
+  projected on its own compute, was 8-15% over its run at 1 ms with the slowest rank's
+  compute everywhere (runs o-r), +2.5% to +4.9% with each stage's (runs t, u;
+  docs/network-model.md, Results).
 - The step ends when every stage has finished, plus `t_other`: every other record of the
   step (data-parallel and tied-weight all-reduces, the clipping norm) priced as the plain
   projection does, after the last backward. Without a flush (PipeDream-2BW, `delay: 1`)
