@@ -83,7 +83,7 @@ def _how_measured(runs: pd.DataFrame) -> str:
             "projected from a fast network onto the slow one, 13 to 14 of 16 cases came "
             "within 10%, the misses (up to 18.2%, both ways) where the machine's compute "
             "moved between the runs (the same run repeated minutes apart moved by up to "
-            "29%). GASLoC's exchange op by op came within 4% at every setting but "
+            "32%). GASLoC's exchange op by op came within 4% at every setting but "
             "1 Gbit/s + 1 ms, where it ran 14-16% over its formula after idles past "
             "TCP's retransmission timeout. "
             "It is not validated for NCCL, more "
