@@ -179,9 +179,11 @@ class LoopState:
     robust_stretches: dict = field(default_factory=dict)
     """The run's stretches between coupled steps, by content (`Settled.stretches`) ->
     how many: what the robust projection prices with each rank's median compute."""
-    stretch_format: int = 2
-    """The layout of `robust_stretches`' contents (`STRETCH_FORMAT`): a checkpoint with
-    another is refused on resume (2: a pipeline column's link is its (d, h) pair)."""
+    stretch_format: int = 3
+    """The layout and pricing of `robust_stretches`' contents (`STRETCH_FORMAT`): a
+    checkpoint with another is refused on resume (2: a pipeline column's link is its
+    (d, h) pair; 3: a pipeline's stages are replayed each at its own rank's compute, so
+    the clocks of a format-2 run priced its steps at the slowest rank's)."""
     projection_s: float = 0.0
     """This rank's seconds spent projecting (`StepClock.add` and `settle`'s own work,
     its reductions left out): harness time outside the timed steps and off the clock
@@ -266,7 +268,7 @@ new stretch: on 2 ranks the record reaches the limit after ~50,000 distinct stre
 64 ranks after ~1,700."""
 
 
-STRETCH_FORMAT = 2
+STRETCH_FORMAT = 3
 """`LoopState.stretch_format` of this version."""
 
 

@@ -192,13 +192,15 @@ def test_a_checkpoint_without_the_projections_compute_is_refused_on_resume():
 
 def test_a_checkpoint_with_the_old_stretch_layout_is_refused_on_resume():
     """The robust projection's stretches hold a pipeline column's (d, h) link since the
-    schedule replay (bench/network/pipeline.py): a state without `stretch_format`, or with
-    another one, would price its stretches wrongly and is refused."""
+    schedule replay (bench/network/pipeline.py), and its stages are priced each at its own
+    compute since format 3: a state without `stretch_format`, or with another one, would
+    continue its clocks on another pricing and is refused."""
     from dataclasses import asdict
 
     saved = asdict(LoopState(step=3))
     old = {k: v for k, v in saved.items() if k != "stretch_format"}
     with pytest.raises(RuntimeError, match=r"missing: \['stretch_format'\]"):
         LoopState.restore(old)
-    with pytest.raises(RuntimeError, match="stretch_format 1"):
-        LoopState.restore({**saved, "stretch_format": 1})
+    for older in (1, 2):
+        with pytest.raises(RuntimeError, match=f"stretch_format {older}"):
+            LoopState.restore({**saved, "stretch_format": older})

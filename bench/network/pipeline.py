@@ -25,14 +25,14 @@ Pipelines, "Projection"):
   pay it.
 - `F` = c_s / 3W and `B` = 2c_s / 3W on stage s, c_s = the measured compute of the step
   (without bubble and transfers) of the rank that runs stage s, over its W microbatch
-  passes. The run's projection gathers every stage's compute of the step
-  (bench/meter.py, `pipeline_step_s`); given one compute (the what-if), every stage
-  computes it. Taking the slowest rank's for every stage charged the bubble at its rate
-  and, step by step, the largest of the stages' jitter. On the 2-rank lab (100 Mbit/s +
-  1 ms, a traced step) the last stage computed 14.2 ms a microbatch and the first 13.0
-  (its first forward and last backward, the bubble, 11.4); the 2-stage 1F1B step,
-  projected on its own compute, was 8-15% over its run at 1 ms with the slowest rank's
-  compute everywhere (runs o-r), +2.5% to +4.9% with each stage's (runs t, u;
+  passes. The run's projection and the what-if gather every stage's compute of the step
+  (bench/meter.py `pipeline_step_s`); given one compute, every stage computes it.
+  Taking the slowest rank's for every stage charged the bubble at its rate and, step by
+  step, the largest of the stages' jitter. On the 2-rank lab (100 Mbit/s + 1 ms, a
+  traced step) the last stage computed 14.2 ms a microbatch and the first 13.0 (its
+  first forward and last backward, the bubble, 11.4); the 2-stage 1F1B step, projected
+  on its own compute, was 8-15% over its run at 1 ms with the slowest rank's compute
+  everywhere (runs o-r), +2.5% to +4.9% with each stage's (runs t, u;
   docs/network-model.md, Results).
 - The step ends when every stage has finished, plus `t_other`: every other record of the
   step (data-parallel and tied-weight all-reduces, the clipping norm) priced as the plain

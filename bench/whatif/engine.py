@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from algorithms.base import CriticalPath
 from algorithms.comm import CommRecord
 from algorithms.traffic import ParamFact, Traffic, TrafficFacts, Transfer
-from bench.meter import LinkClock, step_kind
+from bench.meter import LinkClock, pipeline_step_s, step_kind
 from bench.network.costs import COLLECTIVES, canonical_op
 from bench.network.model import exposed_s, link_keys, pricer
 from bench.network.pipeline import critical_path_inputs, critical_path_time
@@ -124,6 +124,8 @@ class Plan:
     """Per window (a fresh set of link clocks each), its runs of identical steps."""
     classes: list[int]
     """One representative rank per class of ranks priced alike."""
+    class_of: list[int]
+    """Every rank's representative (a pipeline replica's stages are priced together)."""
     records: dict[tuple[int, int], list[CommRecord]]
     """(rank, step) -> the step's records (for the representatives' priced steps)."""
     overlapped: dict[tuple[int, int], list[float]]
@@ -188,6 +190,7 @@ def plan(traffic: Traffic, compute: Compute, world: int, ranks_per_node: int,
     for rank in range(world):
         classes.setdefault(tuple(sigs[rank]), rank)
     reps = sorted(classes.values())
+    class_of = [classes[tuple(sigs[rank])] for rank in range(world)]
     records, overlapped, seconds_of = {}, {}, {}
     for rank in reps:
         for runs in runs_per_window:
@@ -200,8 +203,8 @@ def plan(traffic: Traffic, compute: Compute, world: int, ranks_per_node: int,
                 overlapped[rank, run.first] = [t.overlap_steps for t in transfers
                                                for _ in t.sizes]
                 seconds_of[rank, run.first] = seconds
-    return Plan(runs_per_window, reps, records, overlapped, seconds_of, traffic.critical_path,
-                ranks_per_node, traffic.steps, list(traffic.notes))
+    return Plan(runs_per_window, reps, class_of, records, overlapped, seconds_of,
+                traffic.critical_path, ranks_per_node, traffic.steps, list(traffic.notes))
 
 
 def _shape(t: Transfer, rank: int, rpn: int, symmetric: bool, links: dict) -> tuple:
@@ -293,6 +296,9 @@ def price(p: Plan, profile: Profile, backend: str | None) -> Priced:
                 values = {rank: _step(p, rank, run.first, clocks[rank], pricers[rank],
                                       warm[rank], memo, n)
                           for rank in p.classes}
+                if p.critical_path is not None:  # each stage at its own compute
+                    replayed = _replicas_s(p, run.first, warm)
+                    values = {rank: (replayed, *v[1:]) for rank, v in values.items()}
                 w = run.weight
                 for i in range(3):
                     if not coupled:  # ranks run on until the next coupled step
@@ -311,6 +317,19 @@ def price(p: Plan, profile: Profile, backend: str | None) -> Priced:
         for i in range(3):
             totals[i] += max(stretch[r][i] for r in p.classes)
     return Priced(*totals, p.steps)
+
+
+def _replicas_s(p: Plan, step: int, warm: dict) -> float:
+    """A pipeline step's overlap-aware seconds: each replica's schedule replayed with each
+    stage at its own rank's compute, the largest transfer's link and the largest other of
+    its stages; the slowest replica (bench/meter.py `pipeline_step_s`, which prices a
+    measured run the same way)."""
+    path = p.critical_path(p.classes[0])
+    ranks = [p.class_of[rank] for rank in range(len(p.class_of))]
+    inputs = {rep: critical_path_inputs(p.records[rep, step], warm[rep]) for rep in set(ranks)}
+    return max(pipeline_step_s([p.compute[rep, step] for rep in ranks],
+                               [inputs[rep][:2] for rep in ranks],
+                               [inputs[rep][2] for rep in ranks], path))
 
 
 def _step(p: Plan, rank: int, step: int, clock: LinkClock, price_one, price_warm,
