@@ -292,12 +292,13 @@ def price(p: Plan, profile: Profile, backend: str | None) -> Priced:
         for run in runs:
             coupled = any(p.records[rank, run.first] for rank in p.classes)
             repeats = [1] if run.count == 1 else [1, run.count - 1]
+            # each stage at its own compute, on warm links: the same for every repeat
+            replayed = None if p.critical_path is None else _replicas_s(p, run.first, warm)
             for n in repeats:  # the first step (it may pay slow start), then the others
                 values = {rank: _step(p, rank, run.first, clocks[rank], pricers[rank],
                                       warm[rank], memo, n)
                           for rank in p.classes}
-                if p.critical_path is not None:  # each stage at its own compute
-                    replayed = _replicas_s(p, run.first, warm)
+                if replayed is not None:
                     values = {rank: (replayed, *v[1:]) for rank, v in values.items()}
                 w = run.weight
                 for i in range(3):
@@ -324,12 +325,11 @@ def _replicas_s(p: Plan, step: int, warm: dict) -> float:
     stage at its own rank's compute, the largest transfer's link and the largest other of
     its stages; the slowest replica (bench/meter.py `pipeline_step_s`, which prices a
     measured run the same way)."""
-    path = p.critical_path(p.classes[0])
-    ranks = [p.class_of[rank] for rank in range(len(p.class_of))]
-    inputs = {rep: critical_path_inputs(p.records[rep, step], warm[rep]) for rep in set(ranks)}
-    return max(pipeline_step_s([p.compute[rep, step] for rep in ranks],
-                               [inputs[rep][:2] for rep in ranks],
-                               [inputs[rep][2] for rep in ranks], path))
+    inputs = {rep: critical_path_inputs(p.records[rep, step], warm[rep]) for rep in p.classes}
+    return max(pipeline_step_s([p.compute[rep, step] for rep in p.class_of],
+                               [inputs[rep][:2] for rep in p.class_of],
+                               [inputs[rep][2] for rep in p.class_of],
+                               p.critical_path(p.classes[0])))
 
 
 def _step(p: Plan, rank: int, step: int, clock: LinkClock, price_one, price_warm,

@@ -285,8 +285,8 @@ def test_netprobe_profile_predicts_the_run(results, case):
     per step within 20%, measured and priced on the shaped run itself (its step minus its
     own compute). The communication as the shaped step minus the UNSHAPED run's compute
     (the `netprobe:` rows' comm, reported) holds the two runs' compute difference, which
-    at 1 ms is as large as the communication (4-9 ms against 38-49 ms of compute in run
-    r; docs/network-model.md, Results)."""
+    at 1 ms is as large as the communication (run p at 1 Gbit/s + 1 ms: 0-7 ms measured
+    that way against 10-11 priced; docs/network-model.md, Results)."""
     rows = results[f"netprobe:{case.id}"]
     err = statistics.median((r["projected_step"] - r["step"]) / r["step"] for r in rows)
     assert abs(err) <= 0.20, (case.id, err, rows)
