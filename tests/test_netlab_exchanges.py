@@ -106,3 +106,20 @@ def test_traces_it_cannot_read_are_refused(tmp_path, lab_profile, rank1, match):
     _write(tmp_path, [[_exchange(9, 1, 1.0, 0.1)], rank1])
     with pytest.raises(ValueError, match=match):
         exchange_per_op(tmp_path, 2, lab_profile)
+
+
+def test_only_the_given_steps_are_read(tmp_path, lab_profile):
+    """An A/B run's exchanges are read at its compared shaped steps only; the idle still
+    runs from the last op before, at any step."""
+    tier = lab_profile.link(0, 1, 1)
+    rank0 = [_exchange(9, 1, 1.0, 0.13), _exchange(19, 1, 1.1, 0.065),
+             _exchange(29, 1, 1.2, 0.05)]
+    rank1 = [_exchange(9, 0, 1.0, 0.12), _exchange(19, 0, 1.1, 0.07),
+             _exchange(29, 0, 1.2, 0.06)]
+    _write(tmp_path, [rank0, rank1])
+    ex = exchange_per_op(tmp_path, 2, lab_profile, steps=range(10, 20))
+    assert ex.count == 1 and ex.cold is None
+    assert ex.steady == pytest.approx((0.065, 2 * tier.latency_s + S / tier.bandwidth_Bps))
+    assert exchange_per_op(tmp_path, 2, lab_profile).count == 2
+    with pytest.raises(ValueError, match="at steps 30-39"):
+        exchange_per_op(tmp_path, 2, lab_profile, steps=range(30, 40))

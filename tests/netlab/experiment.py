@@ -1,19 +1,26 @@
 """The shaped-link experiment behind `tox -e netlab`: runs, projections, the table.
 
 A user with a fast network projects a run onto a slow one; this checks that projection
-against the same run on the slow one. Two sizes of world: 2 ranks (one per core of this
-machine: the validated mode) and 4 ranks (two per core: oversubscribed, reported with the
-load they ran under). Per world, replicate and strategy:
-1. the UNSHAPED run (a namespace per rank, plain veths, received packets through the delayer at 0 ms
-   so that its per-packet CPU lands on both sides) with `network.profiles` = the YAML profile
-   of every shaped case (plus a zero-cost profile: compute only) and `network.model=gloo`:
-   its own summary rows give the projected step time on each case, exactly as a report
-   would (step-wise, max over ranks, overlap-aware);
-2. each SHAPED case: the same config on tbf-shaped, delayed links; its measured step time.
-Both are read from the train rows after the first metrics window (connection set-up and
-warm-up), as (clock at the last row - clock at the first) / steps between. The naive
-projection (textbook formulas, no overlap) is priced after the fact from the unshaped
-run's ledger aggregates plus its compute-only projection.
+against the same training on the slow one. Two sizes of world: 2 ranks (one per core of
+this machine: the validated mode) and 4 ranks (two per core: oversubscribed, reported
+with the load they ran under).
+
+Each case is ONE run, switched between the unshaped and the shaped links inside it (the
+in-run A/B, tests/netlab/traced.py): phases of two metrics windows alternate after a
+warm-up window, and the last window of each phase is compared. The unshaped windows (a
+namespace per rank, plain veths, received packets through the delayer at 0 ms so that
+its per-packet CPU lands on both sides) give what the user has: the compute, and the
+run's own projection onto the case's profile (`network.profiles`, `network.model=gloo`:
+step-wise, max over ranks, overlap-aware, exactly as a report would). The shaped windows
+(tbf-shaped, delayed links) give the measured step time. Every figure is read from the
+train rows as (clock at a window's row - clock at the row before) / its steps, summed
+over the phase's compared windows. The naive projection (textbook formulas, no overlap)
+is priced after the fact from the run's ledger aggregates plus the unshaped windows'
+compute-only projection.
+
+Why one run and not two: the same unshaped run repeated minutes apart moved its compute
+by -29% to +32% on this machine (the control of runs t and u, docs/network-model.md),
+more than the network costs being checked; two runs compared that drift with the model.
 
 `netprobe_in_lab` runs `python -m bench.netprobe` one rank per namespace on a shaped lab,
 so a profile fitted on the links themselves can be projected onto the same way.
@@ -27,15 +34,13 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.network.profiles import LINUX_TCP_INITIAL_WINDOW_B
 from tests.netlab.lab import QUEUE_S, ROOT, Lab
-
-STEPS = {"gasloc": 100}
-"""Steps per run: 40, GASLoC 100 (20 gossip rounds at `INNER_STEPS`, so its exchange per
-op is a mean over 19 exchanges on a used connection); NETLAB_STEPS sets them all."""
+from tests.netlab.traced import AB_ENV, PHASE_WINDOWS, counted_window, shaped_window
 
 INNER_STEPS = {"gasloc": 5}
 """Local steps per gossip round in the lab: GASLoC 5 (its config: 10). A round of 10 steps
@@ -47,15 +52,24 @@ of idle, under the 0.2 s floor) the model prices every exchange warm, and 170 of
 (docs/network-model.md, Results)."""
 
 
-def steps_of(strategy: str) -> int:
-    return int(os.environ.get("NETLAB_STEPS") or STEPS.get(strategy, 40))
-
-
 LOG_EVERY = {"gasloc": 50}
 """Steps per metrics row: 10, GASLoC 50. A metrics row runs GASLoC's consensus all-reduce
 (harness traffic, the model's size, over the exchange's connection): one on every round
 kept TCP's window open for the next exchange, which the model, pricing the training
 traffic alone, did not know (docs/network-model.md, Results)."""
+AB_PHASES = int(os.environ.get("NETLAB_PHASES", "3"))
+"""Compared windows each way (shaped, unshaped) per run; $NETLAB_PHASES sets it."""
+
+
+def log_every(strategy: str) -> int:
+    return LOG_EVERY.get(strategy, 10)
+
+
+def steps_of(strategy: str) -> int:
+    """Steps of a case's run: the warm-up window, then `AB_PHASES` phases each way."""
+    return log_every(strategy) * (1 + 2 * AB_PHASES * PHASE_WINDOWS)
+
+
 CONFIGS = {"ddp": "configs/ddp-tiny.yaml", "diloco": "configs/diloco-tiny.yaml",
            "gasloc": "configs/gasloc-tiny.yaml", "pipeline": "configs/pipeline-1f1b-tiny.yaml"}
 
@@ -115,14 +129,14 @@ def load_note() -> str:
 
 
 def launch(lab: Lab, module_args: list[str], log_dir: Path, port: int,
-           timeout: float = 900) -> None:
+           timeout: float = 900, env: dict | None = None) -> None:
     """`python -m <module_args>` as rank i in namespace i, gloo on the lab interface."""
     log_dir.mkdir(parents=True, exist_ok=True)
     world = lab.n
     base = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lab0",
             "MASTER_ADDR": lab.addr(0), "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
             "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1", "HOME": os.environ.get("HOME", "/root")}
+            "HF_DATASETS_OFFLINE": "1", "HOME": os.environ.get("HOME", "/root"), **(env or {})}
     logs = [open(log_dir / f"rank{i}.log", "w") for i in range(world)]
     procs = [lab.popen(i, [sys.executable, "-m", *module_args], {**base, "RANK": str(i)},
                        stdout=logs[i], stderr=subprocess.STDOUT) for i in range(world)]
@@ -140,50 +154,77 @@ def launch(lab: Lab, module_args: list[str], log_dir: Path, port: int,
 
 
 @dataclass
-class Run:
-    step_s: float
-    """Measured seconds per step after the first window (the step-synchronised clock)."""
-    projected_step_s: dict[str, float]
-    """Per profile path: the run's own projected seconds per step over the same steps."""
+class Phases:
+    """An A/B run's figures, each summed over one phase's compared windows and divided by
+    their steps (True: the shaped phase, False: the unshaped one)."""
+    step_s: dict[bool, float]
+    """Measured seconds per step (the run's step-synchronised clock)."""
+    projected_step_s: dict[bool, dict[str, float]]
+    """Per profile path: the run's own projected seconds per step."""
+    steps: dict[bool, list[int]]
+    """The compared steps (0-based, as the ledger numbers them)."""
     comm_rows: list[dict]
-    """comm.jsonl: every rank's ledger aggregates."""
+    """comm.jsonl: every rank's ledger aggregates over the whole run."""
     emulation_s: float = 0.0
-    """CPU seconds the lab's link emulation took per step of the run (`Lab.emulation_cpu_s`
-    over the whole launch / its steps): taken from the ranks' cores on this machine."""
+    """CPU seconds the lab's link emulation took per step of the run, both phases
+    (`Lab.emulation_cpu_s` over the whole launch / its steps): taken from the ranks'
+    cores on this machine."""
 
 
-def read_run(run_dir: Path) -> Run:
+def read_phases(run_dir: Path, every: int) -> Phases:
+    """The A/B run's phases from its train rows (one every `every` steps): each compared
+    window (`counted_window`) as the difference of its row and the row before."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "step_s" in r]
-    first, last = train[0], train[-1]
-    steps = last["step"] - first["step"]
-    if steps <= 0:
-        raise ValueError(f"{run_dir}: need two metrics windows, got steps {[r['step'] for r in train]}")
-    projected = {k: (last["projected_elapsed_s"][k] - first["projected_elapsed_s"][k]) / steps
-                 for k in last["projected_elapsed_s"]}
+    by_step = {r["step"]: r for r in rows if "step_s" in r}
+    sums = {p: {"elapsed": 0.0, "projected": {}, "steps": []} for p in (True, False)}
+    for step, row in sorted(by_step.items()):
+        window, rem = divmod(step, every)
+        if rem or not counted_window(window):
+            continue
+        before = by_step.get(step - every)
+        if before is None:
+            raise ValueError(f"{run_dir}: no train row at step {step - every}, the start of "
+                             f"window {window} (rows at {sorted(by_step)})")
+        acc = sums[shaped_window(window)]
+        acc["elapsed"] += row["elapsed_s"] - before["elapsed_s"]
+        for k, v in row["projected_elapsed_s"].items():
+            acc["projected"][k] = acc["projected"].get(k, 0.0) + v - before["projected_elapsed_s"][k]
+        acc["steps"] += range(step - every, step)
+    for shaped, acc in sums.items():
+        if not acc["steps"]:
+            raise ValueError(f"{run_dir}: no compared {'shaped' if shaped else 'unshaped'} "
+                             f"window in the train rows at {sorted(by_step)} (every {every})")
     comm = [json.loads(line) for line in (run_dir / "comm.jsonl").read_text().splitlines()]
-    return Run((last["elapsed_s"] - first["elapsed_s"]) / steps, projected, comm)
+    return Phases({p: a["elapsed"] / len(a["steps"]) for p, a in sums.items()},
+                  {p: {k: v / len(a["steps"]) for k, v in a["projected"].items()}
+                   for p, a in sums.items()},
+                  {p: a["steps"] for p, a in sums.items()}, comm)
 
 
-def train(lab: Lab, strategy: str, run_dir: Path, port: int,
-          profiles: list[str] = (), model: str = "gloo", traced: bool = False) -> Run:
-    """One run, rank i in namespace i, projecting onto `profiles` (YAML paths); `traced`:
-    every rank's ledger records also to RUN_DIR/trace-rank*.jsonl (tests/netlab/traced.py)."""
+def train(lab: Lab, strategy: str, run_dir: Path, port: int, profiles: list[str]) -> Phases:
+    """One A/B run on `lab` (built unshaped: `Lab(..., shaped=False)`), rank i in namespace
+    i, projecting onto `profiles` (YAML paths); every rank's ledger records also go to
+    RUN_DIR/trace-rank*.jsonl (tests/netlab/traced.py)."""
     from bench.config import load_config, to_yaml
 
+    if lab.shaped:
+        raise ValueError("an A/B run starts on the unshaped links: Lab(..., shaped=False)")
     sets = [f"run.steps={steps_of(strategy)}", "run.val_every=100000",
-            f"run.log_every={LOG_EVERY.get(strategy, 10)}", f"parallel.world_size={lab.n}",
+            f"run.log_every={log_every(strategy)}", f"parallel.world_size={lab.n}",
             *([f"strategy.inner_steps={INNER_STEPS[strategy]}"] if strategy in INNER_STEPS else []),
             "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
-            f"network.model={model}", f"network.profiles=[{','.join(profiles)}]"]
+            "network.model=gloo", f"network.profiles=[{','.join(profiles)}]"]
     cfg = load_config(ROOT / CONFIGS[strategy], sets)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    ab = run_dir / "ab.json"
+    ab.write_text(json.dumps({"lab": lab.description(), "log_every": log_every(strategy)}))
     emulated = lab.emulation_cpu_s()
-    launch(lab, ["tests.netlab.traced" if traced else "bench.train", str(run_dir)],
-           run_dir / "logs", port)
+    launch(lab, ["tests.netlab.traced", str(run_dir)], run_dir / "logs", port,
+           env={AB_ENV: str(ab)})
     emulated = lab.emulation_cpu_s() - emulated
-    return replace(read_run(run_dir), emulation_s=emulated / steps_of(strategy))
+    return replace(read_phases(run_dir, log_every(strategy)),
+                   emulation_s=emulated / steps_of(strategy))
 
 
 def netprobe_in_lab(lab: Lab, out: Path, port: int,
@@ -210,8 +251,10 @@ class Exchanges:
     """How many exchanges `steady` averages."""
 
 
-def exchange_per_op(run_dir: Path, world: int, profile) -> Exchanges:
-    """GASLoC's exchange, op by op, from the ranks' traces (tests/netlab/traced.py).
+def exchange_per_op(run_dir: Path, world: int, profile,
+                    steps: Collection[int] | None = None) -> Exchanges:
+    """GASLoC's exchange, op by op, from the ranks' traces (tests/netlab/traced.py), at
+    `steps` only (an A/B run's compared shaped steps; None: every step).
 
     Each exchange of a pair (one peer per exchange: the lab's random matching) is
     measured on the rank that arrived last: the smaller of the pair's two seconds, the
@@ -228,10 +271,12 @@ def exchange_per_op(run_dir: Path, world: int, profile) -> Exchanges:
 
     traces = [[json.loads(line) for line in trace_path(run_dir, r).read_text().splitlines()]
               for r in range(world)]
+    steps = None if steps is None else set(steps)
     pairs: dict[tuple, dict[int, dict]] = {}
     for rank, records in enumerate(traces):
         for r in records:
-            if r["phase"] == "gossip" and r["op"] == "exchange":
+            if (r["phase"] == "gossip" and r["op"] == "exchange"
+                    and (steps is None or r["step"] in steps)):
                 if len(r["peers"]) != 1:
                     raise ValueError(f"one peer per exchange, got {r['peers']} (rank {rank})")
                 pairs.setdefault((r["step"], *sorted((rank, r["peers"][0]))), {})[rank] = r
@@ -252,7 +297,8 @@ def exchange_per_op(run_dir: Path, world: int, profile) -> Exchanges:
         priced = pricer(profile, rank, 1, backend="gloo", idle=idle)(record)
         (cold if math.isinf(idle) else steady).append((last["seconds"], priced))
     if not steady:
-        raise ValueError(f"{run_dir}: no exchange on a used connection in the traces")
+        raise ValueError(f"{run_dir}: no exchange on a used connection in the traces"
+                         + ("" if steps is None else f" at steps {min(steps)}-{max(steps)}"))
 
     def mean(rows):
         return (statistics.fmean(m for m, _ in rows), statistics.fmean(p for _, p in rows))

@@ -14,7 +14,9 @@ tbf on `lab0`, its download by tbf on `pI`; received packets on `lab0` pass an N
 held by tools/netlab/delay.c for delays_ms[I], run real-time (`DELAYER_RT_PRIORITY`).
 Nothing is routed out: no uplink, no default route, addresses only inside the namespaces.
 `close()` kills the delayers and deletes the namespaces (which removes the veths and the
-bridge).
+bridge). `Lab(..., shaped=False)` starts with the links unshaped and the delayers passing;
+`switch(lab.description(), shaped)` shapes or unshapes them, from any process (the in-run
+A/B of tests/netlab/traced.py).
 
 TCP congestion control: every namespace runs `congestion_control` (default "cubic", the
 Linux default; $NETLAB_CC overrides it in the experiment). A host whose default is BBR
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -90,6 +93,30 @@ def tbf_burst_b(rate_mbit: float) -> int:
     return int(rate_mbit * 1e6 / 8 * 1e-3) if rate_mbit >= 1000 else TBF_MIN_BURST_B
 
 
+def tbf(ns: str, dev: str, rate_mbit: float) -> list[str]:
+    """tc's command setting `dev`'s root qdisc in namespace `ns` to a tbf of `rate_mbit`:
+    burst `tbf_burst_b`, queue `QUEUE_S`."""
+    return ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+            f"{rate_mbit}mbit", "burst", str(tbf_burst_b(rate_mbit)), "latency",
+            f"{QUEUE_S * 1e3:g}ms"]
+
+
+def switch(lab: dict, shaped: bool) -> None:
+    """Shape the links of `lab` (`Lab.description`) or take their shaping off: every
+    rank's tbf both ways (rate 0: never shaped) and every delayer's hold (SIGUSR2: its
+    delay; SIGUSR1: none, tools/netlab/delay.c). Root, from any namespace."""
+    for i, rate in enumerate(lab["rates_mbit"]):
+        if rate <= 0:
+            continue
+        for ns, dev in ((lab["namespaces"][i], "lab0"), (lab["switch"], f"p{i}")):
+            if shaped:
+                _sh(*tbf(ns, dev, rate))
+            else:
+                _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root")
+    for pid in lab["delayers"]:
+        os.kill(pid, signal.SIGUSR2 if shaped else signal.SIGUSR1)
+
+
 def _sh(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
     return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
@@ -99,7 +126,8 @@ class Lab:
     """The namespaces, links and delayers of one shaped network (a context manager)."""
 
     def __init__(self, rates_mbit: list[float], delays_ms: list[float], delayer: Path,
-                 congestion_control: str = "cubic", always_delayer: bool = False):
+                 congestion_control: str = "cubic", always_delayer: bool = False,
+                 shaped: bool = True):
         if len(rates_mbit) != len(delays_ms) or not rates_mbit:
             raise ValueError(f"one rate and one delay per rank, got {rates_mbit}, {delays_ms}")
         self.rates, self.delays, self.delayer = list(rates_mbit), list(delays_ms), delayer
@@ -107,6 +135,9 @@ class Lab:
         self.always_delayer = always_delayer
         """Pass received packets through the delayer even at 0 ms: an unshaped baseline
         then pays the same per-packet CPU as the shaped runs (2 cores, 4 ranks, 4 delayers)."""
+        self.shaped = shaped
+        """False: built with the links unshaped (no tbf, the delayers passing at 0 ms),
+        to be shaped by `switch` (the in-run A/B, tests/netlab/traced.py)."""
         self.n = len(rates_mbit)
         self.procs: list[subprocess.Popen] = []
         self._allowed_before: str | None = None
@@ -156,23 +187,22 @@ class Lab:
             _sh("ip", "link", "set", f"p{i}", "up", ns=sw)
             _sh("ip", "addr", "add", f"{self.addr(i)}/24", "dev", "lab0", ns=ns)
             _sh("ip", "link", "set", "lab0", "up", ns=ns)
-            for dev, where in (("lab0", ns), (f"p{i}", sw)):
-                if self.rates[i] > 0:  # 0: unshaped
-                    _sh(*self.tbf(dev, self.rates[i]), ns=where)
             if self.delays[i] > 0 or self.always_delayer:
                 _sh("iptables", "-A", "INPUT", "-i", "lab0", "-j", "NFQUEUE", "--queue-num",
                     "0", ns=ns)
                 rt = ["chrt", "-f", str(DELAYER_RT_PRIORITY)] if DELAYER_RT_PRIORITY else []
                 self.procs.append(subprocess.Popen(
                     [*rt, "ip", "netns", "exec", ns, str(self.delayer), "0",
-                     str(self.delays[i] * 1000)], stderr=subprocess.DEVNULL))
+                     str(self.delays[i] * 1000), *([] if self.shaped else ["pass"])],
+                    stderr=subprocess.DEVNULL))
+        if self.shaped:  # the delayers started holding (a signal now could beat their handler)
+            switch({**self.description(), "delayers": []}, True)
 
-    @staticmethod
-    def tbf(dev: str, rate_mbit: float) -> list[str]:
-        """tbf: burst `tbf_burst_b`, queue `QUEUE_S`."""
-        burst = tbf_burst_b(rate_mbit)
-        return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-                "burst", str(burst), "latency", f"{QUEUE_S * 1e3:g}ms"]
+    def description(self) -> dict:
+        """What `switch` needs to shape or unshape the links from another process (a
+        rank's, inside its namespace): JSON-able."""
+        return {"namespaces": [self.ns(i) for i in range(self.n)], "switch": f"{PREFIX}-sw",
+                "rates_mbit": self.rates, "delayers": [p.pid for p in self.procs]}
 
     def popen(self, i: int, cmd: list[str], env: dict, **kw) -> subprocess.Popen:
         """Start `cmd` inside rank i's namespace (env passed through `env`)."""

@@ -6,19 +6,20 @@
     NETLAB_STRATEGIES=diloco,gasloc ...   (only those strategies' cases)
     NETLAB_CC=bbr ...                      (TCP congestion control in the namespaces; cubic)
     NETLAB_DELAYER_RT=0 ...                (the delayers' real-time priority; 50, 0: default policy)
+    NETLAB_PHASES=3 ...                    (compared windows each way per run)
 
-tests/netlab/experiment.py says what is compared. Replicates are interleaved (every case
+tests/netlab/experiment.py says what is compared: each case is one run switched between
+unshaped and shaped links inside it (the in-run A/B, tests/netlab/traced.py), the compute
+measured on the first, the step on the second. Replicates are interleaved (every case
 once, then every case again) so that slow drift of the machine lands on every case alike;
 the assertion is on the MEDIAN over replicates of the step-time error of the aware model
 (gloo formulas, overlap-aware: what reports show). GASLoC's exchange is also compared op by
 op, on the textbook profile and on netprobe's (which carries the exchange as it measured
 it). netprobe fits a profile on the shaped links themselves (2 ranks: at every setting;
-4 ranks: two settings) and the unshaped runs project onto it too (the calibration loop):
-every step time within 20%, and DDP's communication per step on the shaped run's own
-compute within 20%. Every row carries the load the machine ran under. A control reruns
-each unshaped run after its shaped cases: its compute against the first's is the
-machine's run-to-run noise (`control:` rows, reported). Rows go to $NETLAB_OUT
-(markdown), run directories to $NETLAB_DIR (default: pytest's tmp dir).
+4 ranks: two settings) and the unshaped windows project onto it too (the calibration
+loop): every step time within 20%, and DDP's communication per step on the shaped
+windows' own compute within 20%. Every row carries the load the machine ran under. Rows
+go to $NETLAB_OUT (markdown), run directories to $NETLAB_DIR (default: pytest's tmp dir).
 """
 
 from __future__ import annotations
@@ -119,102 +120,73 @@ def results(tmp_path_factory):
 
 def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[str, Path],
               delayer: Path, zero: Path, port: int, out: dict) -> int:
-    """One strategy's unshaped run (projecting onto every case's profile and every
-    netprobe profile of this world), then its shaped cases; rows into `out`."""
-    profiles = {}
+    """One strategy's cases, each one A/B run (tests/netlab/traced.py) projecting onto
+    compute only, the case's profile and its setting's netprobe profile; rows into `out`."""
     for c in cases:
-        profiles[c.id] = rdir / f"{c.id}.yaml"
-        profiles[c.id].parent.mkdir(parents=True, exist_ok=True)
-        profiles[c.id].write_text(c.profile_yaml())
-    port += 1
-    with Lab([0] * world, [0] * world, delayer, CC, always_delayer=True) as lab:
-        base = train(lab, cases[0].strategy, rdir / "unshaped", port,
-                     [str(zero), *map(str, profiles.values()), *map(str, probes.values())])
-    compute = base.projected_step_s[str(zero)]
-    for c in cases:
-        port += 1
+        path = rdir / f"{c.id}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(c.profile_yaml())
         probe = probes.get(c.setting)
-        with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC) as lab:
-            shaped = train(lab, c.strategy, rdir / c.id, port,
-                           [str(zero), str(profiles[c.id]), *([str(probe)] if probe else [])],
-                           traced=c.strategy == "gasloc")
+        port += 1
+        with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC, always_delayer=True,
+                 shaped=False) as lab:
+            run = train(lab, c.strategy, rdir / c.id, port,
+                        [str(zero), str(path), *([str(probe)] if probe else [])])
         load = load_note()
-        profile = get_profile(str(profiles[c.id]))
-        aware = base.projected_step_s[str(profiles[c.id])]
-        naive = compute + naive_comm_per_step(base.comm_rows, profile, steps_of(c.strategy),
+        profile = get_profile(str(path))
+        fast, slow = run.projected_step_s[False], run.projected_step_s[True]
+        compute, measured = fast[str(zero)], run.step_s[True]
+        aware = fast[str(path)]
+        naive = compute + naive_comm_per_step(run.comm_rows, profile, steps_of(c.strategy),
                                               world)
-        row = dict(measured=shaped.step_s, compute=compute, aware=aware, naive=naive, load=load)
+        row = dict(measured=measured, compute=compute, aware=aware, naive=naive, load=load)
         out.setdefault(c.id, []).append(row)
-        err = {k: (row[k] - row["measured"]) / row["measured"] for k in ("naive", "aware")}
-        _report(f"| {c.id} | {rep} | {load} | {row['measured']:.3f} | {naive:.3f} "
+        err = {k: (row[k] - measured) / measured for k in ("naive", "aware")}
+        _report(f"| {c.id} | {rep} | {load} | {measured:.3f} | {naive:.3f} "
                 f"({err['naive']:+.0%}) | {aware:.3f} ({err['aware']:+.0%}) | "
-                f"{row['measured'] - compute:.3f} | {naive - compute:.3f} | "
-                f"{aware - compute:.3f} |")
-        # The same model on the shaped run's own compute: the projection's premise (the
+                f"{measured - compute:.3f} | {naive - compute:.3f} | {aware - compute:.3f} |")
+        # The same model on the shaped windows' own compute: the projection's premise (the
         # compute a fast network measured is the compute on the slow one) fails here by
         # what emulating the links costs the ranks' 2 cores, measured beside it.
-        own_compute = shaped.projected_step_s[str(zero)]
-        own = dict(measured=shaped.step_s, projected=shaped.projected_step_s[str(profiles[c.id])])
+        own_compute = slow[str(zero)]
+        own = dict(measured=measured, projected=slow[str(path)])
         out.setdefault(f"own-compute:{c.id}", []).append(own)
-        _report(f"| own-compute:{c.id} | {rep} | {load} | measured {own['measured']:.3f} | "
+        _report(f"| own-compute:{c.id} | {rep} | {load} | measured {measured:.3f} | "
                 f"aware {own['projected']:.3f} "
-                f"({(own['projected'] - own['measured']) / own['measured']:+.0%}) | compute "
+                f"({(own['projected'] - measured) / measured:+.0%}) | compute "
                 f"{own_compute:.4f} against unshaped {compute:.4f} "
                 f"({own_compute / compute - 1:+.0%}) | emulation CPU "
-                f"{shaped.emulation_s * 1e3:.1f} ms/step, unshaped {base.emulation_s * 1e3:.1f} "
-                "| | |")
-        if c.strategy == "gasloc":  # the exchange, op by op
+                f"{run.emulation_s * 1e3:.1f} ms/step (both phases) | | |")
+        if c.strategy == "gasloc":  # the exchange, op by op, in the compared shaped steps
             priced_by = [("exchange", "model", profile)]
             if probe is not None:
                 priced_by.append(("exchange-netprobe", "netprobe", get_profile(str(probe))))
             for tag, name, prof in priced_by:
-                ex = exchange_per_op(rdir / c.id, world, prof)
-                measured, modelled = ex.steady
-                out.setdefault(f"{tag}:{c.id}", []).append(
-                    dict(measured=measured, projected=modelled))
-                _report(f"| {tag}:{c.id} | {rep} | {load} | measured {measured * 1e3:.1f} ms "
-                        f"| {name} {modelled * 1e3:.1f} ms ({(modelled - measured) / measured:+.0%})"
+                ex = exchange_per_op(rdir / c.id, world, prof, steps=run.steps[True])
+                got, modelled = ex.steady
+                out.setdefault(f"{tag}:{c.id}", []).append(dict(measured=got, projected=modelled))
+                _report(f"| {tag}:{c.id} | {rep} | {load} | measured {got * 1e3:.1f} ms "
+                        f"| {name} {modelled * 1e3:.1f} ms ({(modelled - got) / got:+.0%})"
                         f" | {ex.count} exchanges on a used connection | | | |")
-                if ex.cold is not None:
-                    measured, modelled = ex.cold
-                    out.setdefault(f"{tag}-cold:{c.id}", []).append(
-                        dict(measured=measured, projected=modelled))
-                    _report(f"| {tag}-cold:{c.id} | {rep} | {load} | measured "
-                            f"{measured * 1e3:.1f} ms | {name} {modelled * 1e3:.1f} ms "
-                            f"({(modelled - measured) / measured:+.0%}) | the first, cold "
-                            "| | | |")
         if probe is not None:
-            fitted = base.projected_step_s[str(probe)]
-            comm = shaped.step_s - compute
+            fitted = fast[str(probe)]
+            comm = measured - compute
             out.setdefault(f"netprobe:{c.id}", []).append(
-                dict(measured=comm, projected=fitted - compute, step=shaped.step_s,
+                dict(measured=comm, projected=fitted - compute, step=measured,
                      projected_step=fitted))
             _report(f"| netprobe:{c.id} | {rep} | {load} | measured comm {comm:.3f} "
-                    f"| projected comm {fitted - compute:.3f} "
-                    f"({(fitted - shaped.step_s) / comm:+.0%}); step "
-                    f"{(fitted - shaped.step_s) / shaped.step_s:+.0%} | | | | |")
+                    f"| projected comm {fitted - compute:.3f}; step "
+                    f"{(fitted - measured) / measured:+.0%} | | | | |")
         if probe is not None and c.strategy == "ddp":
-            # netprobe's pricing of DDP's communication on the shaped run's own compute,
-            # not on the difference of two runs' compute (asserted below).
-            own_comm = shaped.step_s - own_compute
-            own_fitted = shaped.projected_step_s[str(probe)] - own_compute
+            # netprobe's pricing of DDP's communication on the shaped windows' own compute,
+            # not on the difference of two phases' compute (asserted below).
+            own_comm = measured - own_compute
+            own_fitted = slow[str(probe)] - own_compute
             out.setdefault(f"netprobe-own-compute:{c.id}", []).append(
                 dict(measured=own_comm, projected=own_fitted))
             _report(f"| netprobe-own-compute:{c.id} | {rep} | {load} | measured comm "
                     f"{own_comm:.3f} | projected comm {own_fitted:.3f} "
                     f"({(own_fitted - own_comm) / own_comm:+.0%}) | | | | |")
-    # The control: the same unshaped run again, after the shaped ones. Its compute
-    # against the first's is this machine's run-to-run compute noise, which the user
-    # scenario (projecting from the first) carries whole.
-    port += 1
-    with Lab([0] * world, [0] * world, delayer, CC, always_delayer=True) as lab:
-        again = train(lab, cases[0].strategy, rdir / "unshaped-again", port, [str(zero)])
-    again_compute = again.projected_step_s[str(zero)]
-    cid = f"control:{cases[0].strategy}-{world}r"
-    out.setdefault(cid, []).append(dict(measured=compute, projected=again_compute))
-    _report(f"| {cid} | {rep} | {load_note()} | unshaped compute {compute:.4f} | again "
-            f"{again_compute:.4f} ({again_compute / compute - 1:+.0%}) | the same run "
-            "after the shaped ones | | | |")
     return port
 
 
@@ -255,7 +227,7 @@ def test_gasloc_exchange_per_op(results, case):
 
 @pytest.mark.parametrize("case", SELECTED, ids=[c.id for c in SELECTED])
 def test_step_time_on_the_runs_own_compute(results, case):
-    """The aware model, given the shaped run's own compute (its projection onto its own
+    """The aware model, given the shaped windows' own compute (their projection onto their
     link), is within 10% of its measured step (median): the network model apart from the
     CPU that emulating the links takes from the ranks (reported beside it)."""
     rows = results[f"own-compute:{case.id}"]
@@ -281,12 +253,13 @@ NETPROBED = [c for c in SELECTED if any(p.setting == c.setting for p in PROBED)]
 @pytest.mark.parametrize("case", NETPROBED, ids=[c.id for c in NETPROBED])
 def test_netprobe_profile_predicts_the_run(results, case):
     """A profile netprobe fitted on the shaped links predicts the run: every strategy's
-    step time, projected from the unshaped run, within 20% (median); DDP's communication
-    per step within 20%, measured and priced on the shaped run itself (its step minus its
-    own compute). The communication as the shaped step minus the UNSHAPED run's compute
-    (the `netprobe:` rows' comm, reported) holds the two runs' compute difference, which
-    at 1 ms is as large as the communication (run p at 1 Gbit/s + 1 ms: 0-7 ms measured
-    that way against 10-11 priced; docs/network-model.md, Results)."""
+    step time, projected from the unshaped windows, within 20% (median); DDP's
+    communication per step within 20%, measured and priced on the shaped windows
+    themselves (their step minus their own compute). The communication as the shaped step
+    minus the UNSHAPED windows' compute (the `netprobe:` rows' comm, reported) holds the
+    two phases' compute difference, which at 1 ms is as large as the communication (run p,
+    two runs at 1 Gbit/s + 1 ms: 0-7 ms measured that way against 10-11 priced;
+    docs/network-model.md, Results)."""
     rows = results[f"netprobe:{case.id}"]
     err = statistics.median((r["projected_step"] - r["step"]) / r["step"] for r in rows)
     assert abs(err) <= 0.20, (case.id, err, rows)
