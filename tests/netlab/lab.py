@@ -14,9 +14,9 @@ tbf on `lab0`, its download by tbf on `pI`; received packets on `lab0` pass an N
 held by tools/netlab/delay.c for delays_ms[I], run real-time (`DELAYER_RT_PRIORITY`).
 Nothing is routed out: no uplink, no default route, addresses only inside the namespaces.
 `close()` kills the delayers and deletes the namespaces (which removes the veths and the
-bridge). `Lab(..., shaped=False)` starts with the links unshaped and the delayers passing;
-`switch(lab.description(), shaped)` shapes or unshapes them, from any process (the in-run
-A/B of tests/netlab/traced.py).
+bridge). `Lab(..., shaped=False)` starts with the links' rates unshaped (no tbf; the
+delays on); `switch(lab.description(), shaped)` puts the tbf on or takes it off, from any
+process (the in-run A/B of tests/netlab/traced.py).
 
 TCP congestion control: every namespace runs `congestion_control` (default "cubic", the
 Linux default; $NETLAB_CC overrides it in the experiment). A host whose default is BBR
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -102,9 +101,9 @@ def tbf(ns: str, dev: str, rate_mbit: float) -> list[str]:
 
 
 def switch(lab: dict, shaped: bool) -> None:
-    """Shape the links of `lab` (`Lab.description`) or take their shaping off: every
-    rank's tbf both ways (rate 0: never shaped) and every delayer's hold (SIGUSR2: its
-    delay; SIGUSR1: none, tools/netlab/delay.c). Root, from any namespace."""
+    """Put every rank's tbf of `lab` (`Lab.description`) on, both ways, or take it off
+    (rate 0: never shaped). The delays stay: the in-run A/B switches the rate only
+    (tests/netlab/traced.py). Root, from any namespace."""
     for i, rate in enumerate(lab["rates_mbit"]):
         if rate <= 0:
             continue
@@ -113,8 +112,6 @@ def switch(lab: dict, shaped: bool) -> None:
                 _sh(*tbf(ns, dev, rate))
             else:
                 _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root")
-    for pid in lab["delayers"]:
-        os.kill(pid, signal.SIGUSR2 if shaped else signal.SIGUSR1)
 
 
 def _sh(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -136,8 +133,8 @@ class Lab:
         """Pass received packets through the delayer even at 0 ms: an unshaped baseline
         then pays the same per-packet CPU as the shaped runs (2 cores, 4 ranks, 4 delayers)."""
         self.shaped = shaped
-        """False: built with the links unshaped (no tbf, the delayers passing at 0 ms),
-        to be shaped by `switch` (the in-run A/B, tests/netlab/traced.py)."""
+        """False: built without the tbf (the delays on), to be shaped by `switch` (the
+        in-run A/B, tests/netlab/traced.py)."""
         self.n = len(rates_mbit)
         self.procs: list[subprocess.Popen] = []
         self._allowed_before: str | None = None
@@ -193,16 +190,15 @@ class Lab:
                 rt = ["chrt", "-f", str(DELAYER_RT_PRIORITY)] if DELAYER_RT_PRIORITY else []
                 self.procs.append(subprocess.Popen(
                     [*rt, "ip", "netns", "exec", ns, str(self.delayer), "0",
-                     str(self.delays[i] * 1000), *([] if self.shaped else ["pass"])],
-                    stderr=subprocess.DEVNULL))
-        if self.shaped:  # the delayers started holding (a signal now could beat their handler)
-            switch({**self.description(), "delayers": []}, True)
+                     str(self.delays[i] * 1000)], stderr=subprocess.DEVNULL))
+        if self.shaped:
+            switch(self.description(), True)
 
     def description(self) -> dict:
         """What `switch` needs to shape or unshape the links from another process (a
         rank's, inside its namespace): JSON-able."""
         return {"namespaces": [self.ns(i) for i in range(self.n)], "switch": f"{PREFIX}-sw",
-                "rates_mbit": self.rates, "delayers": [p.pid for p in self.procs]}
+                "rates_mbit": self.rates}
 
     def popen(self, i: int, cmd: list[str], env: dict, **kw) -> subprocess.Popen:
         """Start `cmd` inside rank i's namespace (env passed through `env`)."""

@@ -9,12 +9,22 @@ aggregates (comm.jsonl), which mix every exchange's wait for the slower rank int
 seconds.
 
 The in-run A/B: with $NETLAB_AB naming a JSON file {"lab": `Lab.description()`,
-"log_every": L}, the run's links are switched between unshaped and shaped at metrics
-rows, as `shaped_window` lays out, so that the compute measured on the fast links and the
-step measured on the slow ones come from the same run, minutes of this machine's drift
-apart no more (tests/netlab/experiment.py `read_phases`). The switch happens after the
-row's clock is settled and before the next timed step (outside the run's clock: bench/train.py),
-by rank 0, and every rank waits for it at a barrier.
+"log_every": L}, the links' rate limit (tbf) is put on and taken off at metrics rows, as
+`shaped_window` lays out, so that the compute measured on the fast links and the step
+measured on the slow ones come from the same run, minutes of this machine's drift apart
+no more (tests/netlab/experiment.py `read_phases`). The switch happens after the row's
+clock is settled and before the next timed step (outside the run's clock:
+bench/train.py), by rank 0, and every rank waits for it at a barrier.
+
+The delay stays on in both phases: it costs the ranks no CPU, so the compute the fast
+phase measures is what it would be on a link without it, and a connection's round trip
+must not change under TCP. Switching the delay off and on too (0.1 ms against 2-20 ms
+round trips) fired tail-loss probes inside the longer round trip after each switch,
+spurious retransmissions that cut the window (DDP at 1 Gbit/s + 10 ms: shaped steps of
+126-133 ms in 2 probe runs of 4 against 86-93, the model 87); with barriers settling
+the RTT estimate after the switch, GASLoC's 499 kB exchange still took 40-50 ms against
+28-33 priced (run v), its window cut at every switch (docs/network-model.md, "How the
+comparison is made").
 """
 
 from __future__ import annotations
@@ -32,14 +42,6 @@ AB_ENV = "NETLAB_AB"
 PHASE_WINDOWS = 2
 """Metrics windows per phase of the A/B; the first of each is not counted: TCP's state
 (window, RTT estimate) carried over from the other link settles in it."""
-RTT_ROUNDS = 24
-"""Barriers on every process group right after the links are shaped: each a round trip
-that moves TCP's smoothed RTT 1/8 of the way to the shaped link's (24: within 5%). A
-connection whose estimate is still the unshaped link's (0.1 ms) fires its tail-loss
-probe (at least 10 ms) before the shaped round trip (2-20 ms) is over: a spurious
-retransmission that cuts the slow-start threshold, which then held the next shaped phase
-below the path's window (DDP, 1 Gbit/s + 10 ms: 126-133 ms steps against 86-93, 2 of 4
-probe runs; docs/network-model.md, "How the comparison is made")."""
 
 
 def trace_path(run_dir: Path, rank: int) -> Path:
@@ -72,26 +74,9 @@ def _switch_at_rows(ab: dict) -> None:
             if dist.get_rank() == 0:
                 switch(ab["lab"], shaped_window(done + 1))
             dist.barrier()
-            if shaped_window(done + 1):
-                _settle_rtt(dist)
         return row(step, *args, **kw)
 
     bench.train.train_row = train_row
-
-
-def _settle_rtt(dist) -> None:
-    """`RTT_ROUNDS` barriers on every process group this rank is in, in creation order (the
-    same on every rank), the world's last: every gloo connection's RTT estimate brought
-    to the link it now runs on."""
-    from torch.distributed import distributed_c10d
-
-    me = dist.get_rank()
-    for pg, ranks in list(distributed_c10d._world.pg_group_ranks.items()):
-        if me in ranks and len(ranks) > 1 and pg is not distributed_c10d._get_default_group():
-            for _ in range(RTT_ROUNDS):
-                dist.barrier(group=pg)
-    for _ in range(RTT_ROUNDS):
-        dist.barrier()
 
 
 def main(run_dir: str) -> int:

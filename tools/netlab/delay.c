@@ -1,17 +1,12 @@
 /* netlab-delay: hold every packet of an NFQUEUE for a fixed time, then accept it.
  *
- *     netlab-delay QUEUE_NUM DELAY_US [pass]
+ *     netlab-delay QUEUE_NUM DELAY_US
  *
  * The one-way latency of the shaped-link lab (tests/netlab, docs/network-model.md): this
  * kernel has no sch_netem, so each namespace sends its received packets
  * (iptables -A INPUT -i LAB_IF -j NFQUEUE --queue-num QUEUE_NUM) here. Delaying on the
  * RECEIVE side keeps TCP Small Queues on the sender out of it. The delay is constant, so a
  * FIFO keeps the release order. Runs until SIGTERM/SIGINT.
- *
- * The lab's in-run A/B (tests/netlab/traced.py) switches the link between phases: SIGUSR1
- * passes every packet received from then on at once (no delay), SIGUSR2 holds them
- * DELAY_US again; `pass` starts it passing. Packets already held keep their due time, and
- * the FIFO keeps the order across a switch.
  * Build: gcc -O2 -o netlab-delay delay.c -lnetfilter_queue
  */
 #define _GNU_SOURCE
@@ -24,7 +19,6 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -34,7 +28,7 @@ static uint32_t ids[CAP];
 static uint64_t due[CAP];
 static size_t head, tail;
 static uint64_t delay_ns;
-static volatile sig_atomic_t stop, passing;
+static volatile sig_atomic_t stop;
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -51,26 +45,22 @@ static int on_packet(struct nfq_q_handle *qh, struct nfgenmsg *msg, struct nfq_d
     if (tail - head >= CAP) /* full: let it through now rather than drop */
         return nfq_set_verdict(qh, id, NF_ACCEPT, 0, NULL);
     ids[tail % CAP] = id;
-    due[tail % CAP] = now_ns() + (passing ? 0 : delay_ns);
+    due[tail % CAP] = now_ns() + delay_ns;
     tail++;
     return 0;
 }
 
 static void on_signal(int sig) { (void)sig; stop = 1; }
-static void on_switch(int sig) { passing = sig == SIGUSR1; }
 
 int main(int argc, char **argv) {
-    if (argc < 3 || argc > 4 || (argc == 4 && strcmp(argv[3], "pass") != 0)) {
-        fprintf(stderr, "usage: %s QUEUE_NUM DELAY_US [pass]\n", argv[0]);
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s QUEUE_NUM DELAY_US\n", argv[0]);
         return 2;
     }
     int queue = atoi(argv[1]);
     delay_ns = (uint64_t)(atof(argv[2]) * 1000.0);
     signal(SIGTERM, on_signal);
     signal(SIGINT, on_signal);
-    passing = argc == 4;
-    signal(SIGUSR1, on_switch);
-    signal(SIGUSR2, on_switch);
     struct nfq_handle *h = nfq_open();
     if (!h) { perror("nfq_open"); return 1; }
     struct nfq_q_handle *qh = nfq_create_queue(h, queue, &on_packet, NULL);
