@@ -82,8 +82,26 @@ def test_the_links_switch_at_the_rows_that_end_a_phase(monkeypatch):
     monkeypatch.setattr(tests.netlab.lab, "switch", lambda lab, on: calls.append((lab, on)))
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
-    traced._switch_at_rows({"lab": "L", "log_every": 10})
-    rows = [bench.train.train_row(s, 0, 0.0) for s in (10, 20, 25, 30, 40, 50, 60)]
-    assert rows == [("row", s) for s in (10, 20, 25, 30, 40, 50, 60)]
-    # after window 1 (warm-up) on, after 3 off, after 5 on; 25 is not a window's end
+    traced._switch_at_rows({"lab": "L", "log_every": 10, "steps": 70})
+    rows = [bench.train.train_row(s, 0, 0.0) for s in (10, 20, 25, 30, 40, 50, 60, 70)]
+    assert rows == [("row", s) for s in (10, 20, 25, 30, 40, 50, 60, 70)]
+    # after window 1 (warm-up) on, after 3 off, after 5 on; 25 is not a window's end, and
+    # the last row (70, window 7's end) switches nothing: no window follows
     assert calls == [("L", True), "barrier", ("L", False), "barrier", ("L", True), "barrier"]
+
+
+def test_other_ranks_wait_for_the_switch_without_making_it(monkeypatch):
+    import torch.distributed as dist
+
+    import bench.train
+    import tests.netlab.lab
+
+    calls = []
+    monkeypatch.setattr(bench.train, "train_row", lambda step, *a, **k: ("row", step))
+    monkeypatch.setattr(tests.netlab.lab, "switch", lambda lab, on: calls.append((lab, on)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    traced._switch_at_rows({"lab": "L", "log_every": 10, "steps": 70})
+    for s in (10, 20, 30):
+        bench.train.train_row(s, 0, 0.0)
+    assert calls == ["barrier", "barrier"]

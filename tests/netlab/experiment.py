@@ -8,8 +8,8 @@ with the load they ran under).
 Each case is ONE run, switched between the unshaped and the shaped links inside it (the
 in-run A/B, tests/netlab/traced.py): phases of two metrics windows alternate after a
 warm-up window, and the last window of each phase is compared. The unshaped windows (a
-namespace per rank, plain veths, received packets through the delayer at 0 ms so that
-its per-packet CPU lands on both sides) give what the user has: the compute, and the
+namespace per rank, plain veths without tbf, the case's delay on: it costs no CPU, and
+TCP must not see its round trip change) give what the user has: the compute, and the
 run's own projection onto the case's profile (`network.profiles`, `network.model=gloo`:
 step-wise, max over ranks, overlap-aware, exactly as a report would). The shaped windows
 (tbf-shaped, delayed links) give the measured step time. Every figure is read from the
@@ -218,7 +218,8 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int, profiles: list[str]
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     ab = run_dir / "ab.json"
-    ab.write_text(json.dumps({"lab": lab.description(), "log_every": log_every(strategy)}))
+    ab.write_text(json.dumps({"lab": lab.description(), "log_every": log_every(strategy),
+                              "steps": steps_of(strategy)}))
     emulated = lab.emulation_cpu_s()
     launch(lab, ["tests.netlab.traced", str(run_dir)], run_dir / "logs", port,
            env={AB_ENV: str(ab)})
@@ -315,7 +316,8 @@ def _uses_connection(record: dict, peer: int, world: int) -> bool:
 
 def naive_comm_per_step(rows: list[dict], profile, steps: int, world: int) -> float:
     """The slowest rank's textbook-formula comm per step (no overlap) from comm.jsonl
-    aggregates of the windows' training traffic. Every formula is affine in nbytes, so a
+    aggregates of the run's training traffic (every window, warm-up included: each window
+    carries the same traffic, so `steps` is the run's). Every formula is affine in nbytes, so a
     row of `count` records costs `count` records of its mean size; p2p rows lost their
     peers in the aggregate and are priced to the rank's slowest peers (exact on
     homogeneous links)."""

@@ -123,15 +123,11 @@ class Lab:
     """The namespaces, links and delayers of one shaped network (a context manager)."""
 
     def __init__(self, rates_mbit: list[float], delays_ms: list[float], delayer: Path,
-                 congestion_control: str = "cubic", always_delayer: bool = False,
-                 shaped: bool = True):
+                 congestion_control: str = "cubic", shaped: bool = True):
         if len(rates_mbit) != len(delays_ms) or not rates_mbit:
             raise ValueError(f"one rate and one delay per rank, got {rates_mbit}, {delays_ms}")
         self.rates, self.delays, self.delayer = list(rates_mbit), list(delays_ms), delayer
         self.cc = congestion_control
-        self.always_delayer = always_delayer
-        """Pass received packets through the delayer even at 0 ms: an unshaped baseline
-        then pays the same per-packet CPU as the shaped runs (2 cores, 4 ranks, 4 delayers)."""
         self.shaped = shaped
         """False: built without the tbf (the delays on), to be shaped by `switch` (the
         in-run A/B, tests/netlab/traced.py)."""
@@ -184,7 +180,7 @@ class Lab:
             _sh("ip", "link", "set", f"p{i}", "up", ns=sw)
             _sh("ip", "addr", "add", f"{self.addr(i)}/24", "dev", "lab0", ns=ns)
             _sh("ip", "link", "set", "lab0", "up", ns=ns)
-            if self.delays[i] > 0 or self.always_delayer:
+            if self.delays[i] > 0:
                 _sh("iptables", "-A", "INPUT", "-i", "lab0", "-j", "NFQUEUE", "--queue-num",
                     "0", ns=ns)
                 rt = ["chrt", "-f", str(DELAYER_RT_PRIORITY)] if DELAYER_RT_PRIORITY else []

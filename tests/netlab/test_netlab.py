@@ -128,8 +128,7 @@ def _strategy(rdir: Path, rep: int, world: int, cases: list[Case], probes: dict[
         path.write_text(c.profile_yaml())
         probe = probes.get(c.setting)
         port += 1
-        with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC, always_delayer=True,
-                 shaped=False) as lab:
+        with Lab(list(c.rates_mbit), list(c.delays_ms), delayer, CC, shaped=False) as lab:
             run = train(lab, c.strategy, rdir / c.id, port,
                         [str(zero), str(path), *([str(probe)] if probe else [])])
         load = load_note()

@@ -9,7 +9,7 @@ aggregates (comm.jsonl), which mix every exchange's wait for the slower rank int
 seconds.
 
 The in-run A/B: with $NETLAB_AB naming a JSON file {"lab": `Lab.description()`,
-"log_every": L}, the links' rate limit (tbf) is put on and taken off at metrics rows, as
+"log_every": L, "steps": the run's}, the links' rate limit (tbf) is put on and taken off at metrics rows, as
 `shaped_window` lays out, so that the compute measured on the fast links and the step
 measured on the slow ones come from the same run, minutes of this machine's drift apart
 no more (tests/netlab/experiment.py `read_phases`). The switch happens after the row's
@@ -66,11 +66,12 @@ def _switch_at_rows(ab: dict) -> None:
     import bench.train
     from tests.netlab.lab import switch
 
-    row, every = bench.train.train_row, ab["log_every"]
+    row, every, last = bench.train.train_row, ab["log_every"], ab["steps"]
 
     def train_row(step, *args, **kw):
         done = step // every  # windows finished with this row
-        if step % every == 0 and shaped_window(done + 1) != shaped_window(done):
+        if (step % every == 0 and step < last
+                and shaped_window(done + 1) != shaped_window(done)):
             if dist.get_rank() == 0:
                 switch(ab["lab"], shaped_window(done + 1))
             dist.barrier()
