@@ -69,9 +69,9 @@ def test_a_run_without_a_compared_window_of_each_phase_is_refused(tmp_path):
         read_phases(tmp_path, 10)
 
 
-def test_the_links_switch_at_the_rows_that_end_a_phase(monkeypatch):
-    """Rank 0 switches at the row ending each phase (and the warm-up) and every rank waits
-    at a barrier; the row itself is written as before."""
+def _hooked(monkeypatch, rank: int) -> list:
+    """The A/B hook around a stub train_row, on `rank`, with a recording switch and
+    barrier; returns what they record."""
     import torch.distributed as dist
 
     import bench.train
@@ -80,9 +80,18 @@ def test_the_links_switch_at_the_rows_that_end_a_phase(monkeypatch):
     calls = []
     monkeypatch.setattr(bench.train, "train_row", lambda step, *a, **k: ("row", step))
     monkeypatch.setattr(tests.netlab.lab, "switch", lambda lab, on: calls.append((lab, on)))
-    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_rank", lambda: rank)
     monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
     traced._switch_at_rows({"lab": "L", "log_every": 10, "steps": 70})
+    return calls
+
+
+def test_the_links_switch_at_the_rows_that_end_a_phase(monkeypatch):
+    """Rank 0 switches at the row ending each phase (and the warm-up) and every rank waits
+    at a barrier; the row itself is written as before."""
+    import bench.train
+
+    calls = _hooked(monkeypatch, 0)
     rows = [bench.train.train_row(s, 0, 0.0) for s in (10, 20, 25, 30, 40, 50, 60, 70)]
     assert rows == [("row", s) for s in (10, 20, 25, 30, 40, 50, 60, 70)]
     # after window 1 (warm-up) on, after 3 off, after 5 on; 25 is not a window's end, and
@@ -91,17 +100,9 @@ def test_the_links_switch_at_the_rows_that_end_a_phase(monkeypatch):
 
 
 def test_other_ranks_wait_for_the_switch_without_making_it(monkeypatch):
-    import torch.distributed as dist
-
     import bench.train
-    import tests.netlab.lab
 
-    calls = []
-    monkeypatch.setattr(bench.train, "train_row", lambda step, *a, **k: ("row", step))
-    monkeypatch.setattr(tests.netlab.lab, "switch", lambda lab, on: calls.append((lab, on)))
-    monkeypatch.setattr(dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
-    traced._switch_at_rows({"lab": "L", "log_every": 10, "steps": 70})
+    calls = _hooked(monkeypatch, 1)
     for s in (10, 20, 30):
         bench.train.train_row(s, 0, 0.0)
     assert calls == ["barrier", "barrier"]
