@@ -188,7 +188,8 @@ def read_phases(run_dir: Path, every: int) -> Phases:
         acc = sums[shaped_window(window)]
         acc["elapsed"] += row["elapsed_s"] - before["elapsed_s"]
         for k, v in row["projected_elapsed_s"].items():
-            acc["projected"][k] = acc["projected"].get(k, 0.0) + v - before["projected_elapsed_s"][k]
+            change = v - before["projected_elapsed_s"][k]
+            acc["projected"][k] = acc["projected"].get(k, 0.0) + change
         acc["steps"] += range(step - every, step)
     for shaped, acc in sums.items():
         if not acc["steps"]:

@@ -9,10 +9,10 @@ aggregates (comm.jsonl), which mix every exchange's wait for the slower rank int
 seconds.
 
 The in-run A/B: with $NETLAB_AB naming a JSON file {"lab": `Lab.description()`,
-"log_every": L, "steps": the run's}, the links' rate limit (tbf) is put on and taken off at metrics rows, as
-`shaped_window` lays out, so that the compute measured on the fast links and the step
-measured on the slow ones come from the same run, minutes of this machine's drift apart
-no more (tests/netlab/experiment.py `read_phases`). The switch happens after the row's
+"log_every": L, "steps": the run's}, the links' rate limit (tbf) is put on and taken off
+at metrics rows, as `shaped_window` lays out, so that the compute measured on the fast
+links and the step measured on the slow ones come from the same run, minutes of this
+machine's drift apart no more (tests/netlab/experiment.py `read_phases`). The switch happens after the row's
 clock is settled and before the next timed step (outside the run's clock:
 bench/train.py), by rank 0, and every rank waits for it at a barrier.
 
