@@ -20,6 +20,10 @@ ranks_per_node):
   settles to when it exchanges every gap, as gossip's does over a run);
 - all_reduce inside a step: every rank computes `--step-compute` seconds, then runs it,
   no barrier between, as training does; the op's time is the last rank to arrive's;
+- with gloo (TCP), what slow start after an idle depends on (`_tcp_link`): the round trip
+  (the smallest of `RTT_PINGS` one-element ping-pongs on an idle connection of their own)
+  and the queue one bulk flow keeps standing at the bottleneck (the median ping-pong
+  while a `BURST_S` transfer runs over the ranks' main connection, minus that round trip);
 at each message size, the median of `--iters` timed repetitions (the exchange: at least
 `EXCHANGE_ROUNDS`) after one warm-up.
 It then fits, per tier, by least squares on relative errors with the SAME formulas the
@@ -40,7 +44,11 @@ projection uses for `--backend` (bench/network/costs.py):
 The fit's residuals are printed and stored under each tier's `fit:` in the YAML, which
 `get_profile(path)` loads.
 With one rank per node (the default locally) only `inter` is measured and `intra` is a copy.
-With gloo the tiers also get TCP's initial window (slow start after idle).
+With gloo the tiers also get TCP's initial window, the measured round trip (`tcp_rtt`) and
+standing queue (`tcp_queue`): the ramp after an idle (bench/network/costs.py
+`slow_start_extra_s`) runs on them, not on the fitted alpha, which holds the backend's
+per-message cost as well (1.5 ms against a 1.05 ms one-way link at 1 Gbit/s + 1 ms in the
+shaped-link lab, docs/network-model.md).
 """
 
 from __future__ import annotations
@@ -68,6 +76,20 @@ compute (a gossip round), no barrier."""
 IN_STEP = "all_reduce_in_step"
 """all_reduce right after `--step-compute` seconds of compute, no barrier: the drift fit."""
 OPS = (*SYNCED_OPS, EXCHANGE, IN_STEP)
+ROUND_TRIP = "round_trip"
+"""gloo only: the idle link's round trip (the smallest one-element ping-pong)."""
+QUEUE = "tcp_queue"
+"""gloo only: the median ping-pong under one bulk flow, minus the round trip."""
+RTT_PINGS = 20
+"""One-element ping-pongs on the idle connection; the round trip is the smallest."""
+BURST_S = 0.5
+"""The bulk flow of the queue measurement lasts about this long at the rate the tier's
+largest p2p measured (its size held to `BURST_BYTES`): a few round trips of slow start
+take the window past the bandwidth-delay product into the queue, and the ping-pongs run
+over the first half (the rate is p2p's best over `--sizes`). In the lab (20 ms tbf queues, 0.5 s flows) the standing queue was
+4 ms at 1 Gbit/s + 1 ms, 6 ms at 100 Mbit/s + 10 ms, 9 ms at 100 Mbit/s + 1 ms: one
+CUBIC flow backs off at each loss, so it keeps less than the whole buffer standing."""
+BURST_BYTES = (4 * 2**20, 256 * 2**20)
 EXCHANGE_WARMUPS = 3
 """Back-to-back exchanges before the timed ones, so that the window they find is the one
 a connection sending S keeps, not what the earlier ops (other sizes) left it."""
@@ -163,10 +185,11 @@ def probe_device(backend: str):
 
 def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
           device=None, step_compute_s: float = DEFAULT_STEP_COMPUTE_S,
-          exchange_gap_s: float = DEFAULT_EXCHANGE_GAP_S) -> list[dict]:
+          exchange_gap_s: float = DEFAULT_EXCHANGE_GAP_S, tcp: bool = False) -> list[dict]:
     """Measure every (tier, op, size) on the initialised default group; rows on rank 0 only.
     Tensors live on `device` (default CPU); on CUDA each op is timed to its completion
-    (NCCL returns to the host before it)."""
+    (NCCL returns to the host before it). `tcp` (gloo): also each tier's round trip and
+    standing queue (`_tcp_link`)."""
     import torch
     import torch.distributed as dist
 
@@ -193,6 +216,8 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
             pg = dist.new_group(ranks)
             if local == 0:
                 groups["inter"] = (ranks, pg)
+    # the ping-pongs of `_tcp_link` on a connection of their own (a group of the pair)
+    pings = {tier: dist.new_group(ranks[:2]) for tier, (ranks, _) in groups.items()} if tcp else {}
     work = torch.randn(64, 64, device=device)
 
     def compute(seconds):  # CPU- (or GPU-) bound work, as a training step's
@@ -231,6 +256,7 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
 
     rows = []
     for tier, (ranks, pg) in groups.items():
+        p2p_Bps = 0.0  # the best one-way rate p2p measured: sizes the bulk flow of `_tcp_link`
         for size in sizes:
             buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
             for op in OPS:
@@ -265,13 +291,78 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
                         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                         if i:  # the first round is a warm-up (connection set-up)
                             times.append(elapsed.item() / 2 if op == "p2p" else elapsed.item())
+                    if op == "p2p":
+                        p2p_Bps = max(p2p_Bps, buf.numel() * 4 / statistics.median(times))
                 if rank == 0:
                     n = 2 if op in ("p2p", EXCHANGE) else len(ranks)
                     rows.append(dict(tier=tier, op=op, n=n, nbytes=buf.numel() * 4,
                                      seconds=statistics.median(times),
                                      **({"idle_s": exchange_gap_s} if op == EXCHANGE else {})))
+        if tier in pings:
+            link = _tcp_link(rank, ranks[:2], pings[tier], p2p_Bps)
+            if rank == 0:
+                rows += [dict(tier=tier, op=op, n=2, **row) for op, row in link.items()]
     dist.barrier()
     return rows
+
+
+def _tcp_link(rank: int, pair: list[int], pings, rate_Bps: float) -> dict[str, dict]:
+    """The pair's round trip and standing queue ({ROUND_TRIP: row, QUEUE: row} on its first
+    rank, {} elsewhere). The first rank drives: `RTT_PINGS` one-element ping-pongs on the
+    `pings` group's connection, idle; then a bulk transfer of about `BURST_S` at
+    `rate_Bps` over the world group's connection to the second rank, ping-ponging through
+    its first half. A ping-pong's packets queue behind the bulk flow's at the sender's
+    bottleneck: the median loaded ping-pong minus the idle round trip is the queue."""
+    import torch
+    import torch.distributed as dist
+
+    first, second = pair
+    if rank not in pair:
+        return {}
+    one = torch.zeros(1)
+
+    def ping(value: float) -> float:  # the first rank's ping-pong; 0 ends the answering
+        one.fill_(value)
+        t0 = time.perf_counter()
+        dist.send(one, second, group=pings)
+        dist.recv(one, second, group=pings)
+        return time.perf_counter() - t0
+
+    def answer() -> None:  # the second rank's side, until a ping of 0
+        while True:
+            dist.recv(one, first, group=pings)
+            dist.send(one, first, group=pings)
+            if one.item() == 0:
+                return
+
+    size = torch.tensor([0], dtype=torch.float64)
+    if rank == first:
+        idle = [ping(1) for _ in range(RTT_PINGS)]
+        ping(0)
+        lo, hi = BURST_BYTES
+        size.fill_(min(max(rate_Bps * BURST_S, lo), hi) // 4)
+        dist.send(size, second, group=pings)
+    else:
+        answer()
+        dist.recv(size, first, group=pings)
+    bulk = torch.zeros(int(size.item()))
+    if rank == first:
+        flow = dist.isend(bulk, second)
+        loaded = []
+        end = time.perf_counter() + bulk.numel() * 4 / max(rate_Bps, 1.0) / 2
+        while time.perf_counter() < end or not loaded:
+            loaded.append(ping(1))
+        ping(0)
+    else:
+        flow = dist.irecv(bulk, first)
+        answer()
+    flow.wait()
+    if rank != first:
+        return {}
+    rtt = min(idle)
+    return {ROUND_TRIP: dict(nbytes=4, seconds=rtt),
+            QUEUE: dict(nbytes=bulk.numel() * 4, seconds=max(0.0, statistics.median(loaded) - rtt),
+                        loaded_s=statistics.median(loaded), pings=len(loaded))}
 
 
 # ---------------------------------------------------------------------- fitting
@@ -392,6 +483,10 @@ def fit_tier(rows: list[dict], algorithm: str, tcp_window: float | None = None
         raise ValueError("netprobe has no synchronised points to fit alpha and beta to")
     base = _fit_alpha_beta(synced, algorithm)
     base = dataclasses.replace(base, tcp_initial_window_B=tcp_window)
+    if tcp_window is not None:  # the link under TCP's slow start, as measured (gloo)
+        link = {r["op"]: r["seconds"] for r in rows if r["op"] in (ROUND_TRIP, QUEUE)}
+        base = dataclasses.replace(base, tcp_rtt_s=link.get(ROUND_TRIP),
+                                   tcp_queue_s=link.get(QUEUE, 0.0))
     in_step = [r for r in rows if r["op"] == IN_STEP]
     drift = _fit_drift(in_step, base, algorithm) if in_step else 0.0
     tier = dataclasses.replace(base, latency_s=base.latency_s + drift)
@@ -400,7 +495,8 @@ def fit_tier(rows: list[dict], algorithm: str, tcp_window: float | None = None
     residuals = (_residuals(synced + exchanges, base, algorithm)
                  + _residuals(in_step, tier, algorithm))
     rel = [r["rel_residual"] for r in residuals if r["op"] != EXCHANGE]  # the fitted points
-    fit = dict(points=len(rows), algorithm=algorithm, link_latency_s=base.latency_s,
+    fit = dict(points=sum(r["op"] in OPS for r in rows), algorithm=algorithm,
+               link_latency_s=base.latency_s,
                drift_s=drift,
                rms_rel_residual=math.sqrt(sum(e * e for e in rel) / len(rel)),
                max_abs_rel_residual=max(abs(e) for e in rel), residuals=residuals)
@@ -427,6 +523,8 @@ def fit_profile(rows: list[dict], backend: str, name: str, description: str) -> 
         doc_tiers[f"{name}-{tier}"] = dict(
             latency_s=t.latency_s, bandwidth_Bps=t.bandwidth_Bps,
             **({"tcp_initial_window": t.tcp_initial_window_B} if window else {}),
+            **({"tcp_rtt": t.tcp_rtt_s} if t.tcp_rtt_s is not None else {}),
+            **({"tcp_queue": t.tcp_queue_s} if window and t.tcp_rtt_s is not None else {}),
             **({"exchange_scale": [[int(b), round(r, 4)] for b, r in t.exchange_scale]}
                if t.exchange_scale else {}),
             fit=fits[source] if source == tier else f"not measured: copy of {source}")
@@ -447,8 +545,10 @@ def format_fit(doc: dict) -> str:
         exchange = ("; exchange x " + ", x ".join(f"{r:.2f} at {b} B" for b, r in
                                                   spec["exchange_scale"])
                     if spec.get("exchange_scale") else "")
+        tcp = (f"; TCP round trip {spec['tcp_rtt'] * 1e3:.2f} ms, standing queue "
+               f"{spec.get('tcp_queue', 0) * 1e3:.2f} ms" if "tcp_rtt" in spec else "")
         lines.append(f"{head} (alpha {fit['link_latency_s'] * 1e6:.1f} us + drift "
-                     f"{fit['drift_s'] * 1e6:.1f} us{exchange}); {fit['algorithm']} formulas, "
+                     f"{fit['drift_s'] * 1e6:.1f} us{exchange}{tcp}); {fit['algorithm']} formulas, "
                      f"{fit['points']} points, rms relative residual "
                      f"{fit['rms_rel_residual']:.1%}")
         for r in fit["residuals"]:
@@ -572,7 +672,8 @@ def _worker(argv: list[str] | None = None) -> int:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     try:
         rows = probe(rank, world, args.ranks_per_node, [parse_size(s) for s in args.sizes],
-                     args.iters, device, args.step_compute, args.exchange_gap)
+                     args.iters, device, args.step_compute, args.exchange_gap,
+                     tcp=args.backend == "gloo")
     finally:
         dist.destroy_process_group()
     if rank == 0:

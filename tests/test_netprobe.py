@@ -10,6 +10,7 @@ from bench.netprobe import (
     coefficients,
     exchange_scale,
     fit_profile,
+    format_fit,
     parse_size,
     probe,
     write_profile,
@@ -66,6 +67,9 @@ def test_fit_recovers_alpha_beta_exchange_drift_and_writes_a_loadable_profile(tm
     # inter: exchanges 40 ms beyond their formula, 0.5 ms of drift per message in a step
     rows = synthetic_rows("inter", inter, 4, [4096, 65536, 2**20, 2**22], 0.04, 5e-4)
     rows += synthetic_rows("intra", intra, 2, [4096, 65536, 2**20, 2**22])
+    # gloo: the inter link's round trip and the queue a bulk flow keeps standing
+    rows += [dict(tier="inter", op="round_trip", n=2, nbytes=4, seconds=3e-3),
+             dict(tier="inter", op="tcp_queue", n=2, nbytes=2**22, seconds=7e-3)]
     doc = fit_profile(rows, "gloo", "lab", "synthetic")
     out = tmp_path / "lab.yaml"
     write_profile(doc, out)
@@ -94,8 +98,14 @@ def test_fit_recovers_alpha_beta_exchange_drift_and_writes_a_loadable_profile(tm
     assert max(abs(r["rel_residual"]) for r in fitted) == pytest.approx(0, abs=1e-4)
     # gloo runs over TCP: the tiers carry Linux's initial window (slow start after idle)
     assert p.inter.tcp_initial_window_B == p.intra.tcp_initial_window_B == 14480
+    # and the ramp runs on the measured round trip and queue, not on alpha + drift
+    assert (p.inter.tcp_rtt_s, p.inter.tcp_queue_s) == (3e-3, 7e-3)
+    assert p.inter.round_trip_s == 3e-3 and p.intra.round_trip_s == pytest.approx(40e-6)
+    assert (p.intra.tcp_rtt_s, p.intra.tcp_queue_s) == (None, 0.0)  # not measured there
+    assert "TCP round trip 3.00 ms, standing queue 7.00 ms" in format_fit(doc)
     nccl = fit_profile(rows, "nccl", "ib", "synthetic")
-    assert all("tcp_initial_window" not in t for t in nccl["tiers"].values())
+    assert all("tcp_initial_window" not in t and "tcp_rtt" not in t and "tcp_queue" not in t
+               for t in nccl["tiers"].values())
 
 
 def test_exchange_scale_leaves_out_the_probes_own_slow_start():
@@ -123,7 +133,7 @@ def test_parse_size_names_the_bad_entry():
 
 
 def _probe_and_fit(rank, world_size, out):
-    rows = probe(rank, world_size, 2, [4096, 2**20], iters=1)
+    rows = probe(rank, world_size, 2, [4096, 2**20], iters=1, tcp=True)
     if rank == 0:
         write_profile(fit_profile(rows, "gloo", "local", "test"), __import__("pathlib").Path(out))
     return len(rows)
@@ -131,15 +141,17 @@ def _probe_and_fit(rank, world_size, out):
 
 @pytest.mark.slow  # 4 spawned interpreters: ~45 s on the shared 2-core machine
 def test_netprobe_on_local_gloo_ranks(tmp_path):
-    # 4 ranks, 2 per node: both tiers measured (6 ops x 2 sizes each) on loopback
+    # 4 ranks, 2 per node: both tiers measured (6 ops x 2 sizes each, and the TCP link's
+    # round trip and standing queue) on loopback
     out = tmp_path / "local.yaml"
     counts = run_distributed(_probe_and_fit, 4, str(out), timeout=120)
-    assert counts == [24, 0, 0, 0]
+    assert counts == [28, 0, 0, 0]
     get_profile(str(out))  # loads
     tiers = yaml.safe_load(out.read_text())["tiers"]
     for name in ("local-intra", "local-inter"):
         assert tiers[name]["fit"]["points"] == 12
         assert math.isfinite(tiers[name]["fit"]["rms_rel_residual"])
+        assert 0 < tiers[name]["tcp_rtt"] < 1 and 0 <= tiers[name]["tcp_queue"] < 1
 
 
 def test_commbench_netprobe_cli(tmp_path):
@@ -154,6 +166,8 @@ def test_commbench_netprobe_cli(tmp_path):
     assert p.name == "mine"
     tiers = yaml.safe_load(out.read_text())["tiers"]
     assert tiers["mine-inter"]["fit"]["points"] == 12  # 6 ops x 2 sizes
+    # gloo: TCP's round trip and standing queue measured (loopback: well under a second)
+    assert 0 < p.inter.tcp_rtt_s < 1 and 0 <= p.inter.tcp_queue_s < 1
     assert tiers["mine-intra"]["fit"] == "not measured: copy of inter"
 
 

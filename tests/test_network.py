@@ -294,6 +294,11 @@ def test_user_yaml_profile_by_path(tmp_path):
      r"buffer queues at line rate, e.g. 20ms; absent: a shallow buffer\), got -0.02"),
     ("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1GB/s, tcp_queue: deep}\n",
      r"mine.yaml.inter.tcp_queue must be .*got 'deep'"),
+    ("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1GB/s, tcp_rtt: 0}\n",
+     r"mine.yaml.inter.tcp_rtt must be > 0 and at most 20 s \(the link's round trip as TCP "
+     r"sees it, e.g. 2.1ms; absent: twice the latency\), got 0"),
+    ("intra: nvlink\ninter: {latency: 1ms, bandwidth: 1GB/s, tcp_rtt: soon}\n",
+     r"mine.yaml.inter.tcp_rtt must be .*got 'soon'"),
 ])
 def test_yaml_validation_names_field_value_and_valid(tmp_path, text, message):
     path = tmp_path / "mine.yaml"
@@ -480,6 +485,25 @@ def test_the_buffer_decides_the_ramp_after_an_idle():
                        "tcp_queue": "100ms"}, "t", {}) == deep
     with pytest.raises(ValueError, match="tcp_queue_s must be from 0 to 10 s"):
         Tier(10e-3, 1.25e5, tcp_queue_s=-1.0)
+
+
+def test_a_measured_round_trip_runs_the_ramp_and_the_rto():
+    # latency 10 ms (2 alpha = 20 ms) but TCP's round trip measured at 10 ms: 125 kB/s x
+    # 10 ms = 1250 B in flight. Cold, 10 kB: one round of w0 = 1000 B (10 - 8 ms), then the
+    # window (2000 B) covers the path. On 2 alpha: rounds of 1000 and 2000 B against 20 ms
+    measured = Tier(10e-3, 1.25e5, tcp_initial_window_B=1000, tcp_rtt_s=0.01)
+    plain = Tier(10e-3, 1.25e5, tcp_initial_window_B=1000)
+    assert measured.round_trip_s == 0.01 and plain.round_trip_s == 0.02
+    assert slow_start_extra_s(10_000, measured) == pytest.approx(0.01 - 0.008)
+    assert slow_start_extra_s(10_000, plain) == pytest.approx((0.02 - 0.008) + (0.02 - 0.016))
+    # the RTO is 200 ms + the round trip: 215 ms of idle restarts the measured link's window
+    # (one halving of min(10 kB, 1250 B), held at w0: the cold ramp) and not the other's
+    assert slow_start_extra_s(10_000, measured, idle_s=0.215) == pytest.approx(0.002)
+    assert slow_start_extra_s(10_000, plain, idle_s=0.215) == 0.0
+    assert parse_tier({"latency": "10ms", "bandwidth": 1.25e5, "tcp_initial_window": 1000,
+                       "tcp_rtt": "10ms"}, "t", {}) == measured
+    with pytest.raises(ValueError, match=r"tcp_rtt_s must be > 0 and at most 20 s, or None"):
+        Tier(10e-3, 1.25e5, tcp_rtt_s=0.0)
 
 
 def test_exchange_formula_by_hand():

@@ -166,6 +166,20 @@ def test_bandwidth_for_a_target_matches_a_direct_evaluation():
         assert result.at["utilisation"] == pytest.approx(util(1e11), rel=1e-12)
 
 
+def test_a_set_latency_drops_the_profiles_measured_round_trip():
+    """netprobe's TCP round trip belongs to the latency it measured with: a scenario that
+    sets its own latency prices slow start on twice that, one that keeps it on the probe's."""
+    from bench.whatif.scenario import base_profile
+
+    path = str(Path(__file__).parent / "profiles" / "netprobe-tcp.yaml")
+    methods = {"ddp": {"strategy": {"name": "ddp"}}}
+    _, kept = base_profile(scenario(methods, f"network.profile={path}"))
+    assert (kept.latency_s, kept.tcp_rtt_s, kept.tcp_queue_s) == (0.00138, 0.0025, 0.004)
+    _, set_ = base_profile(scenario(methods, f"network.profile={path}", "network.latency=10ms"))
+    assert (set_.latency_s, set_.tcp_rtt_s, set_.round_trip_s) == (0.01, None, 0.02)
+    assert set_.tcp_queue_s == 0.004  # the buffer is the link's, whatever its latency
+
+
 def test_plans_price_one_period_of_a_long_phase():
     """Steady state: a 360-round DiLoCo is priced from two periods, yet equals the
     every-step price (no slow start on this network). A phase that is no whole number

@@ -277,22 +277,23 @@ def slow_start_extra_s(nbytes: float, tier: Tier, idle_s: float = math.inf) -> f
     """Extra seconds to send one `nbytes` message over a TCP connection of `tier` that has
     been idle for `idle_s` (math.inf: never used).
 
+    r = `tier.round_trip_s` (netprobe's measured round trip, else 2 alpha), b = beta.
     Linux restarts the congestion window after an idle longer than the RTO (RTO =
-    TCP_MIN_RTO_S + 2 alpha; `tcp_slow_start_after_idle`, on by default): it halves the
-    window once for every further RTO idle, down to the initial window w0 =
+    TCP_MIN_RTO_S + r; `tcp_slow_start_after_idle`, on by default): it halves the window
+    once for every further RTO idle, down to the initial window w0 =
     `tcp_initial_window_B`. The window before the idle is taken to be what the message
-    needs, S, unless losses cap it first, at the bandwidth-delay product plus the
-    bottleneck's buffer (`tcp_queue_s`): min(S, b * (2a + queue)). Measured on the shaped
+    needs, S, unless losses cap it first, at the bandwidth-delay product plus the queue
+    the bottleneck holds (`tcp_queue_s`): min(S, b * (r + queue)). Measured on the shaped
     links (docs/network-model.md, "TCP slow start after idle"): a connection carrying one
     499 kB exchange per 0.25 s of idle paid about a round trip of ramp at 1 Gbit/s +
     10 ms; at 100 Mbit/s + 10 ms behind a 20 ms queue none, behind a 2 ms one a ramp and
     losses. From there the window doubles every round trip until it covers the message or
     the bandwidth-delay product; each such round costs a round trip instead of w / b.
-    Extra = sum over those rounds of (2a - w_i / b). 0 for a tier without TCP slow start
+    Extra = sum over those rounds of (r - w_i / b). 0 for a tier without TCP slow start
     (window None), an idle shorter than the RTO, or a message inside the window.
     """
     w0 = tier.tcp_initial_window_B
-    rtt, beta = 2 * tier.latency_s, tier.bandwidth_Bps
+    rtt, beta = tier.round_trip_s, tier.bandwidth_Bps
     if w0 is None or nbytes <= w0 or not idle_s > TCP_MIN_RTO_S + rtt:
         return 0.0
     bdp = beta * rtt

@@ -66,6 +66,12 @@ class Tier:
     window can grow to the bandwidth-delay product plus that much before losses cap it,
     which decides how far it has to ramp after an idle (`slow_start_extra_s`); 0 = a
     buffer too shallow to count (the window capped at the bandwidth-delay product).
+    netprobe measures it as the queue one bulk TCP flow keeps standing on the link.
+    `tcp_rtt_s`: the round trip TCP's slow start runs on (netprobe: the smallest ping-pong
+    of one element on the idle link); None = 2 x `latency_s`. netprobe's `latency_s` is
+    what an op's message costs through the backend (its handshakes and copies), which on
+    short links is well above half the round trip (1.5 ms against 1.05 at 1 Gbit/s + 1 ms
+    in the shaped-link lab, docs/network-model.md).
     """
 
     latency_s: float
@@ -74,6 +80,7 @@ class Tier:
     tcp_initial_window_B: float | None = None
     exchange_scale: tuple[tuple[float, float], ...] = ()
     tcp_queue_s: float = 0.0
+    tcp_rtt_s: float | None = None
 
     def __post_init__(self):
         if not self.latency_s >= 0:
@@ -91,6 +98,14 @@ class Tier:
         if not 0 <= self.tcp_queue_s <= MAX_LATENCY_S:
             raise ValueError(f"Tier.tcp_queue_s must be from 0 to {MAX_LATENCY_S:g} s, got "
                              f"{self.tcp_queue_s!r}")
+        if self.tcp_rtt_s is not None and not 0 < self.tcp_rtt_s <= 2 * MAX_LATENCY_S:
+            raise ValueError(f"Tier.tcp_rtt_s must be > 0 and at most {2 * MAX_LATENCY_S:g} s, "
+                             f"or None, got {self.tcp_rtt_s!r}")
+
+    @property
+    def round_trip_s(self) -> float:
+        """The round trip TCP sees: `tcp_rtt_s`, else 2 x `latency_s`."""
+        return 2 * self.latency_s if self.tcp_rtt_s is None else self.tcp_rtt_s
 
     def exchange_factor(self, nbytes: float) -> float:
         """`exchange_scale`'s ratio at `nbytes` per peer: linear in log(size) between the
@@ -194,7 +209,7 @@ def parse_bandwidth(value, where: str) -> float:
 
 
 _TIER_KEYS = {"latency", "latency_s", "bandwidth", "bandwidth_Bps", "nics", "tcp_initial_window",
-              "exchange_scale", "tcp_queue", "fit"}
+              "exchange_scale", "tcp_queue", "tcp_rtt", "fit"}
 
 
 def _reject_unknown(spec: dict, allowed: set[str], where: str, noun: str) -> None:
@@ -245,9 +260,16 @@ def parse_tier(spec, where: str, named: dict[str, Tier]) -> Tier:
         raise _fail(f"{where}.tcp_queue", spec["tcp_queue"],
                     f"from 0 to {MAX_LATENCY_S:g} s (how long the link's bottleneck buffer "
                     "queues at line rate, e.g. 20ms; absent: a shallow buffer)")
+    rtt = spec.get("tcp_rtt")
+    if rtt is not None:
+        rtt = parse_latency(rtt, f"{where}.tcp_rtt")
+        if not 0 < rtt <= 2 * MAX_LATENCY_S:
+            raise _fail(f"{where}.tcp_rtt", spec["tcp_rtt"],
+                        f"> 0 and at most {2 * MAX_LATENCY_S:g} s (the link's round trip as "
+                        "TCP sees it, e.g. 2.1ms; absent: twice the latency)")
     return Tier(latency, bandwidth, nics, None if window is None else float(window),
                 _parse_exchange_scale(spec.get("exchange_scale", []), f"{where}.exchange_scale"),
-                queue)
+                queue, rtt)
 
 
 def _parse_exchange_scale(spec, where: str) -> tuple[tuple[float, float], ...]:
