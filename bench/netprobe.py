@@ -86,9 +86,10 @@ BURST_S = 0.5
 """The bulk flow of the queue measurement lasts about this long at the rate the tier's
 largest p2p measured (its size held to `BURST_BYTES`): a few round trips of slow start
 take the window past the bandwidth-delay product into the queue, and the ping-pongs run
-over the first half (the rate is p2p's best over `--sizes`). In the lab (20 ms tbf queues, 0.5 s flows) the standing queue was
-4 ms at 1 Gbit/s + 1 ms, 6 ms at 100 Mbit/s + 10 ms, 9 ms at 100 Mbit/s + 1 ms: one
-CUBIC flow backs off at each loss, so it keeps less than the whole buffer standing."""
+over the first half (the rate is p2p's best over `--sizes`). In the lab (20 ms tbf
+queues, 0.5 s flows) the standing queue was 4 ms at 1 Gbit/s + 1 ms, 6 ms at 100 Mbit/s
++ 10 ms, 9 ms at 100 Mbit/s + 1 ms: one CUBIC flow backs off at each loss, so it keeps
+less than the whole buffer standing."""
 BURST_BYTES = (4 * 2**20, 256 * 2**20)
 EXCHANGE_WARMUPS = 3
 """Back-to-back exchanges before the timed ones, so that the window they find is the one
