@@ -81,8 +81,8 @@ def _how_measured(runs: pd.DataFrame) -> str:
             "the step projected from the fast phase of a run onto its slow phase (the "
             "links' rate switched inside one run) came within 10% of the measured step "
             "for DDP, DiLoCo, GASLoC and a 2-stage 1F1B pipeline in 16 of 16 cases "
-            "(-6.4% to +9.3%, medians of 3), within 5% given the slow phase's own "
-            "compute; GASLoC's exchange op by op came within 7% of its formula at every "
+            "(-7.3% to +5.8%, medians of 3), within 6.4% given the slow phase's own "
+            "compute; GASLoC's exchange op by op came within 5% of its formula at every "
             "setting. It is not validated for NCCL, more ranks, or lossy links.")
 
 
