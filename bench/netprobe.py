@@ -47,8 +47,8 @@ With one rank per node (the default locally) only `inter` is measured and `intra
 With gloo the tiers also get TCP's initial window, the measured round trip (`tcp_rtt`) and
 standing queue (`tcp_queue`): the ramp after an idle (bench/network/costs.py
 `slow_start_extra_s`) runs on them, not on the fitted alpha, which holds the backend's
-per-message cost as well (1.5 ms against a 1.05 ms one-way link at 1 Gbit/s + 1 ms in the
-shaped-link lab, docs/network-model.md).
+per-message cost as well (1.2-1.6 ms against a 1.05 ms one-way link at 1 Gbit/s + 1 ms
+in the shaped-link lab, docs/network-model.md).
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ class Tier:
     `tcp_rtt_s`: the round trip TCP's slow start runs on (netprobe: the smallest ping-pong
     of one element on the idle link); None = 2 x `latency_s`. netprobe's `latency_s` is
     what an op's message costs through the backend (its handshakes and copies), which on
-    short links is well above half the round trip (1.5 ms against 1.05 at 1 Gbit/s + 1 ms
-    in the shaped-link lab, docs/network-model.md).
+    short links is well above half the round trip (1.2-1.6 ms against 1.05 at 1 Gbit/s +
+    1 ms in the shaped-link lab, docs/network-model.md).
     """
 
     latency_s: float
