@@ -83,14 +83,43 @@ QUEUE = "tcp_queue"
 RTT_PINGS = 20
 """One-element ping-pongs on the idle connection; the round trip is the smallest."""
 BURST_S = 0.5
-"""The bulk flow of the queue measurement lasts about this long at the rate the tier's
-largest p2p measured (its size held to `BURST_BYTES`): a few round trips of slow start
-take the window past the bandwidth-delay product into the queue, and the ping-pongs run
-over the first half (the rate is p2p's best over `--sizes`). In the lab (20 ms tbf
-queues, 0.5 s flows) the standing queue was 4 ms at 1 Gbit/s + 1 ms, 6 ms at 100 Mbit/s
-+ 10 ms, 9 ms at 100 Mbit/s + 1 ms: one CUBIC flow backs off at each loss, so it keeps
+"""The bulk flow of the queue measurement lasts about this long (or `FLOW_RTTS` round
+trips, if longer) at the best rate p2p measured over `--sizes` (its size held to
+`BURST_BYTES`), and the ping-pongs run over its first half (`flow_plan`): a few round
+trips of slow start take the window past the bandwidth-delay product into the queue. On
+the lab's links (20 ms tbf queues; run y, 3 probes each) the standing queue was 4.1-5.2
+ms at 1 Gbit/s + 1 ms, 3.1-3.8 ms at 1 Gbit/s + 10 ms, 10.3-11.6 ms at 100 Mbit/s + 1 ms
+and 5.0-5.2 ms at 100 Mbit/s + 10 ms: one CUBIC flow backs off at each loss, so it keeps
 less than the whole buffer standing."""
+FLOW_RTTS = 24
+"""The flow's least length in idle round trips: on long round trips slow start alone
+takes log2(bandwidth-delay product / initial window) of them (9 at 1 Gbit/s + 50 ms).
+Pings while the window still ramps read below the queue: a low `tcp_queue` charges more
+ramp after idles, which costs gossip and DiLoCo more than DDP."""
+MAX_FLOW_S = 10.0
+"""The flow's longest planned length (a link far slower than p2p measured ends later)."""
 BURST_BYTES = (4 * 2**20, 256 * 2**20)
+
+
+def flow_plan(rate_Bps: float, rtt_s: float) -> tuple[int, float]:
+    """(bytes, seconds of ping-pongs) of `_tcp_link`'s bulk flow on a link p2p measured at
+    `rate_Bps` with round trip `rtt_s`: the flow lasts D = max(`BURST_S`, `FLOW_RTTS`
+    round trips), at most `MAX_FLOW_S`, at that rate, its bytes held to `BURST_BYTES` (whole
+    float32 elements); the pings run over the first half of the flow as planned, and never
+    past D, whatever the rate (a rate measured far too low would otherwise ping for
+    hours, on an idle link once the flow is done)."""
+    duration = min(max(BURST_S, FLOW_RTTS * rtt_s), MAX_FLOW_S)
+    rate = max(rate_Bps, 1.0)
+    lo, hi = BURST_BYTES
+    nbytes = int(min(max(rate * duration, lo), hi)) // ELEMENT * ELEMENT
+    return nbytes, min(nbytes / rate / 2, duration)
+
+
+def standing_queue(idle_s: list[float], loaded_s: list[float]) -> tuple[float, float]:
+    """(round trip, standing queue) from ping-pongs on the idle link and under the flow:
+    the smallest idle one, and the median loaded one minus it (0 if below)."""
+    rtt = min(idle_s)
+    return rtt, max(0.0, statistics.median(loaded_s) - rtt)
 EXCHANGE_WARMUPS = 3
 """Back-to-back exchanges before the timed ones, so that the window they find is the one
 a connection sending S keeps, not what the earlier ops (other sizes) left it."""
@@ -310,10 +339,11 @@ def probe(rank: int, world_size: int, ranks_per_node: int, sizes, iters: int,
 def _tcp_link(rank: int, pair: list[int], pings, rate_Bps: float) -> dict[str, dict]:
     """The pair's round trip and standing queue ({ROUND_TRIP: row, QUEUE: row} on its first
     rank, {} elsewhere). The first rank drives: `RTT_PINGS` one-element ping-pongs on the
-    `pings` group's connection, idle; then a bulk transfer of about `BURST_S` at
-    `rate_Bps` over the world group's connection to the second rank, ping-ponging through
-    its first half. A ping-pong's packets queue behind the bulk flow's at the sender's
-    bottleneck: the median loaded ping-pong minus the idle round trip is the queue."""
+    `pings` group's connection, idle; then a bulk transfer (`flow_plan`) over the world
+    group's connection to the second rank, ping-ponging through its first half. A
+    ping-pong's packets queue behind the bulk flow's at the sender's bottleneck (a FIFO;
+    a fair-queueing qdisc or a path the ping's connection hashes onto apart shows less):
+    the median loaded ping-pong minus the idle round trip is the queue (`standing_queue`)."""
     import torch
     import torch.distributed as dist
 
@@ -340,8 +370,8 @@ def _tcp_link(rank: int, pair: list[int], pings, rate_Bps: float) -> dict[str, d
     if rank == first:
         idle = [ping(1) for _ in range(RTT_PINGS)]
         ping(0)
-        lo, hi = BURST_BYTES
-        size.fill_(min(max(rate_Bps * BURST_S, lo), hi) // 4)
+        nbytes, ping_s = flow_plan(rate_Bps, min(idle))
+        size.fill_(nbytes // ELEMENT)
         dist.send(size, second, group=pings)
     else:
         answer()
@@ -350,7 +380,7 @@ def _tcp_link(rank: int, pair: list[int], pings, rate_Bps: float) -> dict[str, d
     if rank == first:
         flow = dist.isend(bulk, second)
         loaded = []
-        end = time.perf_counter() + bulk.numel() * 4 / max(rate_Bps, 1.0) / 2
+        end = time.perf_counter() + ping_s
         while time.perf_counter() < end or not loaded:
             loaded.append(ping(1))
         ping(0)
@@ -360,9 +390,9 @@ def _tcp_link(rank: int, pair: list[int], pings, rate_Bps: float) -> dict[str, d
     flow.wait()
     if rank != first:
         return {}
-    rtt = min(idle)
-    return {ROUND_TRIP: dict(nbytes=4, seconds=rtt),
-            QUEUE: dict(nbytes=bulk.numel() * 4, seconds=max(0.0, statistics.median(loaded) - rtt),
+    rtt, queue = standing_queue(idle, loaded)
+    return {ROUND_TRIP: dict(nbytes=ELEMENT, seconds=rtt),
+            QUEUE: dict(nbytes=bulk.numel() * ELEMENT, seconds=queue,
                         loaded_s=statistics.median(loaded), pings=len(loaded))}
 
 

@@ -10,9 +10,11 @@ from bench.netprobe import (
     coefficients,
     exchange_scale,
     fit_profile,
+    flow_plan,
     format_fit,
     parse_size,
     probe,
+    standing_queue,
     write_profile,
 )
 from bench.network import (
@@ -124,6 +126,29 @@ def test_exchange_scale_leaves_out_the_probes_own_slow_start():
     for r in rows:
         assert exchange_s([r["nbytes"]], scaled, "gloo", idle_s=1.0) == pytest.approx(r["seconds"])
     assert exchange_s([10_000], scaled, "gloo") == pytest.approx(1.3 * 0.03)
+
+
+def test_the_queue_measurements_flow_is_bounded_whatever_the_rate():
+    # 100 MB/s, 2 ms: half a second of data (5e7 B), pinged through its first 0.25 s
+    assert flow_plan(1e8, 2e-3) == (50_000_000, pytest.approx(0.25))
+    # a 50 ms round trip: 24 of them (1.2 s), slow start needs ~9 at 1 Gbit/s
+    assert flow_plan(1e8, 0.05) == (120_000_000, pytest.approx(0.6))
+    # a rate measured far too low (40 B/s: --sizes of a few bytes): the 4 MiB floor would
+    # take 14 hours at that rate; the pings stop at the flow's planned 0.5 s
+    assert flow_plan(40.0, 0.1) == (4 * 2**20, pytest.approx(2.4))
+    assert flow_plan(40.0, 2e-3) == (4 * 2**20, pytest.approx(0.5))
+    # a fast link: 256 MiB at most, pinged for half of what it takes at that rate
+    assert flow_plan(1e11, 1e-5) == (256 * 2**20, pytest.approx(256 * 2**20 / 1e11 / 2))
+    # a minute-long round trip plans at most 10 s
+    assert flow_plan(1e6, 60.0) == (10_000_000, pytest.approx(5.0))
+
+
+def test_standing_queue_by_hand():
+    # the round trip is the smallest idle ping-pong; the queue the median loaded one past it
+    assert standing_queue([2.4e-3, 2.2e-3, 2.6e-3], [6e-3, 9e-3, 7e-3]) == pytest.approx(
+        (2.2e-3, 4.8e-3))
+    # loaded pings no slower than idle ones (a fair-queueing qdisc, a flow done early): 0
+    assert standing_queue([2.2e-3, 2.3e-3], [2.1e-3, 2.2e-3, 2.4e-3]) == (2.2e-3, 0.0)
 
 
 def test_parse_size_names_the_bad_entry():

@@ -166,18 +166,22 @@ def test_bandwidth_for_a_target_matches_a_direct_evaluation():
         assert result.at["utilisation"] == pytest.approx(util(1e11), rel=1e-12)
 
 
-def test_a_set_latency_drops_the_profiles_measured_round_trip():
-    """netprobe's TCP round trip belongs to the latency it measured with: a scenario that
-    sets its own latency prices slow start on twice that, one that keeps it on the probe's."""
+def test_a_set_latency_moves_the_profiles_measured_round_trip():
+    """netprobe's TCP round trip moves with a latency the scenario sets (twice the change:
+    both ways); where that would leave nothing, slow start runs on twice the latency."""
     from bench.whatif.scenario import base_profile
 
     path = str(Path(__file__).parent / "profiles" / "netprobe-tcp.yaml")
     methods = {"ddp": {"strategy": {"name": "ddp"}}}
     _, kept = base_profile(scenario(methods, f"network.profile={path}"))
     assert (kept.latency_s, kept.tcp_rtt_s, kept.tcp_queue_s) == (0.00138, 0.0025, 0.004)
-    _, set_ = base_profile(scenario(methods, f"network.profile={path}", "network.latency=10ms"))
-    assert (set_.latency_s, set_.tcp_rtt_s, set_.round_trip_s) == (0.01, None, 0.02)
-    assert set_.tcp_queue_s == 0.004  # the buffer is the link's, whatever its latency
+    _, same = base_profile(scenario(methods, f"network.profile={path}", "network.latency=1.38ms"))
+    assert same.tcp_rtt_s == pytest.approx(0.0025)
+    _, far = base_profile(scenario(methods, f"network.profile={path}", "network.latency=10ms"))
+    assert far.latency_s == 0.01 and far.tcp_rtt_s == pytest.approx(0.0025 + 2 * 0.00862)
+    _, near = base_profile(scenario(methods, f"network.profile={path}", "network.latency=1us"))
+    assert near.tcp_rtt_s is None and near.round_trip_s == pytest.approx(2e-6)
+    assert far.tcp_queue_s == near.tcp_queue_s == 0.004  # kept as netprobe measured it
 
 
 def test_plans_price_one_period_of_a_long_phase():

@@ -62,11 +62,11 @@ class Tier:
     ((bytes per peer, measured / formula), ...) with sizes ascending; the projection
     multiplies the exchange's warm formula by `exchange_factor` (docs/network-model.md,
     "TCP's window on short round trips"). () = the formula as it is.
-    `tcp_queue_s`: seconds of queue the link's bottleneck buffers at line rate. A TCP
-    window can grow to the bandwidth-delay product plus that much before losses cap it,
-    which decides how far it has to ramp after an idle (`slow_start_extra_s`); 0 = a
-    buffer too shallow to count (the window capped at the bandwidth-delay product).
-    netprobe measures it as the queue one bulk TCP flow keeps standing on the link.
+    `tcp_queue_s`: seconds of queue at line rate a TCP window grows into past the
+    bandwidth-delay product before losses cap it, which decides how far it has to ramp
+    after an idle (`slow_start_extra_s`); 0 = the window capped at the bandwidth-delay
+    product. netprobe measures the queue one bulk TCP flow keeps standing; by hand, the
+    bottleneck buffer's depth is an upper bound on it.
     `tcp_rtt_s`: the round trip TCP's slow start runs on (netprobe: the smallest ping-pong
     of one element on the idle link); None = 2 x `latency_s`. netprobe's `latency_s` is
     what an op's message costs through the backend (its handshakes and copies), which on

@@ -205,10 +205,13 @@ def base_profile(s: Scenario) -> tuple[Profile, Tier]:
     inter = profile.inter
     latency = inter.latency_s if s.network.latency is None else parse_latency(
         s.network.latency, "network.latency")
-    # a measured round trip belongs to the measured latency: a latency set here replaces both
+    # a measured round trip moves with the latency (both ways); below zero: 2 x latency
+    rtt = inter.tcp_rtt_s
+    if rtt is not None:
+        rtt += 2 * (latency - inter.latency_s)
     swept = Tier(latency, inter.bandwidth_Bps, s.network.nics or inter.nics,
                  inter.tcp_initial_window_B, tcp_queue_s=inter.tcp_queue_s,
-                 tcp_rtt_s=inter.tcp_rtt_s if s.network.latency is None else None)
+                 tcp_rtt_s=rtt if rtt is not None and rtt > 0 else None)
     nodes = -(-s.world.replicas * s.world.gpus_per_replica // s.world.gpus_per_node)
     per_site = s.world.nodes_per_site
     if per_site is not None and per_site < nodes:
