@@ -14,7 +14,10 @@ to `--out` so it can be attached to a bug report:
   a tiny GPT): DDP, DiLoCo, GASLoC, a 2-stage pipeline (torch 1F1B), PipeDream-2BW,
   DeepSpeed ZeRO-1, compile with DDP, and a checkpoint then `--resume`.
 On a machine without a GPU the CPU subset runs (gloo; compile and the timing check need a
-GPU) and the table lists what was skipped and why. Tested by `pytest tests/test_doctor.py`.
+GPU) and the table lists what was skipped and why. On a node with one GPU (or
+`--world-size 1`) everything runs on one rank: NCCL's collectives at world size 1, the
+runs of one replica, and what needs two ranks (point-to-point, GASLoC, the pipelines) is
+skipped, saying so. Tested by `pytest tests/test_doctor.py`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class Check:
     """Returns the detail of a pass; raises on a failure; `Skip(reason)` to skip."""
     needs_gpu: str | None = None
     """Why the check needs a GPU (skipped without one), or None."""
+    min_ranks: int = 1
+    """Ranks the check needs (one GPU each); skipped where `--world-size` is smaller."""
 
 
 class Skip(Exception):
@@ -136,6 +141,11 @@ def _collectives_worker(out: str) -> int:
         parts = [torch.empty(4, device=device) for _ in range(world)]
         dist.all_gather(parts, torch.full((4,), float(rank), device=device))
         assert [p[0].item() for p in parts] == list(range(world)), "all_gather order"
+        if world == 1:  # no peer to send to
+            dist.barrier()
+            Path(out).write_text(f"{backend}, 1 rank: all_reduce, broadcast, all_gather "
+                                 "correct; send/recv not checked (needs 2 ranks)")
+            return 0
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         got = torch.empty(16, device=device)
         if rank % 2 == 0:
@@ -205,20 +215,22 @@ def check_bf16(ctx: Context) -> str:
 
 RUN_SETTINGS = ["run.steps=3", "run.log_every=1", "run.val_every=0", "run.val_sequences=8",
                 "model.n_layer=2", "model.seq_len=32", "data.batch_size=4",
-                "parallel.world_size=2", "network.profiles=[nvlink]", "checkpoint.final=false",
-                "parallel.timeout_s=120"]
-"""A few steps of a tiny GPT on 2 ranks: what every short run shares."""
+                "network.profiles=[nvlink]", "checkpoint.final=false", "parallel.timeout_s=120"]
+"""A few steps of a tiny GPT (on 2 ranks, or 1 where the node runs one): what every short
+run shares."""
 
-RUNS: dict[str, tuple[str, list[str]]] = {
-    "run ddp": ("configs/ddp-tiny.yaml", []),
-    "run diloco": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=2"]),
-    "run gasloc": ("configs/gasloc-tiny.yaml", ["strategy.inner_steps=2"]),
+RUNS: dict[str, tuple[str, list[str], int]] = {
+    "run ddp": ("configs/ddp-tiny.yaml", [], 1),
+    "run diloco": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=2"], 1),
+    "run gasloc": ("configs/gasloc-tiny.yaml", ["strategy.inner_steps=2"], 2),
     "run pipeline 1f1b (2 stages)": ("configs/pipeline-1f1b-tiny.yaml",
-                                     ["parallel.num_microbatches=2"]),
-    "run pipedream-2bw (2 stages)": ("configs/2bw-tiny.yaml", ["parallel.num_microbatches=2"]),
+                                     ["parallel.num_microbatches=2"], 2),
+    "run pipedream-2bw (2 stages)": ("configs/2bw-tiny.yaml",
+                                     ["parallel.num_microbatches=2"], 2),
     "run deepspeed zero-1": ("configs/ddp-tiny.yaml", ["strategy.backend=deepspeed",
-                                                       "strategy.zero_stage=1"]),
+                                                       "strategy.zero_stage=1"], 1),
 }
+"""name: (config, overrides, the ranks it needs: a gossip peer, two pipeline stages)."""
 
 
 def short_run(ctx: Context, name: str, config: str, overrides: list[str],
@@ -228,7 +240,8 @@ def short_run(ctx: Context, name: str, config: str, overrides: list[str],
     from bench.config import load_config
     from bench.launch import run_config
 
-    settings = [*RUN_SETTINGS, *overrides, f"run.name={_slug(name)}",
+    settings = [*RUN_SETTINGS, f"parallel.world_size={min(2, ctx.world_size)}", *overrides,
+                f"run.name={_slug(name)}",
                 f"run.output_dir={ctx.work_dir / 'runs'}",
                 f"parallel.device={ctx.device}", "parallel.backend=auto"]
     cfg = load_config(_repo_path(config), settings)
@@ -279,8 +292,8 @@ CHECKS: list[Check] = [
     Check("collectives and p2p", check_collectives),
     Check("CUDA events vs host timing", check_timing, needs_gpu="CUDA events"),
     Check("bf16 autocast", check_bf16),
-    *(Check(name, run_check(name, config, overrides)) for name, (config, overrides)
-      in RUNS.items()),
+    *(Check(name, run_check(name, config, overrides), min_ranks=ranks)
+      for name, (config, overrides, ranks) in RUNS.items()),
     Check("compile with DDP", check_compile, needs_gpu="torch.compile's GPU path; the order "
           "compile(DDP(model)) is pinned by the test suite on CPU"),
     Check("checkpoint and resume", check_resume),
@@ -298,6 +311,9 @@ def run_checks(checks: list[Check], ctx: Context, echo=None) -> list[Result]:
         try:
             if check.needs_gpu and not ctx.gpus:
                 raise Skip(f"needs a GPU: {check.needs_gpu}")
+            if ctx.world_size < check.min_ranks:
+                raise Skip(f"needs {check.min_ranks} ranks (one GPU each), "
+                           f"--world-size is {ctx.world_size}")
             result = Result(check.name, PASS, check.run(ctx))
         except Skip as reason:
             result = Result(check.name, SKIP, str(reason))
@@ -364,7 +380,8 @@ def _repo_path(config: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks for the collectives check (default: the GPUs, or 2 on CPU)")
+                   help="ranks, one GPU each (default: the node's GPUs, or 2 on CPU); with 1, "
+                   "the checks that need 2 ranks are skipped")
     p.add_argument("--out", default="doctor-report.md", help="the report to write")
     p.add_argument("--keep", metavar="DIR", help="keep the short runs under DIR (default: a "
                    "temporary directory, removed at the end)")
@@ -374,9 +391,9 @@ def run_cli(args) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    world = args.world_size or (gpus if gpus >= 2 else 2)
-    if world < 2:
-        raise ValueError(f"doctor --world-size must be >= 2, got {world}")
+    world = args.world_size if args.world_size is not None else (gpus or 2)
+    if world < 1:
+        raise ValueError(f"doctor --world-size must be >= 1, got {world}")
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="commbench-doctor-"))
     work.mkdir(parents=True, exist_ok=True)
     ctx = Context(world, gpus, work)

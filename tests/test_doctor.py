@@ -52,6 +52,34 @@ def test_too_many_ranks_for_the_gpus_fails(tmp_path):
     assert result.status == FAIL and "8 ranks on this node" in result.detail
 
 
+def test_one_rank_skips_what_needs_two_and_names_why(tmp_path):
+    """A node with one GPU (or --world-size 1): the checks that need a peer or two stages
+    are skipped with the reason; the others still run."""
+    two = [c for c in doctor.CHECKS if c.min_ranks == 2]
+    assert {c.name for c in two} == {"run gasloc", "run pipeline 1f1b (2 stages)",
+                                     "run pipedream-2bw (2 stages)"}
+    results = doctor.run_checks([*two, Check("one", passes)], Context(1, 1, tmp_path))
+    assert [r.status for r in results] == [SKIP, SKIP, SKIP, PASS]
+    assert results[0].detail == "needs 2 ranks (one GPU each), --world-size is 1"
+    (pair,) = doctor.run_checks([Check("pair", passes, min_ranks=2)], Context(2, 2, tmp_path))
+    assert pair.status == PASS  # the same check runs on two ranks
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_collectives_and_run_on_this_machine(tmp_path, monkeypatch):
+    """World size 1, for real: the collectives worker under torchrun (no peer for p2p, and
+    it says so) and a short DDP run of one replica through the launcher."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # the short run's corpus cache
+    ctx = Context(1, 0, tmp_path)
+    detail = doctor.check_collectives(ctx)
+    assert detail == ("gloo, 1 rank: all_reduce, broadcast, all_gather correct; send/recv "
+                      "not checked (needs 2 ranks)")
+    run = doctor.short_run(ctx, "run ddp", "configs/ddp-tiny.yaml", [])
+    assert run.startswith("3 steps, val loss ")
+    summary = next((tmp_path / "runs").glob("doctor-run-ddp*/summary.json")).read_text()
+    assert '"world_size": 1' in summary
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_commbench_doctor_on_this_machine(tmp_path, monkeypatch, capsys):
