@@ -1188,3 +1188,15 @@ def test_the_loop_reads_the_same_figures_from_the_bounded_ledger(tmp_path):
             assert bounded["projected"].keys() == kept["projected"].keys()
             assert rows == kept_rows  # comm.jsonl, but the measured seconds
             assert held < kept_len and saved == "dict"  # one step's window; aggregates saved
+
+
+def test_progress_line_shows_the_windows_rate_not_the_warm_ups():
+    """A run whose warm-up (compile, NCCL's set-up) took seconds: the progress line's tok/s
+    is the rate of the steps since the previous row (1,024 tokens a step at 8 ms), not the
+    run's average so far (20,480 tokens over 1.77 s: 11,587), which read 70x low on a GPU."""
+    from bench.summary import progress_line, train_row
+
+    row = train_row(step=20, tokens=20480, elapsed_s=1.7675, projected_elapsed_s={}, lr=0.0,
+                    loss=3.5, step_s=0.008, compute_s=0.006, comm_s=0.002, comm_bytes=0.0)
+    assert progress_line(row, 40) == "PROGRESS step 20/40 loss 3.5000 tok/s 128,000 comm 25%"
+    assert "tok/s 0 " in progress_line(dict(row, step_s=0.0), 40)  # an empty window
