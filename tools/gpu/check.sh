@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU path on one GPU, in one call of a few minutes: what docs/gpu.md reports.
+#   bash tools/gpu/check.sh [OUT_DIR]      # default: $OUT, else /tmp/commbench-gpu-check
+# Runs from the repository root with the machine's own CUDA build of torch (PYTHONPATH,
+# no install; wheels under .whl/ for commbench's small pure-Python dependencies are
+# installed into /tmp/site first when present). Checks: doctor's one-GPU checks (CUDA
+# events against the host clock, bf16 autocast), then short runs through the real
+# launcher on one rank (NCCL at world size 1): DDP fp32 / bf16 / bf16 + compile, DiLoCo
+# bf16, checkpoint then --resume, and a Llama "small" at seq 1024 eager and compiled for
+# throughput, MFU and memory against the plan. Prints a table of the runs last.
+set -u
+out=${1:-${OUT:-/tmp/commbench-gpu-check}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+runs=/tmp/commbench-gpu-runs
+rm -rf "$runs"; mkdir -p "$runs"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda,
+    "NCCL", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))'
+
+echo "== doctor's one-GPU checks"
+python3 - "$runs/doctor" <<'PY'
+import sys
+from pathlib import Path
+from bench import doctor
+ctx = doctor.Context(world_size=1, gpus=1, work_dir=Path(sys.argv[1]))
+wanted = {"environment", "CUDA events vs host timing", "bf16 autocast"}
+doctor.run_checks([c for c in doctor.CHECKS if c.name in wanted], ctx, echo=print)
+PY
+
+one() {  # NAME CONFIG [--set ...]: one rank on the GPU, its log kept
+    local name=$1 config=$2; shift 2
+    echo "== run $name"
+    timeout "${RUN_TIMEOUT:-150}" python3 -m bench.cli run "$config" --run-dir "$runs/$name" \
+        --set parallel.world_size=1 --set parallel.device=auto --set parallel.backend=auto \
+        --set network.profiles=[nvlink] --set checkpoint.final=false "$@" \
+        > "$runs/$name.log" 2>&1
+    echo "rc=$? $(tail -n 2 "$runs/$name.log" | tr '\n' ' ' | cut -c1-300)"
+    python3 tools/gpu/table.py "$runs/$name"
+}
+tiny=(--set run.steps=40 --set run.log_every=10 --set run.val_every=20 --set run.warmup_steps=3)
+one ddp-fp32 configs/ddp-tiny.yaml "${tiny[@]}"
+one ddp-bf16 configs/ddp-tiny.yaml "${tiny[@]}" --set model.precision=bf16
+one ddp-bf16-compile configs/ddp-tiny.yaml "${tiny[@]}" --set model.precision=bf16 \
+    --set model.compile=true
+one diloco-bf16 configs/diloco-tiny.yaml "${tiny[@]}" --set model.precision=bf16 \
+    --set strategy.inner_steps=5
+one resume-first configs/ddp-tiny.yaml --set run.steps=6 --set checkpoint.every=2 \
+    --set run.val_every=0 --set run.log_every=1
+echo "== resume to 10 steps"
+timeout 150 python3 -m bench.cli run --resume "$runs/resume-first" \
+    --set run.steps=10 > "$runs/resume.log" 2>&1
+echo "rc=$? $(tail -n 2 "$runs/resume.log" | tr '\n' ' ' | cut -c1-300)"
+grep -h resumed_from_step "$runs/resume-first/summary.json"
+big=(--set model.arch=llama --set model.preset=small --set model.seq_len=1024
+     --set data.batch_size=16 --set run.steps=40 --set run.log_every=10 --set run.val_every=0
+     --set run.warmup_steps=10 --set model.precision=bf16 --set optim.lr=6e-4
+     --set checkpoint.every=0)
+RUN_TIMEOUT=200 one llama-small-bf16 configs/ddp-tiny.yaml "${big[@]}"
+RUN_TIMEOUT=200 one llama-small-bf16-compile configs/ddp-tiny.yaml "${big[@]}" --set model.compile=true
+
+echo "== runs"
+python3 tools/gpu/table.py --header "$runs"/*/
+tar -C "$runs" --exclude="*.pt" -czf "$out/runs.tgz" . 2>/dev/null
