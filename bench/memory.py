@@ -22,8 +22,12 @@ algorithms/memory.py):
   matrix). Backward's working set is one block's activations (the gradients of the block
   being differentiated). With `activation_checkpointing: blocks` a block keeps its input
   only, plus one block's activations while it is recomputed. The logits (B x T x V) and
-  their gradient are counted on the rank holding the head. bf16 halves the activations
-  (approximation: norms and the loss keep fp32 statistics);
+  their gradient are counted on the rank holding the head. bf16: the forward runs under
+  an emulation of autocast on the meta device (`_MetaAutocast`; torch has no autocast
+  there): the matmuls and attention save bf16 copies of their inputs (a weight's once),
+  the residual stream and what follows it by type promotion stay fp32, as under CUDA's
+  autocast (until 2026-11-27 fp32's count was halved: an H100's eager peak was 1.12 x
+  that plan, docs/gpu.md);
 - the strategy's own terms: DDP buckets, the outer step's copies (DiLoCo/Pier global θ and
   momentum, the pseudo-gradient buffer, the evaluation copy), GASLoC's anchor and round
   buffers, pipeline weight versions and microbatches in flight, receive buffers.
@@ -39,6 +43,7 @@ the largest term. After a run, summary.json holds `memory_estimate_bytes_per_ran
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -47,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from algorithms.memory import HOST, MemoryFacts
 from algorithms.partition import stage_bounds
@@ -182,15 +188,63 @@ class _FusedAttention(torch.autograd.Function):
         raise RuntimeError("_FusedAttention is for memory counting on the meta device")
 
 
-def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False):
-    return _FusedAttention.apply(q, k, v)
+class _MetaAutocast(TorchFunctionMode):
+    """Autocast's casts, emulated on the meta device (torch has none there), so that what
+    a bf16 forward saves for backward can be counted: autocast's lower-precision ops (the
+    matmuls) get their fp32 inputs cast to `dtype`, a parameter once per forward (autocast
+    caches its casts of weights), the ops CUDA's autocast runs in fp32 get fp32 inputs,
+    and everything else follows type promotion as it does under autocast (an fp32 + bf16
+    add is fp32: the residual stream stays fp32). Attention is cast in `_fused_attention_in`."""
+
+    LOWER = frozenset({F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                       torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm,
+                       torch.Tensor.bmm})
+    FP32 = frozenset({F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax,
+                      torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax,
+                      F.cross_entropy, F.nll_loss, F.mse_loss, torch.rsqrt, torch.exp,
+                      torch.log, torch.pow, torch.Tensor.pow, torch.Tensor.rsqrt})
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.weights: dict[int, torch.Tensor] = {}
+
+    def cast(self, t, dtype: torch.dtype):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
+            return t
+        if isinstance(t, nn.Parameter):
+            if id(t) not in self.weights:
+                self.weights[id(t)] = t.to(dtype)
+            return self.weights[id(t)]
+        return t.to(dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = self.dtype if func in self.LOWER else torch.float32 if func in self.FP32 else None
+        if dtype is not None:
+            args = tuple(self.cast(a, dtype) for a in args)
+            kwargs = {k: self.cast(v, dtype) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _fused_attention_in(dtype: torch.dtype | None):
+    """scaled_dot_product_attention's stand-in; under autocast (`dtype`) its inputs are
+    cast first, as autocast does for attention."""
+
+    def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+        if dtype is not None:
+            q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+        return _FusedAttention.apply(q, k, v)
+
+    return attention
 
 
 def saved_activation_bytes(layers: list[nn.Module], batch: int, seq_len: int, width: int,
-                           first: bool, loss_fn=None) -> int:
+                           first: bool, loss_fn=None, dtype: torch.dtype | None = None) -> int:
     """Bytes autograd keeps for backward after `layers` forward one microbatch (meta
-    device: nothing allocated). Distinct storages counted once, parameters excluded."""
+    device: nothing allocated), under autocast to `dtype` when given (`_MetaAutocast`).
+    Distinct storages counted once, parameters excluded."""
     params = {p.untyped_storage()._cdata for m in layers for p in m.parameters()}
     saved: dict[int, int] = {}
 
@@ -205,9 +259,10 @@ def saved_activation_bytes(layers: list[nn.Module], batch: int, seq_len: int, wi
     else:
         x = torch.zeros(batch, seq_len, width, device="meta", requires_grad=True)
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _fused_attention
+    F.scaled_dot_product_attention = _fused_attention_in(dtype)
+    autocast = _MetaAutocast(dtype) if dtype is not None else contextlib.nullcontext()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             for layer in layers:
                 x = layer(x)
             if loss_fn is not None:
@@ -245,7 +300,7 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
     model = _meta_model(cfg)
     m, p = cfg.model, cfg.parallel
     micro = max(1, cfg.data.batch_size // p.num_microbatches)
-    scale = 0.5 if m.precision == "bf16" else 1.0
+    dtype = torch.bfloat16 if m.precision == "bf16" else None
     checkpointing = m.activation_checkpointing == "blocks"
     layers = model.as_layers()
     stages = _stage_chunks(cfg, layers) if p.num_stages > 1 else [[layers]]
@@ -256,7 +311,8 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
         activation = 0
         blocks = [layer for chunk in chunks for layer in chunk
                   if isinstance(layer, TransformerBlock)]
-        block = saved_activation_bytes(blocks[:1], micro, m.seq_len, width, False)
+        block = saved_activation_bytes(blocks[:1], micro, m.seq_len, width, False,
+                                       dtype=dtype)
         for chunk in chunks:
             if checkpointing:  # a checkpointed block keeps its input only
                 for layer in chunk:
@@ -265,21 +321,23 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
                     else:
                         activation += saved_activation_bytes(
                             [layer], micro, m.seq_len, width, layer is layers[0],
-                            lm_loss if layer is layers[-1] else None)
+                            lm_loss if layer is layers[-1] else None, dtype)
             else:
                 activation += saved_activation_bytes(chunk, micro, m.seq_len, width,
                                                      chunk[0] is layers[0],
-                                                     lm_loss if chunk[-1] is layers[-1] else None)
+                                                     lm_loss if chunk[-1] is layers[-1] else None,
+                                                     dtype)
         holds_head = any(chunk[-1] is layers[-1] for chunk in chunks)
         block_params = [sum(_bytes(t) for t in b.parameters()) for b in blocks]
         facts.append(MemoryFacts(
             param_bytes=sum(_bytes(t) for t in _unique(module.parameters())),
             optimizer=optimizer_terms(cfg.optim, module),
             optimizer_step_bytes=optimizer_step_bytes(cfg.optim, module, on_cuda),
-            activation_bytes=int(activation * scale), block_bytes=int(block * scale),
+            activation_bytes=activation, block_bytes=block,
             checkpointing=checkpointing,
             logits_bytes=micro * m.seq_len * vocab * 4 if holds_head else 0,
-            boundary_bytes=int(micro * m.seq_len * width * 4 * scale),
+            # the residual stream crosses a boundary, fp32 under autocast too
+            boundary_bytes=micro * m.seq_len * width * 4,
             unit_param_bytes=max(block_params, default=0),
             root_param_bytes=sum(_bytes(t) for t in _unique(module.parameters()))
             - sum(block_params),
