@@ -38,6 +38,9 @@ class MemoryFacts:
     with their gradient."""
     boundary_bytes: int = 0
     """One microbatch's hidden states (B x T x C): what crosses a stage boundary."""
+    weight_copy_bytes: int = 0
+    """bf16 autocast: the copies of this rank's weights autocast caches in a region and the
+    matmuls save for backward (0 in fp32); not in `activation_bytes`."""
     stage: int = 0
     num_stages: int = 1
     num_microbatches: int = 1
@@ -51,14 +54,19 @@ class MemoryFacts:
     """The parameters outside the blocks (embedding, head, final norm: FSDP's root unit)."""
     extra: dict = field(default_factory=dict)
 
-    def base_terms(self, in_flight: float = 1) -> dict[str, int]:
+    def base_terms(self, in_flight: float = 1, autocast_regions: float = 1) -> dict[str, int]:
         """Parameters, gradients, optimizer state (sharded over `shard` ranks) and the
-        activations of `in_flight` microbatches with the logits and the step's temporaries."""
+        activations of `in_flight` microbatches with the logits and the step's temporaries;
+        under bf16, autocast's weight copies of `autocast_regions` alive at once (gathered
+        whole under FSDP: never sharded)."""
         n = self.shard
         terms = {"parameters": self.param_bytes // n, "gradients": self.param_bytes // n,
                  **{k: v // n for k, v in self.optimizer.items()},
                  "optimizer step temporaries": self.optimizer_step_bytes // n,
                  "activations": int(self.activation_bytes * in_flight)}
+        if self.weight_copy_bytes:
+            terms["bf16 weight copies (autocast)"] = int(self.weight_copy_bytes
+                                                         * autocast_regions)
         terms["backward working set (one block)"] = self.block_bytes
         if self.checkpointing:
             terms["activation recomputation (one block)"] = self.block_bytes

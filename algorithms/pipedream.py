@@ -87,6 +87,11 @@ class PipeDreamConfig(PipelineConfigBase):
             return facts.num_stages - facts.stage
         return super().in_flight(facts)
 
+    def autocast_regions(self, in_flight: float) -> float:
+        """bf16: each microbatch's forward is its own autocast region (`forward` below),
+        whose weight copies its graph keeps until its backward."""
+        return in_flight
+
     def memory_terms(self, cfg, facts) -> dict[str, int]:
         """delay 1: + the second weight version and its gradients."""
         terms = super().memory_terms(cfg, facts)

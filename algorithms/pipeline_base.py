@@ -96,12 +96,17 @@ class PipelineConfigBase(StrategyConfig):
         min(S - s, M) (a stage runs S - s forwards before its first backward)."""
         return min(facts.num_stages - facts.stage, facts.num_microbatches)
 
+    def autocast_regions(self, in_flight: float) -> float:
+        """bf16: autocast regions whose weight copies are alive at once. Torch's pipelines
+        run a step's schedule in one region (algorithms/pipeline.py)."""
+        return 1
+
     def memory_terms(self, cfg, facts) -> dict[str, int]:
         """The stage's parameters, gradients, optimizer state and the activations of the
         microbatches in flight; + the stage outputs kept for backward and the replicas'
         flat gradient buffer. The rest of the model is never allocated (stage-local)."""
         in_flight = self.in_flight(facts)
-        terms = facts.base_terms(in_flight)
+        terms = facts.base_terms(in_flight, self.autocast_regions(in_flight))
         if facts.stage < facts.num_stages - 1:
             terms["stage outputs kept for backward"] = int(in_flight * facts.boundary_bytes)
         if facts.world_size > facts.num_stages:

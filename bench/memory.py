@@ -24,10 +24,13 @@ algorithms/memory.py):
   only, plus one block's activations while it is recomputed. The logits (B x T x V) and
   their gradient are counted on the rank holding the head. bf16: the forward runs under
   an emulation of autocast on the meta device (`_MetaAutocast`; torch has no autocast
-  there): the matmuls and attention save bf16 copies of their inputs (a weight's once),
-  the residual stream and what follows it by type promotion stay fp32, as under CUDA's
-  autocast (until 2026-11-27 fp32's count was halved: an H100's eager peak was 1.12 x
-  that plan, docs/gpu.md);
+  there): the matmuls and attention save bf16 copies of their inputs, the residual
+  stream and what follows it by type promotion stay fp32, as under CUDA's autocast (until
+  2026-11-27 fp32's count was halved: an H100's eager peak was 1.12 x that plan,
+  docs/gpu.md). The weights' bf16 copies are a term of their own: autocast caches one per
+  weight for its region, which is a step for DDP and torch's pipelines (one region around
+  the schedule) and a microbatch for PipeDream-2BW (`weight_copies` in
+  algorithms/pipeline_base.py);
 - the strategy's own terms: DDP buckets, the outer step's copies (DiLoCo/Pier global θ and
   momentum, the pseudo-gradient buffer, the evaluation copy), GASLoC's anchor and round
   buffers, pipeline weight versions and microbatches in flight, receive buffers.
@@ -241,10 +244,13 @@ def _fused_attention_in(dtype: torch.dtype | None):
 
 
 def saved_activation_bytes(layers: list[nn.Module], batch: int, seq_len: int, width: int,
-                           first: bool, loss_fn=None, dtype: torch.dtype | None = None) -> int:
+                           first: bool, loss_fn=None, dtype: torch.dtype | None = None,
+                           weight_copies: dict[int, int] | None = None) -> int:
     """Bytes autograd keeps for backward after `layers` forward one microbatch (meta
     device: nothing allocated), under autocast to `dtype` when given (`_MetaAutocast`).
-    Distinct storages counted once, parameters excluded."""
+    Distinct storages counted once, parameters excluded, and so are autocast's copies of
+    the weights (one per autocast region, not per microbatch): those go into
+    `weight_copies` ({id(parameter): bytes of its copy}) when given."""
     params = {p.untyped_storage()._cdata for m in layers for p in m.parameters()}
     saved: dict[int, int] = {}
 
@@ -260,15 +266,20 @@ def saved_activation_bytes(layers: list[nn.Module], batch: int, seq_len: int, wi
         x = torch.zeros(batch, seq_len, width, device="meta", requires_grad=True)
     original = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _fused_attention_in(dtype)
-    autocast = _MetaAutocast(dtype) if dtype is not None else contextlib.nullcontext()
+    autocast = _MetaAutocast(dtype) if dtype is not None else None
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              autocast or contextlib.nullcontext()):
             for layer in layers:
                 x = layer(x)
             if loss_fn is not None:
                 loss_fn(x, torch.zeros(batch, seq_len, dtype=torch.long, device="meta"))
     finally:
         F.scaled_dot_product_attention = original
+    for key, copy in (autocast.weights if autocast else {}).items():
+        saved.pop(copy.untyped_storage()._cdata, None)
+        if weight_copies is not None:
+            weight_copies[key] = copy.untyped_storage().nbytes()
     return sum(saved.values())
 
 
@@ -313,20 +324,22 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
                   if isinstance(layer, TransformerBlock)]
         block = saved_activation_bytes(blocks[:1], micro, m.seq_len, width, False,
                                        dtype=dtype)
+        copies: dict[int, int] = {}  # autocast's weight copies: one per weight on the rank
         for chunk in chunks:
-            if checkpointing:  # a checkpointed block keeps its input only
-                for layer in chunk:
-                    if isinstance(layer, TransformerBlock):
-                        activation += micro * m.seq_len * width * 4
-                    else:
-                        activation += saved_activation_bytes(
-                            [layer], micro, m.seq_len, width, layer is layers[0],
-                            lm_loss if layer is layers[-1] else None, dtype)
-            else:
-                activation += saved_activation_bytes(chunk, micro, m.seq_len, width,
-                                                     chunk[0] is layers[0],
-                                                     lm_loss if chunk[-1] is layers[-1] else None,
-                                                     dtype)
+            ends = (chunk[0] is layers[0], lm_loss if chunk[-1] is layers[-1] else None)
+            if not checkpointing:
+                activation += saved_activation_bytes(chunk, micro, m.seq_len, width, *ends,
+                                                     dtype, copies)
+                continue
+            if dtype is not None:  # autocast caches every weight's copy through the forward
+                saved_activation_bytes(chunk, micro, m.seq_len, width, *ends, dtype, copies)
+            for layer in chunk:  # a checkpointed block keeps its input only
+                if isinstance(layer, TransformerBlock):
+                    activation += micro * m.seq_len * width * 4
+                else:
+                    activation += saved_activation_bytes(
+                        [layer], micro, m.seq_len, width, layer is layers[0],
+                        lm_loss if layer is layers[-1] else None, dtype)
         holds_head = any(chunk[-1] is layers[-1] for chunk in chunks)
         block_params = [sum(_bytes(t) for t in b.parameters()) for b in blocks]
         facts.append(MemoryFacts(
@@ -334,6 +347,7 @@ def rank_facts(cfg, on_cuda: bool = False) -> list[MemoryFacts]:
             optimizer=optimizer_terms(cfg.optim, module),
             optimizer_step_bytes=optimizer_step_bytes(cfg.optim, module, on_cuda),
             activation_bytes=activation, block_bytes=block,
+            weight_copy_bytes=sum(copies.values()),
             checkpointing=checkpointing,
             logits_bytes=micro * m.seq_len * vocab * 4 if holds_head else 0,
             # the residual stream crosses a boundary, fp32 under autocast too

@@ -92,8 +92,77 @@ def test_meta_activation_count_matches_what_cpu_autograd_keeps(arch, precision):
         assert model.as_layers()[1](model.as_layers()[0](x)).dtype == torch.float32
     with torch.device("meta"):
         meta = build_model(model_config(arch, "tiny", 256, 64, **shape))
-    counted = saved_activation_bytes(meta.as_layers(), 4, 64, 128, True, lm_loss, dtype)
-    assert counted == pytest.approx(sum(seen.values()), rel=0.1)
+    copies = {}  # autocast's weight copies: saved for backward too, counted apart
+    counted = saved_activation_bytes(meta.as_layers(), 4, 64, 128, True, lm_loss, dtype,
+                                     copies)
+    assert counted + sum(copies.values()) == pytest.approx(sum(seen.values()), rel=0.1)
+    assert (sum(copies.values()) > 0) == (dtype is not None)
+
+
+WEIGHT_COPIES = "bf16 weight copies (autocast)"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_bf16_plan_counts_weight_copies_apart_and_an_fp32_boundary(arch):
+    """bf16: autocast's copy of every matmul weight (and bias; the tied head's once) is a
+    term of its own, the same with checkpointing; the stage boundary is fp32."""
+    from bench.memory import rank_facts
+
+    sets = [f"model.arch={arch}", "model.n_layer=2", "model.seq_len=32", "data.batch_size=4",
+            "parallel.world_size=1"]
+    cfg = load_config(ROOT / "configs/ddp-tiny.yaml", [*sets, "model.precision=bf16"])
+    (facts,) = rank_facts(cfg)
+    with torch.device("meta"):
+        model = build_model(model_config(arch, "tiny", 256, 32, n_layer=2))
+    linears = [t for m in model.modules() if isinstance(m, torch.nn.Linear)
+               for t in m.parameters()]
+    head = [model.as_layers()[-1].weight] if not any(
+        model.as_layers()[-1].weight is t for t in linears) else []
+    assert facts.weight_copy_bytes == 2 * sum(t.numel() for t in [*linears, *head]) > 0
+    assert facts.boundary_bytes == 4 * 32 * model.cfg.n_embd * 4
+    (fp32,) = rank_facts(load_config(ROOT / "configs/ddp-tiny.yaml", sets))
+    assert fp32.weight_copy_bytes == 0 and WEIGHT_COPIES not in fp32.base_terms()
+    assert facts.activation_bytes < fp32.activation_bytes  # bf16 saves less, not half
+    (ckpt,) = rank_facts(load_config(ROOT / "configs/ddp-tiny.yaml", [
+        *sets, "model.precision=bf16", "model.activation_checkpointing=blocks"]))
+    assert ckpt.weight_copy_bytes == facts.weight_copy_bytes
+
+
+def test_a_weight_used_twice_is_copied_once():
+    """Autocast caches a weight's cast for its region: two matmuls with one weight save one
+    copy (4 x 8 fp32 weight: 64 bytes in bf16), not two; the activations are the inputs."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(8, 8))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, self.weight),
+                                              self.weight)
+
+    with torch.device("meta"):
+        layer = Twice()
+    copies = {}
+    saved = saved_activation_bytes([layer], 2, 4, 8, False, dtype=torch.bfloat16,
+                                   weight_copies=copies)
+    assert copies == {id(layer.weight): 8 * 8 * 2}
+    assert saved == 2 * (2 * 4 * 8 * 2)  # the two linears' bf16 inputs
+
+
+@pytest.mark.parametrize("config, expected", [("configs/pipeline-1f1b-tiny.yaml", 1),
+                                              ("configs/2bw-tiny.yaml", 2)])
+def test_bf16_weight_copies_per_autocast_region(config, expected):
+    """Torch's pipelines run a step's schedule in one autocast region: one copy of the
+    stage's weights; PipeDream-2BW a region per microbatch: one per microbatch in flight
+    (stage 0 of 2 holds 2)."""
+    from bench.memory import rank_facts
+
+    cfg = load_config(ROOT / config, ["model.precision=bf16", "parallel.num_microbatches=4",
+                                      "model.seq_len=32", "data.batch_size=8"])
+    facts = rank_facts(cfg)[0]
+    terms = cfg.strategy.memory_terms(cfg, facts)
+    assert terms[WEIGHT_COPIES] == expected * facts.weight_copy_bytes > 0
 
 
 # ------------------------------------------------------------ estimate vs measured
