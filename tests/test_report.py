@@ -299,10 +299,15 @@ def test_report_says_when_a_target_is_not_reached(tmp_path):
     assert "1.85 (given" in md.read_text()
 
 
-def test_report_when_every_run_failed(tmp_path):
+@pytest.mark.parametrize("val", [[4.0], None], ids=["after-a-row", "before-any-row"])
+def test_report_when_every_run_failed(tmp_path, val):
+    """Also when no run wrote a metrics row (a sweep whose every launch failed: it raised
+    KeyError 'tokens' drawing the loss curves of an empty steps table)."""
     sweep_dir = tmp_path / "bad"
     sweep = {"name": "bad", "runs": {}}
-    write_run(sweep_dir, sweep, "ddp", "ddp", 0, [4.0], 1.0, status="failed", error="boom")
+    write_run(sweep_dir, sweep, "ddp", "ddp", 0, val, 1.0, status="failed", error="boom")
+    write_run(sweep_dir, sweep, "diloco", "diloco", 0, val, 1.0, status="failed",
+              error="boom")
     html = build_report(sweep_dir, tmp_path / "out").read_text()
     assert "No run finished ok" in html and "boom" in html
 

@@ -56,6 +56,8 @@ from bench import records
 from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
 
 IDENTITY = ["run_id", "sweep", "variant", "label", "group", "seed", "strategy", "status"]
+STEP_COLUMNS = ["step", "tokens", "elapsed_s", "loss", "val_loss"]
+"""A metrics row's columns every run's rows have (bench/summary.py train_row, val_row)."""
 SUMMARY_NUMBERS = [
     "num_params", "world_size", "steps", "total_tokens", "wall_s", "throughput_tokens_per_s",
     "compute_s_total", "comm_s_total", "comm_bytes_total", "comm_bytes_per_rank",
@@ -436,7 +438,8 @@ def load_results(results_dir: str | os.PathLike) -> Results:
         for s, lab, g in zip(runs.loc[clash, "sweep"], runs.loc[clash, "label"],
                              runs.loc[clash, "group"], strict=True)
     ]
-    steps = pd.DataFrame(step_rows, columns=None if step_rows else IDENTITY)
+    # no metrics row at all (every run failed before its first): the columns readers expect
+    steps = pd.DataFrame(step_rows, columns=None if step_rows else [*IDENTITY, *STEP_COLUMNS])
     if len(steps):
         for column in ("label", "group"):
             steps[column] = steps["run_id"].map(dict(zip(runs["run_id"], runs[column],
