@@ -29,7 +29,7 @@ algorithms/memory.py):
   2026-11-27 fp32's count was halved: an H100's eager peak was 1.12 x that plan,
   docs/gpu.md). The weights' bf16 copies are a term of their own: autocast caches one per
   weight for its region, which is a step for DDP and torch's pipelines (one region around
-  the schedule) and a microbatch for PipeDream-2BW (`weight_copies` in
+  the schedule) and a microbatch for PipeDream-2BW (`autocast_regions` in
   algorithms/pipeline_base.py);
 - the strategy's own terms: DDP buckets, the outer step's copies (DiLoCo/Pier global θ and
   momentum, the pseudo-gradient buffer, the evaluation copy), GASLoC's anchor and round
