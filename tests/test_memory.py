@@ -122,7 +122,8 @@ def test_bf16_plan_counts_weight_copies_apart_and_an_fp32_boundary(arch):
     assert facts.boundary_bytes == 4 * 32 * model.cfg.n_embd * 4
     (fp32,) = rank_facts(load_config(ROOT / "configs/ddp-tiny.yaml", sets))
     assert fp32.weight_copy_bytes == 0 and WEIGHT_COPIES not in fp32.base_terms()
-    assert facts.activation_bytes < fp32.activation_bytes  # bf16 saves less, not half
+    # bf16 saves less, but not half: the residual stream and the norms stay fp32
+    assert 0.5 * fp32.activation_bytes < facts.activation_bytes < fp32.activation_bytes
     (ckpt,) = rank_facts(load_config(ROOT / "configs/ddp-tiny.yaml", [
         *sets, "model.precision=bf16", "model.activation_checkpointing=blocks"]))
     assert ckpt.weight_copy_bytes == facts.weight_copy_bytes
@@ -130,7 +131,8 @@ def test_bf16_plan_counts_weight_copies_apart_and_an_fp32_boundary(arch):
 
 def test_a_weight_used_twice_is_copied_once():
     """Autocast caches a weight's cast for its region: two matmuls with one weight save one
-    copy (4 x 8 fp32 weight: 64 bytes in bf16), not two; the activations are the inputs."""
+    copy (an 8 x 8 fp32 weight: 128 bytes in bf16), not two; the activations are the
+    two matmuls' bf16 inputs."""
 
     class Twice(torch.nn.Module):
         def __init__(self):

@@ -6,8 +6,10 @@
 # installed into /tmp/site first when present). Checks: doctor's one-GPU checks (CUDA
 # events against the host clock, bf16 autocast), then short runs through the real
 # launcher on one rank (NCCL at world size 1): DDP fp32 / bf16 / bf16 + compile, DiLoCo
-# bf16, checkpoint then --resume, and a Llama "small" at seq 1024 eager and compiled for
-# throughput, MFU and memory against the plan. Prints a table of the runs last.
+# bf16, checkpoint then --resume, a Llama "small" at seq 1024 eager and compiled for
+# throughput and MFU, and short runs of GPT-2 small in bf16 and Llama small in fp32 and
+# with activation checkpointing for memory against the plan. Prints a table of the runs
+# last. About 5 minutes on an H100.
 set -u
 out=${1:-${OUT:-/tmp/commbench-gpu-check}}
 mkdir -p "$out"
@@ -59,12 +61,22 @@ timeout 150 python3 -m bench.cli run --resume "$runs/resume-first" \
     --set run.steps=10 > "$runs/resume.log" 2>&1
 echo "rc=$? $(tail -n 2 "$runs/resume.log" | tr '\n' ' ' | cut -c1-300)"
 grep -h resumed_from_step "$runs/resume-first/summary.json"
-big=(--set model.arch=llama --set model.preset=small --set model.seq_len=1024
-     --set data.batch_size=16 --set run.steps=40 --set run.log_every=10 --set run.val_every=0
-     --set run.warmup_steps=10 --set model.precision=bf16 --set optim.lr=6e-4
-     --set checkpoint.every=0)
+small=(--set model.preset=small --set model.seq_len=1024 --set data.batch_size=16
+       --set run.val_every=0 --set run.val_sequences=8 --set optim.lr=6e-4
+       --set checkpoint.every=0)  # the embedded corpus holds 24 validation windows of 1025
+big=("${small[@]}" --set model.arch=llama --set model.precision=bf16 --set run.steps=40
+     --set run.log_every=10 --set run.warmup_steps=10)
 RUN_TIMEOUT=200 one llama-small-bf16 configs/ddp-tiny.yaml "${big[@]}"
-RUN_TIMEOUT=200 one llama-small-bf16-compile configs/ddp-tiny.yaml "${big[@]}" --set model.compile=true
+RUN_TIMEOUT=200 one llama-small-bf16-compile configs/ddp-tiny.yaml "${big[@]}" \
+    --set model.compile=true
+# the memory plan against the peak: another architecture, fp32, activation checkpointing
+plan=("${small[@]}" --set run.steps=12 --set run.log_every=4 --set run.warmup_steps=4)
+one gpt2-small-bf16 configs/ddp-tiny.yaml "${plan[@]}" --set model.arch=gpt2 \
+    --set model.precision=bf16
+one llama-small-fp32 configs/ddp-tiny.yaml "${plan[@]}" --set model.arch=llama \
+    --set model.precision=fp32
+one llama-small-bf16-checkpointing configs/ddp-tiny.yaml "${plan[@]}" --set model.arch=llama \
+    --set model.precision=bf16 --set model.activation_checkpointing=blocks
 
 echo "== runs"
 python3 tools/gpu/table.py --header "$runs"/*/
