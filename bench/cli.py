@@ -183,10 +183,14 @@ def _cmd_whatif(args) -> int:
                   f"{'n/a' if recorded is None else f'{recorded:.6g} s'}, "
                   f"utilisation {row['utilisation']:.1%}")
         return 0
+    from bench.records import check_report_dir
+
+    check_report_dir(args.output, "whatif -o")
     scenario = load_scenario(args.scenario, args.set)
+    out = check_report_dir(Path(args.output) / scenario.name, "whatif -o")  # name: checked
     results = evaluate(scenario)
     print(table(scenario, results))
-    out = write(scenario, results, Path(args.output) / scenario.name)
+    out = write(scenario, results, out)
     print(f"\nwrote {out}/whatif.md, whatif.json, whatif.png")
     return 0
 

@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +25,8 @@ from algorithms.base import STRATEGIES, StrategyConfig, config_class
 from algorithms.delay import CORRECTIONS
 from bench.tracking import TrackingConfig, check_tracking
 from bench.typed import (  # noqa: F401  (re-exported: the public names of bench.config)
+    NAME_RE,
+    check_name,
     describe_sections,
     field_docs,
     from_mapping,
@@ -92,6 +93,12 @@ class RunConfig:
     warm-up: compile, communicator creation, autotuning. Trained and on the clock, but left
     out of throughput and MFU (summary warmup_s); 0 = none. Accounting only: not part of
     the run's identity."""
+    compute_clock: Literal["auto", "wall"] = "auto"
+    """What a rank's compute is measured on (bench/meter.py, Compute clock). auto: its own
+    CPU time on a CPU device (ranks sharing cores do not count their waits for a core),
+    step seconds minus exposed communication on CUDA. wall: step seconds minus exposed
+    communication everywhere (the shaped-link lab, which holds projections against wall
+    steps on its own shared cores). Accounting only: not part of the run's identity."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """One rank made slower on purpose: {rank: int|null, slowdown: float >= 1}."""
 
@@ -327,10 +334,9 @@ class Config:
 
 # Not the run's identity: where things go, the checkpoint cadence (resume is bit-exact),
 # and the tracking sinks (views of the records, written by the launcher: bench/tracking/).
-NON_IDENTITY_KEYS = ("run.output_dir", "run.warmup_steps", "data.cache_dir", "launch",
+NON_IDENTITY_KEYS = ("run.output_dir", "run.warmup_steps", "run.compute_clock",
+                     "data.cache_dir", "launch",
                      "checkpoint", "tracking")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-"""Names that become directory names: no path separators, no leading dot."""
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -422,9 +428,7 @@ def validate(cfg: Config) -> None:
     from bench.network import PROFILES, get_profile, is_profile_path
     from bench.torchrun import check_extra_args
 
-    if not NAME_RE.match(cfg.run.name):
-        raise _fail("run.name", cfg.run.name, "letters, digits, '.', '_' or '-', not starting "
-                    "with '.' (it names the run directory)")
+    check_name("run.name", cfg.run.name, "the run directory")
     for key in ("run.steps", "run.log_every", "run.val_sequences", "model.seq_len",
                 "data.batch_size", "parallel.world_size", "parallel.group_size",
                 "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",

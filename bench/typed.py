@@ -17,6 +17,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import textwrap
 import types
 import typing
@@ -29,6 +30,26 @@ import yaml
 def fail(path: str, value: Any, valid: str) -> ValueError:
     """The one error shape: `KEY must be VALID, got VALUE`."""
     return ValueError(f"{path} must be {valid}, got {value!r}")
+
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+"""Names that become a folder or file name (run, sweep, variant, claim, scenario, a
+tracker's run): no path separator, no leading dot, no whitespace or newline. Matched
+whole (`check_name`: `re.fullmatch`; `$` with `re.match` would accept a trailing newline)."""
+NAME_RULE = "letters, digits, '.', '_' or '-', not starting with '.' or '-'"
+
+
+def is_name(value: Any) -> bool:
+    """Whether `value` may name a folder or file (`NAME_RE`, matched whole)."""
+    return isinstance(value, str) and NAME_RE.fullmatch(value) is not None
+
+
+def check_name(path: str, value: Any, names: str = "a directory") -> str:
+    """`value` when it may name a folder or file; else ValueError naming the key `path`,
+    the value, the rule and what the name becomes (`names`)."""
+    if not is_name(value):
+        raise fail(path, value, f"{NAME_RULE} (it names {names})")
+    return value
 
 
 def unknown_key(key: Any, valid: list[str], path: str) -> ValueError:

@@ -41,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from bench.typed import NAME_RULE, is_name
+
 SCALES = ("tiny", "small", "paper")
 MIN_SEEDS = 3
 """No verdict is given from fewer seeds than this."""
@@ -59,7 +61,6 @@ _PROJECTED = re.compile(r"^proj\.[A-Za-z0-9_-]+\.(step_s|total_s|comm_s|throughp
 _EVAL = re.compile(r"^eval\.[^\s]+$")
 _CLAIM_KEYS = ("name", "statement", "paper", "reconstruction", "sweep", "scales", "rules")
 _RULE_KEYS = ("name", "metric", "contrast", "scale", "holds_if", "diverged")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass
@@ -201,8 +202,8 @@ def load_claim(path: str | os.PathLike) -> Claim:
                          f"{', '.join(_CLAIM_KEYS)}")
     _known(path, "", data, _CLAIM_KEYS)
     name = data.get("name", path.stem)
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise _fail(path, "name", name, "letters, digits, '.', '_' or '-'")
+    if not is_name(name):
+        raise _fail(path, "name", name, f"{NAME_RULE} (it names the claim's sweep directory)")
     for key in ("statement", "sweep", "scales", "rules"):
         if not data.get(key):
             raise ValueError(f"{path}: missing {key!r}")

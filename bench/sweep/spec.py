@@ -19,9 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.config import NAME_RE, Config, config_hash, from_dict, load_raw, set_value
+from bench.config import Config, config_hash, from_dict, load_raw, set_value
 from bench.executors import ExecutorSpec
-from bench.typed import from_mapping, load_yaml_mapping, parse_assignment, unknown_key
+from bench.typed import (
+    check_name,
+    from_mapping,
+    load_yaml_mapping,
+    parse_assignment,
+    unknown_key,
+)
 
 SPEC_KEYS = ("name", "description", "base", "set", "grid", "zip", "seeds", "variants",
              "target_loss", "output_dir", "report_dir", "executor")
@@ -131,8 +137,7 @@ def _parse_spec(raw: dict, path: Path, cli: dict[str, Any]) -> SweepSpec:
         if key not in SPEC_KEYS:
             raise unknown_key(key, list(SPEC_KEYS), "")
     name = raw.get("name", path.stem)
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ValueError(f"name must be letters, digits, '.', '_' or '-', got {name!r}")
+    check_name("name", name, "the sweep's directory")
 
     base = raw.get("base")
     if base is None:
@@ -183,9 +188,7 @@ def _parse_spec(raw: dict, path: Path, cli: dict[str, Any]) -> SweepSpec:
     else:
         variants = {}
         for vname, overrides in variants_raw.items():
-            if not isinstance(vname, str) or not NAME_RE.match(vname):
-                raise ValueError(f"variant name must be letters, digits, '.', '_' or '-' "
-                                 f"(it names directories), got {vname!r}")
+            check_name("variant name", vname, "the variant's run directories")
             variants[vname] = _dotted_mapping(overrides, f"variants.{vname}")
 
     common = {k: v for k, v in common.items() if k not in cli}  # the command line wins

@@ -137,6 +137,12 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
+MAX_RANK_STEPS = 500_000
+"""The most rank-steps a scenario's `plan` walks (ranks x steps priced: two periods of each
+phase): about 10 s (a measured run's, `exact`, walks the run's own steps, unbounded). Beyond, a ValueError naming the bound; the world
+itself is bounded first (bench/whatif/scenario.py MAX_GPUS)."""
+
+
 def plan(traffic: Traffic, compute: Compute, world: int, ranks_per_node: int,
          profile: Profile, exact: bool = False, cuts: frozenset[int] = frozenset()) -> Plan:
     """Which steps and ranks to price (module docstring); `profile` only says whether the
@@ -154,6 +160,12 @@ def plan(traffic: Traffic, compute: Compute, world: int, ranks_per_node: int,
         else:
             windows.append([(first, first + period, 0.0),
                             (first + period, first + 2 * period, (stop - start) / period)])
+    rank_steps = world * sum(b - a for window in windows for a, b, _ in window)
+    if not exact and rank_steps > MAX_RANK_STEPS:  # a measured run: its own steps
+        raise ValueError(f"pricing it walks {world:,} ranks x {rank_steps // world:,} steps "
+                         f"(two periods of each phase) = {rank_steps:,} rank-steps; the "
+                         f"what-if's bound is {MAX_RANK_STEPS:,} (bench/whatif/engine.py "
+                         "MAX_RANK_STEPS): fewer GPUs, or a shorter period (inner_steps)")
     runs_per_window, sigs = [], {rank: [] for rank in range(world)}
     step_info: dict[tuple[int, int], tuple] = {}
     for window in windows:

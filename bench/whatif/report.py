@@ -120,8 +120,11 @@ def method_plan(s: Scenario, name: str, profile, models: dict | None = None) -> 
         facts, flops = model_facts(cfg, models)
     compute_s = step_compute_s(s, cfg, flops)
     traffic = cfg.strategy.traffic(cfg, facts)
-    p = plan(traffic, Compute(step_s=compute_s, backward_share=s.hardware.backward_share),
-             cfg.parallel.world_size, s.world.gpus_per_node, profile)
+    try:
+        p = plan(traffic, Compute(step_s=compute_s, backward_share=s.hardware.backward_share),
+                 cfg.parallel.world_size, s.world.gpus_per_node, profile)
+    except ValueError as err:
+        raise ValueError(f"methods.{name}: {err}") from None
     return cfg, p, compute_s, flops
 
 
@@ -194,19 +197,28 @@ def _bw(bps: float) -> str:
 
 
 def table(s: Scenario, results: list[MethodResult]) -> str:
-    """The printed result: assumptions, then one row per method."""
+    """The printed result and whatif.md: assumptions, then one row per method. Every text
+    from the scenario (its name, profile path, method names, run directory) is escaped
+    as the report's pages are (bench/report/render.py `md_text`, `markdown_table`): a
+    scenario file travels, and markdown renderers keep inline HTML."""
+    import pandas as pd
+
+    from bench.report.render import markdown_table, md_text
+
+    def item(text: str) -> str:
+        return "- " + md_text(" ".join(str(text).split()))
+
     at = results[0].at["bandwidth_Bps"] if results else 0
     head = ["method", "GPUs", "step s", "exposed comm s", "utilisation",
             f"time for {s.tokens:.3g} tokens", *(f"bw for {t:.0%}" for t in s.targets)]
     rows = [[r.name, str(r.world), f"{r.at['step_s']:.4g}", f"{r.at['comm_s']:.3g}",
              f"{r.at['utilisation']:.1%}", f"{r.at['total_s'] / 3600:.3g} h",
              *(_bw(r.needed[t]) for t in s.targets)] for r in results]
-    lines = [f"# what-if: {s.name} (at {_bw(at)})", "", "Assumptions:"]
-    lines += [f"- {a}" for a in assumptions(s)]
+    lines = [f"# what-if: {md_text(s.name)} (at {_bw(at)})", "", "Assumptions:"]
+    lines += [item(a) for a in assumptions(s)]
     for r in results:
-        lines += [f"- {r.name}: {note}" for note in r.notes]
-    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines += [item(f"{r.name}: {note}") for note in r.notes]
+    lines += ["", markdown_table(pd.DataFrame(rows, columns=head))]
     return "\n".join(lines)
 
 

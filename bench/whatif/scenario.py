@@ -13,6 +13,7 @@ be, so a method the harness would refuse is refused here with the same message.
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Literal
 
 from bench.network.profiles import Profile, Tier, get_profile, parse_bandwidth, parse_latency
 from bench.network.profiles import sites_profile as make_sites_profile
-from bench.typed import fail, from_mapping, load_yaml_mapping, set_override
+from bench.typed import check_name, fail, from_mapping, load_yaml_mapping, set_override
 
 
 @dataclass
@@ -108,6 +109,17 @@ class Scenario:
     """Compute utilisations whose needed bandwidth is reported."""
 
 
+MAX_GPUS = 1024
+"""The largest world a what-if prices (world.replicas x world.gpus_per_replica): the
+planner walks every rank's steps and every group's members, so its time grows with the
+square of the world (the shipped 3-method scenario: 512 GPUs ~7 s, 1,024 ~15 s on one
+core). Beyond, a plan would run for minutes to hours; a larger world is refused, naming
+this bound (bench/whatif/engine.py `MAX_RANK_STEPS` bounds the steps priced)."""
+MAX_POINTS = 1000
+"""The most bandwidths a curve is priced at (network.points): each costs one pricing of
+every method (~4 ms each for a 1B model on 64 GPUs)."""
+
+
 def load_scenario(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
     """A scenario from YAML (or the defaults) with `--set KEY=VALUE` overrides."""
     data = load_yaml_mapping(path, "what-if scenario") if path else {}
@@ -120,11 +132,40 @@ def load_scenario(path: str | None, overrides: list[str] | tuple[str, ...] = ())
 
 def check(s: Scenario) -> None:
     """Ranges and cross-field rules (ValueError naming the key)."""
+    check_name("name", s.name, "the what-if's output folder")
     for key in ("world.replicas", "world.gpus_per_replica", "world.gpus_per_node",
                 "network.points", "model_size.n_layer"):
         section, name = key.split(".")
         if getattr(getattr(s, section), name) < 1:
             raise fail(key, getattr(getattr(s, section), name), ">= 1")
+    per_replica, per_node = s.world.gpus_per_replica, s.world.gpus_per_node
+    if per_replica % per_node and per_node % per_replica:
+        raise ValueError(f"world.gpus_per_replica ({per_replica}) and world.gpus_per_node "
+                         f"({per_node}): one must divide the other (a replica spans whole "
+                         "nodes, or a node holds whole replicas)")
+    gpus = s.world.replicas * s.world.gpus_per_replica
+    if gpus > MAX_GPUS:
+        raise ValueError(
+            f"world.replicas x world.gpus_per_replica = {s.world.replicas} x "
+            f"{s.world.gpus_per_replica} = {gpus:,} GPUs; the what-if prices at most "
+            f"{MAX_GPUS:,} (its planner walks every rank, its time grows with the square "
+            "of the world: bench/whatif/scenario.py MAX_GPUS). Plan a smaller world, e.g. "
+            "one site's, and scale the step time by hand")
+    if s.network.points > MAX_POINTS:
+        raise fail("network.points", s.network.points,
+                   f"from 1 to {MAX_POINTS} (each point prices every method once)")
+    if s.model_size.num_params is not None and not s.model_size.num_params >= 1:
+        raise fail("model_size.num_params", s.model_size.num_params,
+                   "null (base.model's architecture) or a parameter count >= 1")
+    if s.model_size.num_params is not None and \
+            s.model_size.num_params < s.model_size.n_layer:
+        raise fail("model_size.num_params", s.model_size.num_params,
+                   f">= model_size.n_layer ({s.model_size.n_layer}): each block holds at "
+                   "least one parameter")
+    if s.model_size.flops_per_token is not None and \
+            not 0 < s.model_size.flops_per_token < math.inf:
+        raise fail("model_size.flops_per_token", s.model_size.flops_per_token,
+                   "null (6 x num_params) or a finite number > 0")
     if s.world.nodes_per_site is not None and s.world.nodes_per_site < 1:
         raise fail("world.nodes_per_site", s.world.nodes_per_site, "null or >= 1")
     if not 0 < s.hardware.mfu <= 1:
