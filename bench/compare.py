@@ -24,14 +24,18 @@ throughput ratio B/A (tokens per second of the run's clock) and the bytes ratio 
 throughput and comm share against tokens and against the run's clock.
 
 `--tolerance T` makes it a gate: the exit status is 1 when, for any pair, max |Δloss| of
-training or of validation loss exceeds T (absolute, in nats; 0 = bit-exact), or when a
-pair has no step in common; else 0. Throughput and bytes are reported, never gated.
+training or of validation loss exceeds T (absolute, in nats; 0 = bit-exact), when a
+pair has no step in common, or when either run of a pair did not finish ok (failed,
+diverged, interrupted: the steps both logged may agree, the run did not pass); else 0.
+Each pair's statuses are shown (the table's "status" column). Throughput and bytes are
+reported, never gated.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +88,10 @@ def load_side(name: str, arg: str) -> Side:
     if not path.exists() and ":" in arg:
         head, label = arg.rsplit(":", 1)
         path = Path(head)
+    for link in records.linked_dirs(path) if path.is_dir() else []:
+        print(f"warning: {link} is a symbolic link to a directory: not read (runs are read "
+              f"only inside {arg}; give its target {os.path.realpath(link)!r} as an "
+              "argument to compare it)", file=sys.stderr)
     results = load_results(path)  # ValueError naming the directory when it has no runs
     runs, steps = results.runs, results.steps
     if label is not None:
@@ -201,6 +209,9 @@ def table(pairs: list[Pair]) -> tuple[pd.DataFrame, list[dict]]:
             row[f"final Δ{name}"] = _signed(final)
             num.update({f"{kind}_steps": matched, f"{kind}_max_abs_delta": worst,
                         f"{kind}_final_delta": final.estimate})
+        row["status"] = ", ".join(dict.fromkeys(f"{p.a.get('status')} -> {p.b.get('status')}"
+                                                for p in part))
+        num["status"] = [[p.a.get("status"), p.b.get("status")] for p in part]
         row["throughput B/A"], num["throughput_ratio"] = _ratio(part, "throughput_tokens_per_s")
         row["bytes B/A"], num["bytes_ratio"] = _ratio(part, "comm_bytes_total")
         shown.append(row)
@@ -208,8 +219,11 @@ def table(pairs: list[Pair]) -> tuple[pd.DataFrame, list[dict]]:
     return pd.DataFrame(shown), numbers
 
 
-def exceeds(pair: Pair, tolerance: float) -> str | None:
+def exceeds(pair: Pair, tolerance: float, names: tuple[str, str] = ("A", "B")) -> str | None:
     """Why the pair fails the gate, or None."""
+    for name, run in zip(names, (pair.a, pair.b), strict=True):
+        if run.get("status") != "ok":
+            return f"{name}'s run {run.get('run_id')} did not finish ok: {_status(run)}"
     for _, kind in LOSSES:
         matched, worst, _ = pair.losses[kind]
         if kind == "train" and matched == 0:
@@ -234,6 +248,9 @@ def compare(args: list[str], out_dir: str | os.PathLike | None = None,
     ref = sides[0]
     for side in sides:
         print(f"{side.name} = {side.arg} ({len(side.runs)} run{'s' * (len(side.runs) != 1)})")
+        for run in side.runs.to_dict("records"):
+            if run.get("status") != "ok":
+                print(f"  {side.name} {run.get('run_id')}: {_status(run)}")
     report, failures = {"sides": {s.name: s.arg for s in sides}, "comparisons": []}, []
     for other in sides[1:]:
         pairs, alone = pair_runs(ref, other)
@@ -250,7 +267,8 @@ def compare(args: list[str], out_dir: str | os.PathLike | None = None,
         shown, numbers = table(pairs)
         print(shown.to_string(index=False))
         for pair in pairs:
-            why = exceeds(pair, tolerance) if tolerance is not None else None
+            why = exceeds(pair, tolerance, (ref.name, other.name)) \
+                if tolerance is not None else None
             if why:
                 failures.append(f"{other.name} vs {ref.name} {pair.group} {pair.key}: {why}")
         report["comparisons"].append({"side": other.name, "groups": numbers,
@@ -266,9 +284,18 @@ def compare(args: list[str], out_dir: str | os.PathLike | None = None,
     if tolerance is not None:
         for line in failures:
             print(f"EXCEEDED {line}")
-        print(f"tolerance {tolerance:g} on max |Δloss| (training and validation): "
-              f"{'exceeded' if failures else 'within'}")
+        print(f"tolerance {tolerance:g} on max |Δloss| (training and validation), every "
+              f"run ok: {'failed' if failures else 'within'}")
     return 1 if failures else 0
+
+
+def _status(run: dict) -> str:
+    """A run's status with its error, as the report names them."""
+    error = run.get("error")
+    text = str(run.get("status"))
+    if isinstance(error, str) and error:
+        text += f" ({' '.join(error.split())[:160]})"
+    return text
 
 
 def _print_differences(pairs: list[Pair]) -> None:

@@ -168,6 +168,20 @@ def check_report_dir(path: str | os.PathLike, flag: str) -> Path:
     return p
 
 
+def linked_dirs(root: str | os.PathLike) -> list[Path]:
+    """Symbolic links to directories under `root` (`root` itself excepted), not followed:
+    readers of a results tree skip them (a received tree's link could point anywhere), and
+    each should be named, not skipped without a word."""
+    found = []
+    for dirpath, dirnames, _ in os.walk(root):
+        dirnames.sort()
+        for name in dirnames:
+            entry = Path(dirpath) / name
+            if entry.is_symlink():
+                found.append(entry)
+    return found
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_jsonable) + "\n")
 

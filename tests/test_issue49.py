@@ -84,3 +84,101 @@ def test_the_plan_refuses_more_rank_steps_than_its_bound():
     with pytest.raises(ValueError, match=r"methods\.d: .*rank-steps.*MAX_RANK_STEPS"):
         method_plan(s, "d", base_profile(s)[0])
 
+
+
+# ------------------------------------------------------------------ compare's gate
+
+
+def _compare(capsys, *args) -> tuple[int, str]:
+    code = main(["compare", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def _unfinished_copy(run, path: Path, status: str):
+    """`run`'s records with its summary's status set to `status` (a run that stopped
+    halfway keeps the rows both logged: the losses agree where they overlap)."""
+    from bench.records import RunDir
+
+    summary = json.loads(run.summary.read_text())
+    summary.update(status="failed" if status == "partial" else status, error="stopped")
+    if status == "partial":
+        summary["interrupted"] = True  # Ctrl-C: recorded failed, shown partial
+    return RunDir.write_fake_run(path, run.config.read_text(), run.read_metrics()[:2], summary)
+
+
+@pytest.mark.parametrize("status", ["failed", "partial", "diverged"])
+def test_compare_gate_fails_on_a_run_that_did_not_finish_ok(tmp_path, capsys, status):
+    from tests.test_tracking import fake_run
+
+    a = fake_run(tmp_path / "a")
+    b = _unfinished_copy(a, tmp_path / "b", status)
+    code, out = _compare(capsys, a.path, b.path, "--tolerance", "0", "-o", tmp_path / "cmp")
+    assert code == 1, out
+    assert f"B's run b did not finish ok: {status}" in out and "within" not in out
+    assert f"ok -> {status}" in out  # each side's status, in the table
+    groups = json.loads((tmp_path / "cmp" / "compare.json").read_text())["comparisons"]
+    assert groups[0]["groups"][0]["status"] == [["ok", status]]
+    code, out = _compare(capsys, b.path, a.path, "--tolerance", "0", "-o", tmp_path / "cmp")
+    assert code == 1 and f"A's run b did not finish ok: {status}" in out
+
+
+def test_a_symlinked_run_directory_is_named_by_compare(tmp_path, capsys):
+    from tests.test_tracking import fake_run
+
+    a = fake_run(tmp_path / "a" / "ddp-000000000000")
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "linked").symlink_to(a.path, target_is_directory=True)
+    code, out = _compare(capsys, tmp_path / "a", tmp_path / "tree", "-o", tmp_path / "cmp")
+    assert code == 2  # no run read inside tree: refused, and the link is named
+    assert f"{tmp_path / 'tree' / 'linked'} is a symbolic link to a directory: not read" in out
+
+
+# ------------------------------------------------------------------ track
+
+
+def test_track_refuses_a_summary_that_is_a_list_before_sending_any(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tests.test_tracking import fake_run
+
+    fake_run(tmp_path / "results" / "a-000000000000")
+    bad = fake_run(tmp_path / "results" / "b-000000000000")
+    bad.summary.write_text("[1, 2]\n")
+    tb = tmp_path / "tb"
+    code = main(["track", str(tmp_path / "results"), "--to", "tensorboard", "--set",
+                 f"dir={tb}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{bad.summary} is not a run's summary" in err and "got a JSON list" in err
+    assert "nothing sent" in err
+    assert not tb.exists() and not (tmp_path / "results" / "a-000000000000" /
+                                    "tracking.json").exists()
+
+
+def test_track_warns_of_non_finite_rows_appended_to_an_ok_run(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from bench.records import append_jsonl
+    from tests.test_tracking import fake_run
+
+    run = fake_run(tmp_path / "results" / "a-000000000000", steps=6)
+    append_jsonl(run.metrics, {"step": 9, "loss": float("nan"), "lr": 1e-3})
+    append_jsonl(run.metrics, {"step": 9, "val_loss": float("inf")})
+    assert main(["track", str(tmp_path / "results"), "--to", "tensorboard", "--set",
+                 f"dir={tmp_path / 'tb'}"]) == 0
+    err = capsys.readouterr().err
+    assert "a loss that is not finite (NaN or Infinity) at step 9" in err
+    assert "rows at step 9 past the 6 steps summary.json records" in err
+
+
+def test_a_sweep_name_read_by_track_follows_the_name_rule(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from bench.records import write_json
+    from tests.test_tracking import fake_sweep
+
+    fake_sweep(tmp_path / "results")
+    write_json(tmp_path / "results" / "sw" / "sweep.json", {"name": "../../escape"})
+    code = main(["track", str(tmp_path / "results"), "--to", "tensorboard", "--set",
+                 f"dir={tmp_path / 'tb'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "'../../escape'" in err and "letters, digits" in err
+    assert not (tmp_path / "tb").exists()

@@ -4,6 +4,7 @@ which hands it to the sinks (bench/tracking/sinks.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import datetime
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from bench import records
 from bench.records import RunDir, status_of
-from bench.typed import flatten
+from bench.typed import check_name, flatten
 
 
 @dataclass
@@ -41,18 +42,47 @@ class TrackedRun:
         config = read_yaml(config_yaml)
         env = records.read_json(run.env) if run.env.exists() else {}
         summary = run.read_summary() or {}
+        if not isinstance(summary, dict):  # a crafted or garbage record: refused, not sent
+            raise ValueError(f"{run.summary} is not a run's summary (a JSON object), got a "
+                             f"JSON {type(summary).__name__}; nothing of this run is sent")
         sweep = run.path.parent / "sweep.json"
-        group = records.read_json(sweep).get("name") if sweep.exists() else None
+        sweep_record = records.read_json(sweep) if sweep.exists() else {}
+        group = sweep_record.get("name") if isinstance(sweep_record, dict) else None
+        if group is not None:  # a folder of the TensorBoard sink, a W&B/MLflow group
+            check_name(f"{sweep}: name", group, "the tracker's group of the sweep's runs")
         evals = _flatten_eval(summary.get("eval"))
         if not evals and run.eval.exists():
             evals = _flatten_eval(records.read_json(run.eval))
         return cls(path=run.path.absolute(), name=run.path.name, group=group, config=config,
                    config_yaml=config_yaml, config_hash=summary.get("config_hash"),
-                   strategy=str(summary.get("strategy") or
-                                (config.get("strategy") or {}).get("name") or "unknown"),
+                   strategy=str(summary.get("strategy") or _strategy_name(config)),
                    env=env if isinstance(env, dict) else {}, summary=summary,
                    rows=[r for r in run.read_metrics([]) if isinstance(r, dict) and
                          isinstance(r.get("step"), int)], eval=evals)
+
+    def doubts(self) -> list[str]:
+        """What in the rows an ok run cannot hold (each a line to warn with): a loss that is
+        not a finite number, a step past the steps the summary records (rows appended after
+        the run ended)."""
+        if self.status != "ok":
+            return []
+        out = []
+        bad = list(dict.fromkeys(r["step"] for r in self.rows
+                                 if any(isinstance(r.get(k), float) and not math.isfinite(r[k])
+                                        for k in ("loss", "val_loss"))))
+        if bad:
+            out.append(f"{self.path / 'metrics.jsonl'}: a finished ok run with a loss that "
+                       f"is not finite (NaN or Infinity) at step{'s' * (len(bad) > 1)} "
+                       f"{', '.join(map(str, bad[:5]))}{' ...' * (len(bad) > 5)}: rows "
+                       "written after the run? (not sent: sinks take finite numbers only)")
+        recorded = self.summary.get("steps")
+        if isinstance(recorded, int) and not isinstance(recorded, bool):
+            past = [r["step"] for r in self.rows if r["step"] > recorded]
+            if past:
+                out.append(f"{self.path / 'metrics.jsonl'}: rows at step {max(past)} past the "
+                           f"{recorded} steps summary.json records for this ok run: rows "
+                           "written after the run?")
+        return out
 
     @property
     def attempt(self) -> str | None:
@@ -84,6 +114,11 @@ class TrackedRun:
         except (TypeError, ValueError):
             return None
         return start + (elapsed_s or 0.0)
+
+
+def _strategy_name(config: dict) -> str:
+    strategy = config.get("strategy")
+    return str(strategy.get("name") or "unknown") if isinstance(strategy, dict) else "unknown"
 
 
 def read_yaml(text: str) -> dict:

@@ -347,7 +347,17 @@ def track(results_dir: str | os.PathLike, to: str, overrides: list[str] = ()) ->
     if not run_dirs:
         raise ValueError(f"no run records under {str(root)!r}")
     specs = {run_dir: sink_config(run_dir, to, overrides) for run_dir in run_dirs}  # all
-    failures = 0                                                # checked before sending any
+    unreadable = []                                             # checked before sending any
+    for run_dir in run_dirs:
+        try:
+            for line in TrackedRun.load(run_dir).doubts():
+                warn(line)
+        except ValueError as err:
+            unreadable.append(str(err))
+    if unreadable:
+        raise ValueError("nothing sent: " + "; ".join(unreadable) + " (move it out of "
+                         f"{str(root)!r} or mend it, then run track again)")
+    failures = 0
     for run_dir, spec in specs.items():
         name = run_dir.name if run_dir == root else str(run_dir.relative_to(root))
         try:

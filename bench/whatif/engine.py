@@ -139,8 +139,8 @@ class Plan:
 
 MAX_RANK_STEPS = 500_000
 """The most rank-steps a scenario's `plan` walks (ranks x steps priced: two periods of each
-phase): about 10 s (a measured run's, `exact`, walks the run's own steps, unbounded). Beyond, a ValueError naming the bound; the world
-itself is bounded first (bench/whatif/scenario.py MAX_GPUS)."""
+phase): about 10 s. Beyond, a ValueError naming the bound; the world itself is bounded
+first (bench/whatif/scenario.py MAX_GPUS). A measured run's (`exact`) walks its own steps."""
 
 
 def plan(traffic: Traffic, compute: Compute, world: int, ranks_per_node: int,
