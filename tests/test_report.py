@@ -260,7 +260,7 @@ def test_report_from_results_with_a_failed_and_a_partial_run(tmp_path):
     for name in ("loss_vs_tokens", "loss_vs_time", "throughput", "communication"):
         assert (out / "figures" / f"{name}.png").stat().st_size > 10_000
         assert f"figures/{name}.png" in md
-    assert html.count("data:image/png;base64,") == 4
+    assert html.count("data:image/png;base64,") == 5  # and the performance profile
     assert "One-step delay" not in md and "## Pipelines" not in md  # no such runs
     assert "<img" in html and 'src="figures' not in html  # self-contained
     for text in ("RuntimeError: rank 2 exploded", "loss is nan at step 21",

@@ -12,10 +12,20 @@ directory, a folder of sweeps, or single runs) and writes to `out_dir`:
     speedup.csv         time to target and speedup vs DDP, per group and clock, with the
                         group's tallies (reached, did not reach, diverged, failed, partial)
     convergence.csv     tokens to target, final validation loss and its gap to DDP
+    performance_profile.csv   method, tau, fraction: the performance profile (AlgoPerf)
     communication.csv   throughput, bytes, seconds and share of the step, per group
     downstream.csv      lm-eval metrics per group (when runs were evaluated)
     delay_study.csv     final loss and gap to sync per optimizer/delay cell (delay studies)
     figures/*.png
+
+The report opens with the answer (bench/report/verdict.py): per method, one sentence per
+clock (measured here, then each network profile) with its speedup and final-loss gap to
+DDP in words, what the seeds resolve, and which runs shared cores
+(bench/report/contention.py: projections priced on compute that held waits for a core are
+marked ‡, measured figures of ranks sharing cores †). Time to target is also scored
+AlgoPerf's way, with a performance profile over workloads and network profiles
+(bench/report/algoperf.py). Downstream scores at chance level say so
+(bench/report/chance.py). The methodology follows.
 
 Sections for particular studies (one-step delay, pipelines) appear when such runs are
 present: bench/report/studies.py.
@@ -29,8 +39,9 @@ set has none. The report's head names every set and the groups on it. Throughput
 communication and downstream numbers do not depend on the set and cover every run.
 
 Failed, diverged and partial (killed) runs are listed with their error, never dropped
-silently: they count in their group's tallies (a group gets a speedup only when every seed
-reached the target), while only ok runs contribute numbers. How times to target, speedups
+silently: they count in their group's tallies (a group gets a speedup interval only when
+every seed reached the target; else AlgoPerf's median, a miss counted as never), while
+only ok runs contribute numbers. How times to target, speedups
 and confidence intervals are computed: see bench/report/analysis.py and stats.py.
 """
 
@@ -45,7 +56,17 @@ from pathlib import Path
 import pandas as pd
 
 from bench import records
-from bench.report import analysis, figures, load, render, studies, tables
+from bench.report import (
+    algoperf,
+    analysis,
+    contention,
+    figures,
+    load,
+    render,
+    studies,
+    tables,
+    verdict,
+)
 from bench.report.load import Results, load_results
 
 __all__ = ["build_report", "load_results", "Results"]
@@ -59,7 +80,9 @@ _METHOD = (
     "total × the fraction of tokens at the crossing, which assumes uniform steps "
     "(\"uniform-step estimate\", marked per group). Only ok runs can reach the target; "
     "a group (or its baseline) with a seed that did not reach it, diverged or failed gets "
-    "no speedup, and the cell says why. Speedup = DDP time / run time: geometric mean over "
+    "no speedup interval, and the cell says why; it is scored AlgoPerf's way instead: the "
+    "median time over its seeds with a miss counted as never (\"median\", no interval; "
+    "none when half its seeds or more missed). Speedup = DDP time / run time: geometric mean over "
     "seeds [95% interval on the log-ratios, t-distribution], paired by seed when both "
     "groups ran the same seeds, else Welch's two-sample interval on the logs; \"n<3\" "
     "marks an interval from fewer than 3 seeds. Times to target here INCLUDE one-off "
@@ -113,6 +136,8 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
                             ignore_index=True)
     comm = analysis.communication(runs, profiles)
     evals = analysis.downstream(runs)
+    cases = algoperf.cases(speedup)
+    profile = algoperf.performance_profile(cases)
 
     figures.write_csv(runs.drop(columns=["comm_bytes_series"], errors="ignore"),
                       out_dir / "runs.csv")
@@ -122,15 +147,21 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     figures.write_csv(comm, out_dir / "communication.csv")
     if not evals.empty:
         figures.write_csv(evals, out_dir / "downstream.csv")
+    if not profile.empty:
+        figures.write_csv(profile, out_dir / "performance_profile.csv")
 
     drawn = {}
     for name, fig in (("throughput", figures.throughput(comm, profiles)),
                       ("communication", figures.communication(comm, profiles, palette)),
-                      ("bytes_per_step", figures.bytes_per_step(runs, palette))):
+                      ("bytes_per_step", figures.bytes_per_step(runs, palette)),
+                      ("performance_profile", figures.performance_profile(
+                          profile, figures.colors(list(dict.fromkeys(profile["method"])))
+                          if not profile.empty else {}))):
         if fig is not None:
             drawn[name] = _save(fig, out_dir, name)
 
-    blocks = _blocks(results_dir, res, sets, comm, evals, drawn, profiles)
+    profile_text = algoperf.summary_text(profile, cases)
+    blocks = _blocks(results_dir, res, sets, comm, evals, drawn, profiles, profile_text)
     title = f"commbench report: {results_dir.resolve().name}"
     records.write_text(out_dir / "report.md", render.to_markdown(blocks, out_dir))
     html_path = out_dir / "report.html"
@@ -191,15 +222,59 @@ def _validation_text(sets: list[_OneSet]) -> str:
             "its config implies):\n\n" + "\n".join(lines))
 
 
+def _first_screen(sets: list[_OneSet], runs: pd.DataFrame, profiles: list[str],
+                  drawn: dict, profile_text: str) -> list[tuple]:
+    """The answer first: per method, one sentence per clock; what shared cores; the
+    performance profile's gist. Methodology follows."""
+    blocks: list[tuple] = [("h2", "Verdict")]
+    for text in contention.first_screen(runs):
+        blocks.append(("p", text))
+    said = 0
+    for one in sets:
+        lines = verdict.verdicts(one.speedup, one.convergence, profiles,
+                                 contention.group_marks(one.runs, one.speedup))
+        if one.tag and lines:
+            blocks.append(("p", f"On validation set {one.tag.strip(' ()')}:"))
+        blocks += [("p", line) for line in lines]
+        said += len(lines)
+    if not said:
+        blocks.append(("p", "No method to compare with DDP (no ok DDP baseline and another "
+                            "group on one validation set)."))
+    if profile_text:
+        blocks.append(("p", "**Performance profile** (AlgoPerf: median time to target over "
+                            "seeds, a missed trial counted as never; figure and "
+                            "`performance_profile.csv` under \"Performance profile\" "
+                            "below): " + profile_text))
+    blocks.append(("p", "Speed: time to the target validation loss, DDP's time over the "
+                        "method's (geometric mean over seeds [95% interval]); loss: final "
+                        "validation loss minus DDP's (paired by seed) [95% interval]. "
+                        "\"Resolve\": the interval's half-width, the smallest difference "
+                        "these seeds can tell from none. How each number is made: below."))
+    return blocks
+
+
+def _profile_blocks(drawn: dict, profile_text: str) -> list[tuple]:
+    if "performance_profile" not in drawn:
+        return []
+    return [("h2", "Performance profile"),
+            ("p", algoperf.DESCRIPTION),
+            ("p", profile_text),
+            ("figure", drawn["performance_profile"],
+             "Fraction of cases (workload × network profile) in which a method's median "
+             "time to target is within τ of the best method's (log τ); "
+             "`performance_profile.csv` holds it as method, tau, fraction.")]
+
+
 def _comparison_blocks(one: _OneSet, profiles: list[str]) -> list[tuple]:
     speedup, convergence, runs, tag = one.speedup, one.convergence, one.runs, one.tag
+    marks = contention.group_marks(runs, speedup)
     blocks: list[tuple] = [("h2", "Speedup vs DDP (time to target loss)" + tag)]
     if not (runs["status"] == "ok").any():
         blocks.append(("p", "No run finished ok: nothing to compare."))
     if not speedup.empty:
         blocks.append(("p", tables.target_text(speedup) + " " + _METHOD))
         blocks.append(("p", _how_measured(runs)))
-        blocks.append(("table", tables.wide_by_clock(speedup, profiles, "speedup")))
+        blocks.append(("table", tables.wide_by_clock(speedup, profiles, "speedup", marks)))
         early = speedup[(speedup["clock"] == "measured")
                         & (speedup["at_first_validation"].fillna(0) > 0)]
         if not early.empty:
@@ -211,8 +286,9 @@ def _comparison_blocks(one: _OneSet, profiles: list[str]) -> list[tuple]:
                                 "time of that validation (the crossing happened earlier); "
                                 "validate more often or lower the target to resolve it."))
         blocks.append(("p", "Time to target, seconds (measured here, then projected; mean "
-                            "± 95% half-width over seeds):"))
-        blocks.append(("table", tables.wide_by_clock(speedup, profiles, "time")))
+                            "± 95% half-width over seeds; where some seed missed, AlgoPerf's "
+                            "median over seeds with a miss counted as never):"))
+        blocks.append(("table", tables.wide_by_clock(speedup, profiles, "time", marks)))
         blocks.append(("h2", "Convergence" + tag))
         blocks.append(("p", "Tokens to target and its ratio to DDP (geometric mean [95% "
                             "interval]); final validation loss over the ok runs and its "
@@ -235,13 +311,16 @@ def _comparison_blocks(one: _OneSet, profiles: list[str]) -> list[tuple]:
 
 
 def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataFrame,
-            evals: pd.DataFrame, drawn: dict, profiles: list[str]) -> list:
+            evals: pd.DataFrame, drawn: dict, profiles: list[str],
+            profile_text: str = "") -> list:
     runs = res.runs
     counts = runs["status"].value_counts()
     status_text = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "failed", "diverged",
                                                                  "partial") if counts.get(s, 0))
     blocks: list[tuple] = [
         ("h1", f"commbench report: {results_dir.resolve().name}"),
+        *_first_screen(sets, runs, profiles, drawn, profile_text),
+        ("h2", "Methodology and runs"),
         ("p", f"Generated {time.strftime('%Y-%m-%d %H:%M')} from `{results_dir}`: "
               f"{tables.plural(len(runs), 'run')} in "
               f"{tables.plural(runs['group'].nunique(), 'group')} ({status_text}). "
@@ -252,6 +331,7 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
         blocks.append(("p", "Warnings:\n\n" + "\n".join(f"- {w}" for w in res.warnings)))
     for one in sets:
         blocks += _comparison_blocks(one, profiles)
+    blocks += _profile_blocks(drawn, profile_text)
 
     blocks.append(("h2", "Throughput and communication"))
     if comm.empty:
@@ -275,7 +355,8 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
         ):
             if name in drawn:
                 blocks.append(("figure", drawn[name], caption))
-        blocks.append(("table", tables.throughput_table(comm, profiles)))
+        blocks.append(("table", tables.throughput_table(comm, profiles,
+                                                        contention.own_marks(runs))))
         blocks.append(("p", "Logical payload bytes = the tensor bytes each rank hands to "
                             "collectives and sends; modelled wire bytes = the bytes each "
                             "rank puts on the link under the network model (ring "
@@ -297,6 +378,12 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
 
     if not evals.empty:
         blocks.append(("h2", "Downstream evaluation"))
+        blocks.append(("p", "Mean ± 95% half-width over the ok seeds. \"at chance\": the "
+                            "score is what guessing scores (the chance level beside the "
+                            "metric's name: 1/choices, within the 95% binomial band for the "
+                            "items scored; ≥ 256 byte perplexity or 8 bits per byte; word "
+                            "perplexity ≥ 10,000): the number in parentheses is not a "
+                            "result (bench/report/chance.py)."))
         blocks.append(("table", tables.downstream_table(evals)))
 
     blocks.append(("h2", "Runs that did not finish ok"))
@@ -315,6 +402,8 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
     files = ["runs.csv", "steps.csv", "speedup.csv", "convergence.csv", "communication.csv"]
     if not evals.empty:
         files.append("downstream.csv")
+    if "performance_profile" in drawn:
+        files.append("performance_profile.csv")
     blocks.append(("p", "Tables as CSV beside this report: " + ", ".join(f"`{f}`" for f in files)
                    + "."))
     return blocks

@@ -22,6 +22,12 @@ when every one of its runs (and of its baseline's) reached the target; otherwise
 table says why (no survivorship: counts of misses, divergences and failures are shown).
 A run already below the target at its first validation has an upper bound for a time
 to target (`at_first_validation` counts them; the report warns).
+Beside the mean, every group and clock gets AlgoPerf's score (bench/report/algoperf.py):
+`median_time_to_target_s`, the median over its trials (seeds) with a miss counted as
+infinite time (inf: it reached the target in half its trials or fewer), its
+`reached_fraction`, and `median_speedup` = the baseline's median / the group's (NaN unless
+both are finite). The speedup interval needs every trial of both groups to have reached
+the target: it is never computed from the seeds that reached it alone.
 Speedup = baseline time / run time, as the geometric mean over seeds with the 95%
 t-interval on the log-ratios (bench/report/stats.py): paired by seed when both groups ran
 the same seeds, else Welch's two-sample interval on the logs. Intervals from fewer than 3
@@ -35,6 +41,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from bench.report import algoperf, chance
 from bench.report.stats import (  # noqa: F401  (t_quantile_975: re-exported)
     mean_ci,
     mean_interval,
@@ -188,19 +195,21 @@ def _target(info, base_ok: pd.DataFrame, target_loss, sweep_targets,
             f"{baseline_name} final val loss (highest over seeds)")
 
 
-SPEED_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
-              "clock", "runs", "ok", "reached", "did_not_reach", "diverged", "failed",
-              "partial", "at_first_validation", "misses", "reason", "projection",
-              "time_to_target_s", "time_to_target_ci",
+SPEED_COLS = ["sweep", "label", "variant", "strategy", "baseline", "target_loss",
+              "target_source", "clock", "runs", "ok", "reached", "did_not_reach",
+              "diverged", "failed", "partial", "at_first_validation", "misses", "reason",
+              "projection", "time_to_target_s", "time_to_target_ci",
               "baseline_time_to_target_s", "speedup", "speedup_low", "speedup_high",
-              "speedup_n", "speedup_method", "flag"]
+              "speedup_n", "speedup_method", "flag", "reached_fraction",
+              "median_time_to_target_s", "baseline_median_time_to_target_s",
+              "median_speedup"]
 CONV_COLS = ["sweep", "label", "strategy", "baseline", "target_loss", "target_source",
              "runs", "ok", "reached", "did_not_reach", "diverged", "failed", "partial",
              "misses", "reason", "tokens_to_target", "tokens_to_target_ci",
              "baseline_tokens_to_target",
              "token_ratio", "token_ratio_low", "token_ratio_high", "final_val_loss",
              "final_val_loss_ci", "final_val_loss_n", "val_loss_diff", "val_loss_diff_ci",
-             "flag"]
+             "val_loss_diff_n", "flag"]
 
 
 def require_one_validation_set(runs: pd.DataFrame) -> None:
@@ -229,14 +238,16 @@ def compare(runs: pd.DataFrame, steps: pd.DataFrame, profiles: list[str],
         return pd.DataFrame(columns=SPEED_COLS), pd.DataFrame(columns=CONV_COLS)
     groups = runs.groupby("group", sort=False).agg(
         sweep=("sweep", "first"), label=("label", "first"), strategy=("strategy", "first"),
-        point=("point", "first"), schedule=("schedule", "first"))
+        point=("point", "first"), schedule=("schedule", "first"),
+        variant=("variant", "first"))
     baselines = _baselines(groups, is_baseline)
     sweep_targets = sweep_targets or {}
     speed_rows, conv_rows = [], []
     for group, info in groups.iterrows():
         mine = runs[runs["group"] == group]
         base_group = baselines[group]
-        common = {"sweep": info["sweep"], "label": info["label"], "strategy": info["strategy"]}
+        common = {"sweep": info["sweep"], "label": info["label"], "variant": info["variant"],
+                  "strategy": info["strategy"]}
         if base_group is None:
             note = {"baseline": f"none (no unique {baseline_name} group on this validation "
                                 "set)", "runs": len(mine)}
@@ -265,14 +276,22 @@ def compare(runs: pd.DataFrame, steps: pd.DataFrame, profiles: list[str],
             projection = ("measured" if clock == "measured"
                           else UNIFORM if UNIFORM in methods else STEPWISE)
             own = mean_interval(mine_t[column]) if not reason else mean_interval([])
+            # the interval only when every trial of both reached: never from the lucky
+            # seeds alone (a missed trial has no time to put in it)
             ratio = (ratio_interval(_by_seed(base_t, column), _by_seed(mine_t, column))
                      if complete else None)
+            median, base_median = (algoperf.median_time(mine_t[column]),
+                                   algoperf.median_time(base_t[column]))
             speed_rows.append({
                 **common, "clock": clock, "projection": projection,
                 "time_to_target_s": own.estimate, "time_to_target_ci": own.half_width,
                 "baseline_time_to_target_s": mean_ci(base_t[column])[0]
                 if not base_reason else math.nan,
-                **_ratio_columns("speedup", ratio)})
+                **_ratio_columns("speedup", ratio),
+                "reached_fraction": counts["reached"] / counts["runs"],
+                "median_time_to_target_s": median,
+                "baseline_median_time_to_target_s": base_median,
+                "median_speedup": algoperf.median_ratio(base_median, median)})
         conv_rows.append({**common, **_convergence(mine_t, base_t, reason, base_reason)})
     return (pd.DataFrame(speed_rows).reindex(columns=SPEED_COLS),
             pd.DataFrame(conv_rows).reindex(columns=CONV_COLS))
@@ -304,7 +323,8 @@ def _convergence(mine_t: pd.DataFrame, base_t: pd.DataFrame, reason: str,
             **_ratio_columns("token_ratio", ratio),
             "final_val_loss": final.estimate, "final_val_loss_ci": final.half_width,
             "final_val_loss_n": final.n, "val_loss_diff": diff.estimate,
-            "val_loss_diff_ci": diff.half_width, "flag": final.flag}
+            "val_loss_diff_ci": diff.half_width, "val_loss_diff_n": diff.n,
+            "flag": final.flag}
 
 
 def communication(runs: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
@@ -359,7 +379,8 @@ def _strict_mean(values: pd.Series) -> float:
 
 
 def downstream(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per group: mean and 95% half-width of every eval.TASK/METRIC column (ok runs)."""
+    """Per group: mean, 95% half-width and chance label ("at chance", "below chance" or "":
+    bench/report/chance.py) of every eval.TASK/METRIC column (ok runs)."""
     metrics = [c for c in runs.columns if c.startswith("eval.")]
     ok = runs[runs["status"] == "ok"]
     if not metrics or ok[metrics].notna().sum().sum() == 0:
@@ -370,7 +391,11 @@ def downstream(runs: pd.DataFrame) -> pd.DataFrame:
                "strategy": mine["strategy"].iloc[0], "runs": len(mine)}
         for metric in metrics:
             m, ci, n = mean_ci(mine[metric])
-            row[metric.removeprefix("eval.")] = m
-            row[metric.removeprefix("eval.") + "_ci"] = ci
+            name = metric.removeprefix("eval.")
+            items = mine.get(f"eval_n.{name.partition('/')[0]}")
+            row[name] = m
+            row[name + "_ci"] = ci
+            row[name + "_chance"] = chance.label(
+                name, m, items.mean() if items is not None else None)
         rows.append(row)
     return pd.DataFrame(rows)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import EngFormatter, PercentFormatter
+from matplotlib.ticker import EngFormatter, NullFormatter, PercentFormatter
 
 from bench import records
 
@@ -298,4 +298,31 @@ def delay_gaps(cells: pd.DataFrame) -> Figure | None:
     ax.set_title("One-step delay: validation-loss gap to the synchronous run", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
+    return fig
+
+
+def performance_profile(profile: pd.DataFrame, palette: dict[str, str]) -> Figure | None:
+    """Step curves: per method, the fraction of cases within tau of the best (log tau).
+
+    `profile` is bench/report/algoperf.py's performance_profile table."""
+    if profile.empty:
+        return None
+    fig = _figure(6.5, 4.0)
+    ax = fig.add_subplot()
+    for i, (method, part) in enumerate(profile.groupby("method", sort=False)):
+        part = part.sort_values("tau")
+        ax.plot(part["tau"], part["fraction"], drawstyle="steps-post", linewidth=1.8,
+                color=palette.get(method, _COLORS[i % len(_COLORS)]), label=method)
+    ax.set_xscale("log")
+    ax.set_xlim(1.0, float(profile["tau"].max()))
+    ax.set_ylim(-0.02, 1.02)
+    ticks = [t for t in (1, 1.25, 1.5, 2, 3, 4, 6, 8) if t <= profile["tau"].max()]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("τ: within this factor of the best method's median time to target")
+    ax.set_ylabel("fraction of cases")
+    ax.set_title("Performance profile over workloads × network profiles (misses never "
+                 "within)", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    legend(fig, ax, 8)
     return fig

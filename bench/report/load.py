@@ -8,7 +8,10 @@ reads its files and returns `Results(runs, steps, warnings)`:
   config_hash, sweep, variant, label, group, seed, strategy), `status` (ok, failed,
   diverged, or partial for a run killed midway: config.yaml without summary.json, or
   summary status running), summary totals, `proj.PROFILE.KEY` projected columns, and
-  `eval.TASK/METRIC` columns, `val_set` and `implied_val_set` (below).
+  `eval.TASK/METRIC` columns (and `eval_n.TASK`, the items scored, from eval.json),
+  `val_set` and `implied_val_set` (below), and how its compute was clocked:
+  `compute_clock`, `ranks_per_core` and its source (bench/report/contention.py; records
+  without them read as `wall`, ranks per core from env.json or unknown).
   Config columns: `optim.name`, `optim.delay`, `optim.delay_correction`, `schedule`
   (strategy.schedule) with the defaults of older records (adamw, 0, none), and `delay_ref`
   (the config minus seed and delay settings: runs that differ only by delay share it).
@@ -54,6 +57,7 @@ import pandas as pd
 
 from bench import records
 from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
+from bench.report import contention
 
 IDENTITY = ["run_id", "sweep", "variant", "label", "group", "seed", "strategy", "status"]
 STEP_COLUMNS = ["step", "tokens", "elapsed_s", "loss", "val_loss"]
@@ -254,6 +258,14 @@ def _flatten_eval(data: Any) -> dict[str, float]:
     return flat
 
 
+def _eval_samples(data: Any) -> dict[str, float]:
+    """{task: items scored} from eval.json's `tasks` (eval/runner.py `num_samples`)."""
+    tasks = data.get("tasks") if isinstance(data, dict) else None
+    return {str(task): float(record["num_samples"]) for task, record in
+            (tasks.items() if isinstance(tasks, dict) else ())
+            if isinstance(record, dict) and _is_number(record.get("num_samples"))}
+
+
 def _is_number(value: Any) -> bool:
     """A number as a record holds one: not a bool, finite and no larger in magnitude than
     `LARGEST` (a crafted or corrupted 1e308 would overflow the statistics)."""
@@ -265,7 +277,7 @@ LARGEST = 1e30
 """No quantity commbench records (seconds, tokens, bytes, losses) comes near this."""
 SUMMARY_TYPES = {"status": str, "run_name": str, "strategy": str, "config_hash": str,
                  "error": str, "eval_error": str, "started": str, "projected": dict,
-                 "val_set": dict, "eval": dict}
+                 "val_set": dict, "eval": dict, "compute_clock": str, "device": str}
 """summary.json fields the report reads that are not numbers, and their types."""
 
 
@@ -386,6 +398,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
                 default if value is None else value)
         row["update_delay"] = _update_delay(row)
         row["delay_ref"] = f"{row['sweep']}#{_compared_config_key(config, _DELAY_KEYS)}"
+        row.update(contention.run_columns(summary, config, _read_json(run.env, warnings)))
         row["projection_model"] = (summary or {}).get(
             "projection_model", "naive formulas, no overlap (record without projection_model)")
         network = config.get("network") if isinstance(config.get("network"), dict) else {}
@@ -412,11 +425,12 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             for key, value in (values or {}).items():
                 if _is_number(value):
                     row[f"proj.{profile}.{key}"] = float(value)
-        evals = _flatten_eval((summary or {}).get("eval"))
-        if not evals:
-            evals = _flatten_eval(_read_json(run.eval, warnings))
+        eval_json = _read_json(run.eval, warnings)
+        evals = _flatten_eval((summary or {}).get("eval")) or _flatten_eval(eval_json)
         for key, value in evals.items():
             row[f"eval.{key}"] = value
+        for task, samples in _eval_samples(eval_json).items():
+            row[f"eval_n.{task}"] = samples
         run_rows.append(row)
         for m in metrics:
             m = dict(m)

@@ -10,9 +10,11 @@ number where a group has none ("no speedup: 1 of 2 seeds did not reach").
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
-from bench.report import render
+from bench.report import chance, contention, render
 
 
 def plural(n: int, word: str) -> str:
@@ -48,6 +50,10 @@ def _reason(row, column: str = "reason") -> str:
 
 def ratio_cell(row, name: str = "speedup") -> str:
     if _reason(row):
+        median = row.get(f"median_{name}")
+        if isinstance(median, float) and math.isfinite(median):  # AlgoPerf's score
+            return (f"{render.num(median, 3)}× median, no interval "
+                    f"({_reason(row).removeprefix('no speedup: ')})")
         return _reason(row)
     return render.ratio_ci(row[name], row[f"{name}_low"], row[f"{name}_high"],
                            row.get(f"{name}_n", row.get("runs")))
@@ -55,12 +61,20 @@ def ratio_cell(row, name: str = "speedup") -> str:
 
 def _time_cell(row) -> str:
     if _reason(row, "misses"):
+        median = row.get("median_time_to_target_s")
+        if isinstance(median, float) and math.isfinite(median):  # AlgoPerf's score
+            return f"median {render.num(median)} ({_reason(row, 'misses')})"
         return _reason(row, "misses")
     return render.with_ci(row["time_to_target_s"], row["time_to_target_ci"], 4)
 
 
-def wide_by_clock(speedup: pd.DataFrame, profiles: list[str], kind: str) -> pd.DataFrame:
-    """One row per group, one column per clock; kind "speedup" or "time"."""
+def wide_by_clock(speedup: pd.DataFrame, profiles: list[str], kind: str,
+                  marks: dict | None = None) -> pd.DataFrame:
+    """One row per group, one column per clock; kind "speedup" or "time". `marks`:
+    (sweep, label) -> (measured mark, projected mark) (bench/report/contention.py
+    `group_marks`), appended to the cells of the clocks whose runs shared cores, and
+    said in a "shares cores" column."""
+    marks = marks or {}
     first = speedup.drop_duplicates(["sweep", "label"])
     out = group_columns(first)
     out["baseline"] = first["baseline"].astype(object).fillna("—").to_numpy()
@@ -77,7 +91,9 @@ def wide_by_clock(speedup: pd.DataFrame, profiles: list[str], kind: str) -> pd.D
         rows = speedup[speedup["clock"] == clock].set_index(["sweep", "label"])
         cells = []
         for key in zip(first["sweep"], first["label"], strict=True):
-            cells.append(cell(rows.loc[key]) if key in rows.index else "—")
+            mark = marks.get(key, ("", ""))[0 if clock == "measured" else 1]
+            text = cell(rows.loc[key]) if key in rows.index else "—"
+            cells.append(f"{text} {mark}" if mark and text != "—" else text)
         out[clock if clock == "measured" else f"proj. {clock}"] = cells
     if profiles:
         projected = speedup[speedup["clock"] != "measured"].groupby(
@@ -86,7 +102,17 @@ def wide_by_clock(speedup: pd.DataFrame, profiles: list[str], kind: str) -> pd.D
             else "step-wise")
         out["projected times"] = [projected.get(key, "—") for key in
                                   zip(first["sweep"], first["label"], strict=True)]
+    if marks:
+        out["shares cores"] = [_shares_cores(marks.get(key, ("", ""))) for key in
+                               zip(first["sweep"], first["label"], strict=True)]
     return out
+
+
+def _shares_cores(marks: tuple[str, str]) -> str:
+    measured, projected = marks
+    parts = ([f"{projected} projections not contention-free"] if projected else []) + (
+        [f"{measured} measured clock shared cores"] if measured else [])
+    return "; ".join(parts) or "no"
 
 
 def convergence_table(conv: pd.DataFrame) -> pd.DataFrame:
@@ -108,12 +134,20 @@ def convergence_table(conv: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def throughput_table(comm: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
+def throughput_table(comm: pd.DataFrame, profiles: list[str],
+                     marks: dict | None = None) -> pd.DataFrame:
+    """Throughput per group; `marks` as `wide_by_clock` takes them (the group's own)."""
+    marks = marks or {}
+    keys = list(zip(comm["sweep"], comm["label"], strict=True))
+
+    def cells(column: str, which: int) -> list[str]:
+        return [render.si(v) + (f" {marks[k][which]}" if marks.get(k, ("", ""))[which]
+                                else "") for v, k in zip(comm[column], keys, strict=True)]
     out = group_columns(comm)
-    out["tokens/s measured"] = [render.si(v) for v in comm["throughput.measured"]]
+    out["tokens/s measured"] = cells("throughput.measured", 0)
     for p in profiles:
         if f"throughput.{p}" in comm:
-            out[f"tokens/s proj. {p}"] = [render.si(v) for v in comm[f"throughput.{p}"]]
+            out[f"tokens/s proj. {p}"] = cells(f"throughput.{p}", 1)
     return out
 
 
@@ -143,14 +177,22 @@ def downstream_table(evals: pd.DataFrame) -> pd.DataFrame:
     """One row per task/metric, one column per group (metrics outnumber groups)."""
     names = (evals["sweep"] + "/" + evals["label"] if evals["sweep"].nunique() > 1
              else evals["label"])
-    metrics = [c for c in evals.columns
-               if c not in ("sweep", "label", "strategy", "runs") and not c.endswith("_ci")]
-    out = pd.DataFrame({"task/metric": ["runs", *metrics]})
+    metrics = [c for c in evals.columns if c not in ("sweep", "label", "strategy", "runs")
+               and not c.endswith(("_ci", "_chance"))]
+    out = pd.DataFrame({"task/metric": ["runs", *[
+        f"{m} ({chance.describe(m)})" if chance.describe(m) else m for m in metrics]]})
     for i, name in enumerate(names):
         row = evals.iloc[i]
-        out[name] = [str(row["runs"]), *[render.with_ci(row[m], row[f"{m}_ci"])
-                                         for m in metrics]]
+        out[name] = [str(row["runs"]), *[_score_cell(row, m) for m in metrics]]
     return out
+
+
+def _score_cell(row, metric: str) -> str:
+    """A downstream score; at or below chance level it says so first (the number after,
+    in parentheses, is not a result)."""
+    text = render.with_ci(row[metric], row[f"{metric}_ci"])
+    verdict = row.get(f"{metric}_chance")
+    return f"{verdict} ({text})" if isinstance(verdict, str) and verdict else text
 
 
 def _first_line(text) -> str:
@@ -189,6 +231,21 @@ def runs_table(runs: pd.DataFrame, set_numbers: dict[str, int] | None = None) ->
     })
     if set_numbers:
         table["validation set"] = runs["val_set"].map(set_numbers)
+    if "compute_clock" in runs:
+        flags = contention.flags(runs)
+        table["ranks/core"] = [render.num(v, 3) if math.isfinite(v) else
+                               ("GPU" if s == "GPU" else "unknown") for v, s in
+                               zip(runs["ranks_per_core"], runs["ranks_per_core_source"],
+                                   strict=True)]
+        table["compute clock"] = [c if r else f"{c} (not recorded)" for c, r in
+                                  zip(runs["compute_clock"], runs["compute_clock_recorded"],
+                                      strict=True)]
+        table["shares cores"] = [
+            _shares_cores((contention.MEASURED_MARK if m else "",
+                           contention.PROJECTED_MARK if p else ""))
+            if not u else "unknown"
+            for m, p, u in zip(flags["measured_contended"], flags["projections_contended"],
+                               flags["contention_unknown"], strict=True)]
     return table
 
 
