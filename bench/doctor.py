@@ -327,8 +327,19 @@ def run_checks(checks: list[Check], ctx: Context, echo=None) -> list[Result]:
     return results
 
 
+def md_text(text) -> str:
+    """bench/report/render.py `md_text`, the pages' one escaping rule (imported when a report
+    is written: pandas stays out of `commbench --help`)."""
+    from bench.report.render import md_text as escape
+
+    return escape(text)
+
+
 def format_row(r: Result) -> str:
-    return f"| {r.check} | {r.status} | {r.seconds:.0f} s | {r.detail.replace('|', '/')} |"
+    """A table row; the detail (an error's text: paths, a host's output) escaped as the
+    report's pages are (bench/report/render.py `md_text`)."""
+    detail = " ".join(md_text(r.detail).replace("|", "/").split())
+    return f"| {md_text(r.check)} | {r.status} | {r.seconds:.0f} s | {detail} |"
 
 
 def format_report(results: list[Result], ctx: Context) -> str:
@@ -336,7 +347,8 @@ def format_report(results: list[Result], ctx: Context) -> str:
     lines = [
         "# commbench doctor",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {platform.node()} ({platform.platform()}), "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {md_text(platform.node())} "
+        f"({md_text(platform.platform())}), "
         f"{ctx.world_size} ranks, device {ctx.device}, {ctx.gpus} GPUs.",
         "",
         "| check | result | time | detail |",
@@ -355,7 +367,7 @@ def outcome(results: list[Result]) -> list[str]:
     """The counts, and the checks skipped with their reasons."""
     count = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, SKIP)}
     lines = [f"{count[PASS]} passed, {count[FAIL]} failed, {count[SKIP]} skipped."]
-    skipped = [f"{r.check} ({r.detail})" for r in results if r.status == SKIP]
+    skipped = [f"{r.check} ({md_text(r.detail)})" for r in results if r.status == SKIP]
     if skipped:
         lines.append("Skipped: " + "; ".join(skipped))
     return lines

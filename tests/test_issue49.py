@@ -182,3 +182,57 @@ def test_a_sweep_name_read_by_track_follows_the_name_rule(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "'../../escape'" in err and "letters, digits" in err
     assert not (tmp_path / "tb").exists()
+
+
+# ------------------------------------------------------------------ one escaping rule
+
+MARKUP = "<script>alert(1)</script> <img src=x onerror=alert(1)> [x](javascript:alert(1)) |"
+
+
+def _raw_markup(page: str) -> list[str]:
+    """Markup of MARKUP that a markdown renderer would keep (raw tags, a live link)."""
+    import re
+
+    return [m for m in ("<script", "<img", r"(?<!\\)\]\(javascript") if re.search(m, page)]
+
+
+def test_every_text_field_of_the_whatif_page_is_escaped(monkeypatch):
+    from bench.whatif import report
+    from bench.whatif.scenario import load_scenario
+
+    s = load_scenario(None, ["hardware.gpu=H100 SXM"])
+    s.network.profile, s.hardware.run = MARKUP, MARKUP  # texts the page repeats
+    s.hardware.compute_s_per_step = None
+    at = {"bandwidth_Bps": 1e9, "step_s": 1.0, "comm_s": 0.1, "utilisation": 0.9,
+          "total_s": 3600.0}
+    results = [report.MethodResult(MARKUP, "ddp", 8, 10, 1.0, at, dict.fromkeys(s.targets,
+                                   1e9), [(1e9, 0.9)], [MARKUP])]
+    page = report.table(s, results)
+    assert not _raw_markup(page), page
+    assert MARKUP.replace("<", "&lt;").split("[")[0] in page  # shown, as text
+    table_rows = [line for line in page.splitlines() if line.startswith("| ")]
+    assert all(line.count(" | ") == table_rows[0].count(" | ") for line in table_rows)
+    with pytest.raises(ValueError, match="letters, digits"):  # the name: refused, not escaped
+        load_scenario(None, [f"name={MARKUP}"])
+
+
+def test_every_text_field_of_the_doctor_report_is_escaped(monkeypatch, tmp_path):
+    from bench import doctor
+
+    monkeypatch.setattr(doctor.platform, "node", lambda: MARKUP)
+    results = [doctor.Result(MARKUP, doctor.FAIL, MARKUP),
+               doctor.Result("skipped", doctor.SKIP, MARKUP)]
+    page = doctor.format_report(results, doctor.Context(1, 0, tmp_path))
+    assert not _raw_markup(page), page
+    row = doctor.format_row(results[0])
+    assert row.count(" | ") == 3, row  # the detail's | cannot add a column
+
+
+def test_tensorboard_text_cannot_leave_its_code_block():
+    from bench.tracking.sinks import _code
+
+    text = f"name: x\n```\n{MARKUP}\n````\n"
+    block = _code(text, "yaml")
+    fence = block.splitlines()[0].removesuffix("yaml")
+    assert set(fence) == {"`"} and len(fence) > 4 and block.endswith("\n" + fence)
+    assert fence not in text

@@ -98,7 +98,9 @@ class TensorBoardSink:
                status: str | None) -> None:
         self.write(step, walltime, scalars)
         if status is not None:
-            self.writer.add_text("status", status, step, walltime=walltime)
+            from bench.report.render import md_text  # the pages' one escaping rule
+
+            self.writer.add_text("status", md_text(status), step, walltime=walltime)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -294,4 +296,8 @@ def _known(settings_class, wanted: dict) -> dict:
 
 
 def _code(text: str, language: str) -> str:
-    return f"```{language}\n{text}\n```"
+    """`text` as a fenced code block of TensorBoard's markdown: the fence is longer than any
+    run of backticks inside (a record's text cannot close it and add markup after)."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{text}\n{fence}"
