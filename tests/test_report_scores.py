@@ -180,3 +180,14 @@ def test_downstream_table_says_at_chance(tmp_path):
     down = pd.read_csv(out / "downstream.csv").set_index("label")
     assert down.loc["ddp", "smoke_choice/acc_chance"] == "at chance"
     assert pd.isna(down.loc["big", "smoke_choice/acc_chance"])  # "" reads back as NaN
+
+
+def test_no_performance_profile_of_a_single_method(tmp_path):
+    sweep_dir, sweep = tmp_path / "s", {"name": "s", "runs": {}}
+    for seed in (0, 1):
+        write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
+    (sweep_dir / "sweep.json").write_text(json.dumps(sweep))
+    out = tmp_path / "out"
+    build_report(sweep_dir, out)
+    assert not (out / "performance_profile.csv").exists()
+    assert "Performance profile" not in (out / "report.md").read_text()

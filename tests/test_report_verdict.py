@@ -122,6 +122,8 @@ def test_a_report_over_an_oversubscribed_run_says_so(tmp_path):
     runs = md.split("## All runs")[1]
     row = next(x for x in runs.splitlines() if x.startswith("| diloco-"))
     assert "| 2 | wall |" in row and "‡ projections not contention-free" in row
+    assert ("‡ The projected curves or bars of `ddp`, `diloco` are not contention-free"
+            in next(x for x in md.splitlines() if x.startswith("_Loss vs time")))
     tokens = md.split("## Throughput and communication")[1]
     assert any(x.startswith("| diloco |") and x.count("‡") == 2 and x.count("†") == 1
                for x in tokens.splitlines())

@@ -137,7 +137,9 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     comm = analysis.communication(runs, profiles)
     evals = analysis.downstream(runs)
     cases = algoperf.cases(speedup)
-    profile = algoperf.performance_profile(cases)
+    # a profile of one method (DDP alone) compares nothing: none then
+    profile = algoperf.performance_profile(
+        cases if cases["method"].nunique() > 1 else cases.iloc[:0])
 
     figures.write_csv(runs.drop(columns=["comm_bytes_series"], errors="ignore"),
                       out_dir / "runs.csv")
@@ -238,8 +240,8 @@ def _first_screen(sets: list[_OneSet], runs: pd.DataFrame, profiles: list[str],
         blocks += [("p", line) for line in lines]
         said += len(lines)
     if not said:
-        blocks.append(("p", "No method to compare with DDP (no ok DDP baseline and another "
-                            "group on one validation set)."))
+        blocks.append(("p", "Nothing to compare: no group beside an ok DDP baseline on "
+                            "one validation set."))
     if profile_text:
         blocks.append(("p", "**Performance profile** (AlgoPerf: median time to target over "
                             "seeds, a missed trial counted as never; figure and "
@@ -303,7 +305,8 @@ def _comparison_blocks(one: _OneSet, profiles: list[str]) -> list[tuple]:
                            "dashed: target)."),
         ("loss_vs_time", "Loss vs time: measured on this machine, and projected onto each "
                          "network profile (the run's cumulative projected clock where it "
-                         "logged one, else projected run time × fraction of tokens)."),
+                         "logged one, else projected run time × fraction of tokens)."
+                         + contention.caption(runs)),
     ):
         if name in one.drawn:
             blocks.append(("figure", one.drawn[name], caption))
@@ -339,7 +342,8 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
     else:
         for name, caption in (
             ("throughput", "Throughput in tokens/s, steady state: the run without its "
-                           "warm-up steps and communicator creation (log scale)."),
+                           "warm-up steps and communicator creation (log scale)."
+                           + contention.caption(runs)),
             ("communication", "Bytes per rank over the run: logical payload (tensor bytes "
                               "handed to collectives and sends) beside modelled wire bytes "
                               "(what the algorithm puts on the link, e.g. 2(n−1)/n × payload "

@@ -150,3 +150,18 @@ def first_screen(runs: pd.DataFrame) -> list[str]:
             "records hold neither `ranks_per_core` nor a CPU count (env.json), and their "
             "compute was measured on the wall clock.")
     return out
+
+
+def caption(runs: pd.DataFrame) -> str:
+    """What a figure's caption adds about the runs drawn that shared cores ("" if none)."""
+    marked = runs.join(flags(runs))
+    parts = []
+    proj = marked[marked["projections_contended"]]
+    if len(proj):
+        parts.append(f" {PROJECTED_MARK} The projected curves or bars of {_names(proj)} are "
+                     "not contention-free (compute on the wall clock, ranks sharing cores).")
+    measured = marked[marked["measured_contended"]]
+    if len(measured):
+        parts.append(f" {MEASURED_MARK} The measured ones of {_names(measured)} ran with "
+                     "ranks sharing cores.")
+    return "".join(parts)
