@@ -421,6 +421,31 @@ def _in_range(path: str, value: float, low: float, high: float, closed: str = "[
         raise _fail(path, value, f"in {closed[0]}{low}, {high}{closed[1]}")
 
 
+MAX_SEED = 2**63 - 1
+"""The largest run.seed: torch.manual_seed takes a 64-bit integer, numpy's generator a
+non-negative one."""
+
+
+def check_rendezvous(launch: LaunchConfig, required: bool = False) -> None:
+    """launch.rdzv_endpoint: host:port when given (refused here, not by torchrun on every
+    node after the launch); `required` (a run started by hand, `preflight`): given when
+    launch.nnodes > 1 (a Slurm job fills a null one with its first node: bench/jobentry.py)."""
+    endpoint = launch.rdzv_endpoint
+    if endpoint is None:
+        if required and launch.nnodes > 1:
+            raise ValueError(f"launch.rdzv_endpoint must be host:port (rank 0's node, e.g. "
+                             f"node1:29500) when launch.nnodes > 1, got None (launch.nnodes "
+                             f"{launch.nnodes})")
+        return
+    host, _, port = str(endpoint).rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:29500
+    if not host or any(c.isspace() or c in "/@?#" for c in host) or not port.isdigit() \
+            or not 1 <= int(port) <= 65535:
+        raise _fail("launch.rdzv_endpoint", endpoint,
+                    "host:port with a port from 1 to 65535 (e.g. node1:29500, 10.0.0.1:29500, "
+                    "[::1]:29500)")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need more than one field's type: ranges, tables, cross-section rules."""
     from bench.data import expand_path, resolve_corpus
@@ -477,6 +502,9 @@ def validate(cfg: Config) -> None:
             f"parallel.world_size ({world}) must be divisible by launch.nnodes "
             f"({cfg.launch.nnodes})"
         )
+    check_rendezvous(cfg.launch)
+    if not 0 <= cfg.run.seed <= MAX_SEED:  # torch.manual_seed and numpy's generator take it
+        raise _fail("run.seed", cfg.run.seed, f"an integer from 0 to {MAX_SEED} (2**63 - 1)")
     if cfg.data.batch_size % cfg.parallel.num_microbatches:
         raise ValueError(
             f"parallel.num_microbatches ({cfg.parallel.num_microbatches}) must divide "
@@ -592,6 +620,7 @@ def preflight(cfg: Config) -> None:
     from bench.data import check_corpus_size
     from bench.memory import check_fits
 
+    check_rendezvous(cfg.launch, required=True)
     check_device(cfg)
     check_fits(cfg)
     check_corpus_size(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,

@@ -190,8 +190,25 @@ def check_args(args) -> None:
         if not 0 < value < math.inf:
             raise ValueError(f"netprobe --{option.replace('_', '-')} must be a finite number "
                              f"of seconds > 0, got {value}")
-    for size in args.sizes:
-        parse_size(size)
+    sizes = {parse_size(size) for size in args.sizes}
+    if len(sizes) < 2:
+        raise ValueError(f"netprobe --sizes {' '.join(args.sizes)}: give at least two "
+                         "different sizes (latency and bandwidth are fitted from how the time "
+                         "grows with the size), e.g. --sizes 4KiB 4MiB")
+    _check_out(args.out)
+
+
+def _check_out(out: str) -> None:
+    """--out must be a file path whose existing parents are directories (else the ranks
+    measure for minutes, then fail writing)."""
+    path = Path(out).expanduser().absolute()
+    if path.is_dir():
+        raise ValueError(f"netprobe --out {out!r} is a directory; give a file path, e.g. "
+                         f"{str(Path(out) / 'netprobe-profile.yaml')!r}")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"netprobe --out {out!r}: {str(parent)!r} is a file, not a "
+                             "directory (give a path whose parents are directories)")
 
 
 # ---------------------------------------------------------------------- measuring (per rank)

@@ -147,6 +147,9 @@ def _parse_spec(raw: dict, path: Path, cli: dict[str, Any]) -> SweepSpec:
         if not base_path.is_file():
             raise ValueError(f"base config {base!r} not found (looked for {str(base_path)!r}; "
                              "a path is relative to the spec's folder)")
+        if base_path.resolve() == path.resolve():
+            raise ValueError(f"base {base!r} is this sweep spec itself; give a run config "
+                             "(e.g. configs/ddp-tiny.yaml) or an inline mapping")
         base_data = load_raw(base_path)
     elif isinstance(base, dict):
         base_data = copy.deepcopy(base)
