@@ -66,7 +66,13 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
             if path.exists():
                 seen = True
                 try:
-                    held[_saved_step(path)] = path
+                    payload = load_payload(path, map_location="cpu", mmap=True)
+                    problem = identity_problem(path, payload.get("identity"), run, rank,
+                                               world_size)
+                    if problem:
+                        problems.append(problem)
+                        continue
+                    held[int(payload["step"])] = path
                 except pickle.UnpicklingError:  # weights_only refused an object
                     problems.append(f"checkpoint {path} holds objects other than tensors and "
                                     "plain data (not loaded: loading them could run code); "
@@ -114,6 +120,62 @@ def _saved_step(path) -> int:
     return int(load_payload(path, map_location="cpu", mmap=True)["step"])
 
 
+def state_identity(run: RunDir, rank: int, world_size: int) -> dict[str, Any]:
+    """What a state file belongs to: the run (its recorded config's identity without
+    run.steps, which a resume may grow: `run_key`), the rank, the world size and the
+    layout (strategy, replica groups, stages, sharding: part of the run key, spelled out
+    for the messages)."""
+    key, layout = run_key(run)
+    return {"run": key, "rank": rank, "world_size": world_size, "layout": layout}
+
+
+_RUN_KEYS: dict[tuple, tuple[str, str]] = {}
+
+
+def run_key(run: RunDir) -> tuple[str, str]:
+    """(12 hex digits of the recorded config's identity minus run.steps, the layout in
+    words) of the run at `run`; ("", "") without a readable config.yaml."""
+    import hashlib
+    import json
+
+    from bench.config import from_dict, identity_dict, load_raw
+
+    try:
+        stat = run.config.stat()
+    except OSError:
+        return "", ""
+    cache = (str(run.config), stat.st_mtime_ns, stat.st_size)
+    if cache not in _RUN_KEYS:
+        cfg = from_dict(load_raw(run.config))
+        identity = identity_dict(cfg)
+        identity.get("run", {}).pop("steps", None)
+        blob = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+        p = cfg.parallel
+        layout = (f"{cfg.strategy.name}, world {p.world_size}, groups of {p.group_size}, "
+                  f"{p.num_stages} stage{'s' * (p.num_stages != 1)}, "
+                  f"shard {getattr(p, 'shard', None)}")
+        _RUN_KEYS[cache] = (hashlib.sha256(blob.encode()).hexdigest()[:12], layout)
+    return _RUN_KEYS[cache]
+
+
+def identity_problem(path: Path, identity: Any, run: RunDir, rank: int,
+                     world_size: int) -> str | None:
+    """Why the state file at `path` is not rank `rank`'s of this run and layout, or None.
+    A file without an identity (saved before state files carried one) is not judged."""
+    if not isinstance(identity, dict):
+        return None
+    if identity.get("rank") != rank or identity.get("world_size") != world_size:
+        return (f"checkpoint {path} holds rank {identity.get('rank')}'s state of a world of "
+                f"{identity.get('world_size')}, not rank {rank}'s of {world_size}: a state "
+                "file copied or swapped between ranks")
+    key, layout = run_key(run)
+    if key and identity.get("run") and identity["run"] != key:
+        return (f"checkpoint {path} belongs to another run or layout (run key "
+                f"{identity['run']}: {identity.get('layout')}), not this run's ({key}: "
+                f"{layout})")
+    return None
+
+
 def load_payload(path, map_location=None, mmap: bool = False) -> dict:
     """A checkpoint file's content, loaded with `weights_only=True`: tensors and plain data
     only. Run directories travel (tarballs, shared filesystems): a pickle that names any
@@ -158,7 +220,8 @@ def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: Co
         raise NotImplementedError(f"strategy {type(strategy).__name__} cannot save its state "
                                   "(state_dict); set checkpoint.every=0") from None
     payload = {"step": step, "strategy": state, "loop": loop_state,
-               "ledger": ledger.state_dict(), **rng_states(strategy.comm.device)}
+               "ledger": ledger.state_dict(), **rng_states(strategy.comm.device),
+               "identity": state_identity(run, rank, dist.get_world_size())}
     run.save_torch(payload, run.pending_state_checkpoint(rank))
     dist.barrier(group=group)  # every rank's new state is on disk: it may replace the old
     os.replace(run.pending_state_checkpoint(rank), run.state_checkpoint(rank))
@@ -219,8 +282,14 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
         payload = load_payload(path)
     except Exception as err:
         raise RuntimeError(f"resume: cannot load {path}: {type(err).__name__}: {err}") from err
+    problem = identity_problem(path, payload.get("identity"), run, rank,
+                               dist.get_world_size())
     steps = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, payload["step"], group=group)
+    dist.all_gather_object(steps, (payload["step"], problem), group=group)
+    problems = [p for _, p in steps if p]
+    if problems:
+        raise RuntimeError(f"resume: {problems[0]}")
+    steps = [s for s, _ in steps]
     if len(set(steps)) > 1:
         raise RuntimeError(f"resume: the ranks' checkpoints are at different steps {steps}")
     strategy.load_state_dict(payload["strategy"])

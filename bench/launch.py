@@ -140,13 +140,20 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
         run.prepare()
         if header.get("resumed_from_step"):
             checkpoint.adopt_states(run, cfg.parallel.world_size, header["resumed_from_step"])
+        fault = os.environ.get("COMMBENCH_FAULT")  # bench/env.py: a rank fails on purpose
+        if fault:
+            print(f"warning: COMMBENCH_FAULT={fault} is set: a rank of this run fails on "
+                  "purpose (recorded in summary.json fault_injected)", file=sys.stderr)
         if first:  # one writer of the header and the attempts per run
             write_text(run.config, to_yaml(cfg))
             run.write_summary(running_header(
                 cfg.run.name, config_hash(cfg), cfg.strategy.name, cfg.parallel.world_size,
                 started=_now(),
-                **{**header, "attempts": [*header.get("attempts", []), new_attempt()]}))
+                **{**header, "attempts": [*header.get("attempts", []), new_attempt()]},
+                **({"fault_injected": fault} if fault else {})))
         env = dict(os.environ, COMMBENCH_PROGRESS="1", PYTHONUNBUFFERED="1")
+        env.pop("COMMBENCH_RESUME", None)  # the launcher alone says resume (below): one left
+        # exported would make a new attempt continue an old checkpoint
         env.setdefault("OMP_NUM_THREADS", "1")
         if cfg.launch.cuda_visible_devices:
             env["CUDA_VISIBLE_DEVICES"] = cfg.launch.cuda_visible_devices

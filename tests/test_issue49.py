@@ -255,3 +255,84 @@ def test_tensorboard_text_cannot_leave_its_code_block():
     fence = block.splitlines()[0].removesuffix("yaml")
     assert set(fence) == {"`"} and len(fence) > 4 and block.endswith("\n" + fence)
     assert fence not in text
+
+
+# ------------------------------------------------------------------ identity of state files
+
+
+def _state(step: int, identity: dict | None) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save({"step": step, "strategy": {}, "loop": {},
+                **({"identity": identity} if identity else {})}, buffer)
+    return buffer.getvalue()
+
+
+def _identity(tmp_path: Path, rank: int, world: int = 2) -> dict:
+    from bench.checkpoint import state_identity
+    from bench.records import RunDir
+
+    (tmp_path / "r").mkdir(exist_ok=True)
+    (tmp_path / "r" / "config.yaml").write_text(matrix._fill(matrix.RECORDED, tmp_path))
+    return state_identity(RunDir(tmp_path / "r"), rank, world)
+
+
+def test_a_resume_refuses_rank_0s_state_in_rank_1s_place(tmp_path, capsys):
+    """A 2-rank run whose state-rank1.pt was replaced by rank 0's (a sharded run would train
+    rank 1 on rank 0's shard): refused before launch, naming the file."""
+    rank0 = _state(2, _identity(tmp_path, 0))
+    case = Case("swapped", matrix.RESUME,
+                ["--resume", "{tmp}/r/checkpoints/state-rank1.pt", "rank 0's state",
+                 "not rank 1's"], files=recorded_run(checkpoints={0: rank0, 1: rank0}))
+    matrix.test_bad_input_fails_cleanly_and_changes_nothing(case, tmp_path, capsys)
+
+
+def test_a_resume_refuses_another_runs_state(tmp_path, capsys):
+    other = {**_identity(tmp_path, 1), "run": "0123456789ab", "layout": "pier, world 2"}
+    case = Case("other-run", matrix.RESUME,
+                ["{tmp}/r/checkpoints/state-rank1.pt", "belongs to another run or layout",
+                 "0123456789ab", "pier, world 2"],
+                files=recorded_run(checkpoints={0: _state(2, _identity(tmp_path, 0)),
+                                                1: _state(2, other)}))
+    matrix.test_bad_input_fails_cleanly_and_changes_nothing(case, tmp_path, capsys)
+
+
+def test_state_files_of_this_run_and_older_ones_without_identity_are_accepted(tmp_path):
+    from bench.checkpoint import verify_states
+    from bench.records import RunDir
+
+    for name, content in recorded_run(checkpoints={0: _state(2, _identity(tmp_path, 0)),
+                                                   1: _state(2, None)}).items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content) if isinstance(content, bytes) else \
+            path.write_text(matrix._fill(content, tmp_path))
+    assert verify_states(RunDir(tmp_path / "r"), 2) == 2
+
+
+def test_an_exported_fault_is_recorded_and_an_exported_resume_is_not_passed_on(
+        tmp_path, monkeypatch, capsys):
+    """COMMBENCH_FAULT left in the environment: the run says so and records it;
+    COMMBENCH_RESUME left there does not reach the ranks of a run that is not resumed."""
+    from bench import torchrun
+
+    seen = {}
+    real = torchrun.run
+
+    def spy(command, env, *args, **kwargs):
+        seen.update(env)
+        return real(command, env, *args, **kwargs)
+
+    monkeypatch.setattr(torchrun, "run", spy)
+    monkeypatch.setenv("COMMBENCH_FAULT", "1:2:crash")
+    monkeypatch.setenv("COMMBENCH_RESUME", "1")
+    argv = [matrix._fill(a, tmp_path) for a in run_argv(*matrix.SMALL, "run.steps=3")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "COMMBENCH_FAULT=1:2:crash is set" in err
+    summary = json.loads(next((tmp_path / "out").glob("*/summary.json")).read_text())
+    assert summary["fault_injected"] == "1:2:crash" and summary["status"] == "failed"
+    assert "COMMBENCH_RESUME" not in seen and seen  # the ranks' environment
