@@ -2,7 +2,9 @@
 
 `load_results("results/quickstart")` finds every run directory (one holding config.yaml
 or summary.json; folders named `_*` or `.*`, such as a sweep's `_retired/`, are skipped),
-reads its files and returns `Results(runs, steps, warnings)`:
+reads its files and returns `Results(runs, steps, warnings)`. A symbolic link to a
+directory is not followed: `warnings` names it and its target (and so does the error when
+no run is found):
 
 - `runs`: one row per run. Identity (run_id = the run directory relative to results_dir,
   config_hash, sweep, variant, label, group, seed, strategy), `status` (ok, failed,
@@ -18,6 +20,8 @@ reads its files and returns `Results(runs, steps, warnings)`:
 - `steps`: one row per logged metrics row (training rows carry `loss`, validation rows
   `val_loss`), tagged with the run's identity columns; the harness's cumulative
   `projected_elapsed_s: {profile: s}` becomes one `proj_elapsed.PROFILE` column each.
+  An ok run's rows past the steps its summary.json records (appended after it ended) are
+  left out, and they and its non-finite losses are warned of.
 
 Runs are grouped for comparison by their config minus the seed: the `label` a sweep
 recorded in sweep.json (variant name plus grid point), else the run name.
@@ -106,15 +110,30 @@ def find_run_dirs(results_dir: Path, warnings: list[str] | None = None) -> list[
     """Every run directory under `results_dir`: one holding config.yaml, or a summary.json
     that reads as a run's summary (a JSON object). A stray or garbage summary.json (no
     config.yaml beside it) is not a run: the runs below it are found, and `warnings` says
-    so (it used to hide every run under it)."""
+    so (it used to hide every run under it). A symbolic link to a directory is not
+    followed (a received tree's link could point anywhere): `warnings` names each one where
+    a run directory could be, with its target to give instead."""
     found = []
     for dirpath, dirnames, _ in os.walk(results_dir):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(("_", ".")))
+        dirnames[:] = sorted(d for d in dirnames if not _skipped(d))
         run = records.RunDir(dirpath)
         if run.config.is_file() or (run.summary.is_file() and _summary_alone(run, warnings)):
             found.append(run.path)
             dirnames[:] = []  # logs/ and checkpoints/ of a run are not runs
+    if warnings is not None:
+        for link in records.linked_dirs(results_dir):
+            inside = Path(link).relative_to(results_dir).parts
+            if any(map(_skipped, inside)) or any(run in Path(link).parents for run in found):
+                continue  # where no run directory is looked for either
+            warnings.append(f"{link} is a symbolic link to a directory: not read (runs are "
+                            f"read only inside {str(results_dir)!r}; give its target "
+                            f"{os.path.realpath(link)!r} to read the runs there)")
     return found
+
+
+def _skipped(name: str) -> bool:
+    """Folders no run is looked for in: `_*` (a sweep's `_retired/`) and `.*`."""
+    return name.startswith(("_", "."))
 
 
 def _summary_alone(run: records.RunDir, warnings: list[str] | None) -> bool:
@@ -331,6 +350,34 @@ def _checked_rows(rows: list[dict], path: Path, warnings: list[str]) -> list[dic
     return out
 
 
+def _rows_of_ok_run(raw_rows: list[dict], rows: list[dict], summary: dict | None,
+                    path: Path, warnings: list[str]) -> list[dict]:
+    """The checked metrics `rows` of a run whose summary.json says ok, with a warning for
+    what such a run cannot hold (rows appended after it ended were read without a word):
+    a loss that is not finite (kept, read as missing like any other) and rows past the
+    steps summary.json records (left out: the report uses the recorded steps, curves and
+    time to target included)."""
+    bad = list(dict.fromkeys(
+        row.get("step") for row in raw_rows
+        if any(isinstance(row.get(k), float) and not math.isfinite(row[k])
+               for k in ("loss", "val_loss"))))
+    if bad:
+        warnings.append(f"{path}: loss or val_loss is not finite (NaN or Infinity) at "
+                        f"step{'s' * (len(bad) > 1)} {', '.join(map(str, bad[:5]))}"
+                        f"{' ...' * (len(bad) > 5)} of a run whose summary.json status is ok: "
+                        "rows appended after the run? The report reads those losses as "
+                        "missing and the run as ok")
+    recorded = (summary or {}).get("steps")
+    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 0:
+        return rows
+    past = [row["step"] for row in rows if row["step"] > recorded]
+    if past:
+        warnings.append(f"{path}: {len(past)} rows past the {recorded} steps summary.json "
+                        f"records (steps up to {max(past)}): appended after the run? The "
+                        f"report uses the {recorded} recorded steps and leaves those rows out")
+    return [row for row in rows if row["step"] <= recorded]
+
+
 def _nearest_sweep(run_dir: Path, root: Path, cache: dict, warnings: list[str]) -> dict | None:
     for parent in [run_dir.parent, *run_dir.parent.parents]:
         if parent not in cache:
@@ -348,9 +395,10 @@ def load_results(results_dir: str | os.PathLike) -> Results:
         raise ValueError(f"results directory not found: {str(root)!r}")
     warnings: list[str] = []
     run_dirs = find_run_dirs(root, warnings)
-    if not run_dirs:
+    if not run_dirs:  # what was passed over says why, e.g. a run directory that is a link
         raise ValueError(f"no run records under {str(root)!r} (a run directory holds "
-                         "config.yaml and summary.json; run `commbench run` or `commbench sweep`)")
+                         "config.yaml and summary.json; run `commbench run` or `commbench sweep`)"
+                         + "".join(f"\n- {w}" for w in warnings))
     sweeps: dict[Path, Any] = {}
     sweep_targets: dict[str, float] = {}
     profiles: list[str] = []
@@ -359,7 +407,8 @@ def load_results(results_dir: str | os.PathLike) -> Results:
         run = records.RunDir(run_dir)
         config = _read_config(run.config, warnings)
         summary = _checked_summary(_read_json(run.summary, warnings), run.summary, warnings)
-        metrics = _checked_rows(read_metrics(run.metrics, warnings), run.metrics, warnings)
+        raw_rows = read_metrics(run.metrics, warnings)
+        metrics = _checked_rows(raw_rows, run.metrics, warnings)
         run_cfg = config.get("run", {}) if isinstance(config.get("run"), dict) else {}
         match = re.search(r"([0-9a-f]{12})$", run_dir.name)
         config_hash = (summary or {}).get("config_hash") or (match.group(1) if match else None)
@@ -414,6 +463,8 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             values = (summary or {}).get(key)
             row[key.removesuffix("_per_rank")] = (
                 float(max(values)) if isinstance(values, list) and values else math.nan)
+        if row["status"] == "ok":
+            metrics = _rows_of_ok_run(raw_rows, metrics, summary, run.metrics, warnings)
         train = [m for m in metrics if "loss" in m]
         row["steps_done"] = max((m.get("step", 0) for m in metrics), default=0)
         if math.isnan(row["total_tokens"]) and metrics:

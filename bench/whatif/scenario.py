@@ -279,4 +279,23 @@ def run_summary(run_dir: str | Path) -> tuple[dict, dict]:
         raise ValueError(f"{str(run_dir)!r} has no measured compute per step "
                          "(summary.json compute_per_step: a run recorded before the what-if "
                          "existed, or one that did not finish)")
+    _check_uncontended(run_dir, summary)
     return load_raw(run.config), summary
+
+
+def _check_uncontended(run_dir: str | Path, summary: dict) -> None:
+    """Refuse a run whose compute per step holds waits for a core: measured on the wall
+    clock (summary.json `compute_clock` wall, or none recorded) while its ranks shared
+    cores (`ranks_per_core` > 1; null on a GPU). Priced as compute, those waits would be
+    planned onto every GPU (docs/report.md, Runs whose ranks shared cores)."""
+    per_core, clock = summary.get("ranks_per_core"), summary.get("compute_clock")
+    shared = (isinstance(per_core, int | float) and not isinstance(per_core, bool)
+              and per_core > 1)
+    if shared and clock in (None, "wall"):
+        raise ValueError(
+            f"{str(run_dir)!r}: its compute was measured on the wall clock while ranks "
+            f"shared cores (summary.json ranks_per_core {per_core:g} > 1, compute_clock "
+            f"{'not recorded' if clock is None else repr(clock)}): its compute per step "
+            "holds the ranks' waits for a core, which the what-if would price as compute. "
+            "Re-run it with no more ranks than cores, or on CPU time (run.compute_clock: "
+            "auto, the default: compute_clock thread_cpu or process_cpu)")
