@@ -5,20 +5,56 @@ Every device-timed measurement takes its marks on `clock_for(device)`: DDP's buc
 exposed wait (algorithms/zero.py), FSDP2's collectives (algorithms/shard.py), the
 pipelines' point-to-point waits (algorithms/pipeline.py, pipeline_deepspeed.py). Tests:
 `pytest tests/test_gpu_path.py -k clock`.
+
+Compute on a CPU device is measured on the rank's own CPU time (`work_clock`), not on the
+wall: where ranks share cores (4 gloo ranks on a 2-core laptop) a descheduled rank's wall
+time holds its wait for a core, which lands in its compute and, through the peers that
+wait for it in a collective, in their exposed communication, in proportions that differ
+by method (DDP waits for peers at every bucket; DiLoCo seldom). A thread's CPU time does
+not run while it waits for a core, a peer or the network, so it is the same compute
+whatever the contention (docs/architecture.md, "Compute clock"). On CUDA the device's
+work is on the device, and compute stays the synchronised wall time minus exposed
+communication (`WALL`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
+THREAD_CPU, PROCESS_CPU, WALL = "thread_cpu", "process_cpu", "wall"
+"""`work_clock` names, as summary.json's `compute_clock` records them."""
+
+
+def work_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
+    """(name, seconds function) of the clock a rank's compute on `device` is measured on.
+
+    CPU: the calling thread's CPU time when torch computes on it alone (one intra-op
+    thread: what the launcher sets for ranks that share the cores), else the process's
+    (its intra-op workers too; gloo's threads, whose reductions and copies are a small
+    part of a step, then count as compute). CUDA: the wall clock (module docstring)."""
+    if device.type != "cpu":
+        return WALL, time.perf_counter
+    if torch.get_num_threads() == 1:
+        return THREAD_CPU, time.thread_time
+    return PROCESS_CPU, time.process_time
+
 
 class HostClock:
-    """Marks are host `time.perf_counter()` values: right where ops block the host (CPU)."""
+    """Marks are host `time.perf_counter()` values: right where ops block the host (CPU).
+    `work()` marks are on this rank's CPU time (`work_clock`): how far its compute got,
+    whatever it waited for in between."""
+
+    waits_cost_work = False
+    """A wait (for a peer, the network, a core) advances `work()` marks not at all."""
 
     def mark(self) -> float:
         return time.perf_counter()
+
+    def work(self) -> float:
+        return work_clock(torch.device("cpu"))[1]()
 
     def seconds(self, start: float, end: float) -> float:
         return end - start
@@ -30,6 +66,9 @@ class HostClock:
 class CudaClock:
     """Marks are CUDA events recorded on the current stream; read after `synchronize`."""
 
+    waits_cost_work = True
+    """`work()` is `mark()`: the stream's time, waits included."""
+
     def __init__(self, device: torch.device):
         self.device = device
 
@@ -37,6 +76,9 @@ class CudaClock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def work(self) -> torch.cuda.Event:
+        return self.mark()
 
     def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         return start.elapsed_time(end) / 1e3

@@ -12,7 +12,10 @@ is taken when `backward()` returns (DDP's backward ends by waiting for every buc
 After backward the clock is synchronised and read:
 - each bucket becomes one ledger record: logical bytes of the bucket, `seconds` from
   launch to completion (overlapping backward), and `lead_s` from its launch to the last
-  bucket's launch (the end of backward compute: autograd has no gradient left to make);
+  bucket's launch (the end of backward compute: autograd has no gradient left to make),
+  on the clock's `work()` marks: on CPU the rank's own CPU time (algorithms/clocks.py),
+  so that the compute a bucket can hide behind is the compute the step's `compute_s`
+  counts, not the wall time a rank sharing cores spent waiting for one;
 - the step's *exposed* communication is from the last bucket's launch until `backward()`
   returned: the time the rank waited for the network after its compute was done.
 The clock is what makes this honest on both devices:
@@ -202,6 +205,8 @@ class _Bucket:
     nbytes: int
     launched: object
     """Clock mark when the bucket was handed to the network."""
+    launched_work: object
+    """Clock `work()` mark then (how far this rank's compute had got)."""
     done: object = None
     """Clock mark when its all-reduce had completed."""
     link_done: float = 0.0
@@ -227,7 +232,7 @@ class DDPCommHook:
     def hook(self, state, bucket):
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
-        entry = _Bucket(nbytes, self.clock.mark())
+        entry = _Bucket(nbytes, self.clock.mark(), self.clock.work())
         self.pending.append(entry)
         launched = time.perf_counter()
         work = dist.all_reduce(buffer, group=self.pg, async_op=True)
@@ -281,12 +286,13 @@ class DDPCommHook:
         if not self.pending:
             return 0.0
         self.clock.synchronize()
-        last = self.pending[-1].launched
+        last = self.pending[-1]
         for b in self.pending:
             self.comm.record("all_reduce", b.nbytes, self.clock.seconds(b.launched, b.done),
-                             group=self.group, lead_s=self.clock.seconds(b.launched, last))
+                             group=self.group,
+                             lead_s=self.clock.seconds(b.launched_work, last.launched_work))
         self.pending = []
-        return max(0.0, self.clock.seconds(last, backward_end))
+        return max(0.0, self.clock.seconds(last.launched, backward_end))
 
 
 def make_ddp(model, comm, group=None, bucket_cap_mb: float = 25.0):

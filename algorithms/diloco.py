@@ -346,7 +346,7 @@ class DiLoCo(DataParallelStrategy):
             fragment, pending = self.outer.in_flight  # first: its link is then free
             self.outer.in_flight = None
             delta = pending.wait()
-            after = self.clock.mark()
+            after = self.clock.work()
             norm = self.outer.parts[fragment].finish(delta, lr, momentum, alpha)
             done.append((fragment, RoundStats(norm, pending.nbytes, pending.exposed_s)))
             finished = pending, after
@@ -356,9 +356,11 @@ class DiLoCo(DataParallelStrategy):
                 done.append((fragment, self.outer_step(fragment, lr, momentum)))
         if finished is not None:  # recorded now: the work after its wait is known
             pending, after = finished
-            end = self.clock.mark()
+            end = self.clock.work()
             self.clock.synchronize()
-            blocking_s = sum(stats.seconds for _, stats in done[1:])
+            # the other fragments' blocking exchanges, where waits cost work (CUDA's clock)
+            blocking_s = (sum(stats.seconds for _, stats in done[1:])
+                          if self.clock.waits_cost_work else 0.0)
             with self.comm.phase("outer"):
                 pending.record(tail_s=max(0.0, self.clock.seconds(after, end) - blocking_s))
         self.round += len(done)

@@ -77,6 +77,22 @@ def capture_env(world_size: int, backend: str, device: str) -> dict:
     }
 
 
+def cores_available() -> int:
+    """CPU cores this process may run on (its affinity mask: a Slurm job's or a cgroup's
+    share, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks (macOS)
+        return os.cpu_count() or 1
+
+
+def ranks_per_core(local_ranks: int, device: torch.device) -> float | None:
+    """This node's ranks per CPU core they may use, on CPU devices (None on a GPU, where
+    ranks compute on their own devices): above 1, ranks wait for cores, which wall
+    time counts (bench/meter.py, Compute clock)."""
+    return local_ranks / cores_available() if device.type == "cpu" else None
+
+
 def resolve_device(cfg: Config) -> tuple[torch.device, str]:
     """(this rank's device, its process-group backend); `auto` picks CUDA and NCCL if present."""
     want = cfg.parallel.device

@@ -16,7 +16,15 @@ rank's timed step; validation, metrics and checkpoint time stay outside the cloc
 Tokens are the tokens actually consumed: the SUM over ranks of `StepStats.tokens` (an
 idle worker reports 0), not the nominal global batch.
 
-Projected time: for every step, each rank's measured compute (step_s - comm_s) plus its
+Compute clock. A rank's compute in a step is measured on its work clock
+(algorithms/clocks.py `work_clock`): on a CPU device its own CPU time over the step (plus
+a `run.straggler`'s sleep, which stands for a slower device), so that ranks sharing cores
+do not count their waits for a core as compute, nor, through a peer's wait, as
+communication; on CUDA step_s - comm_s. summary.json records which (`compute_clock`) and
+the ranks per core (`ranks_per_core`); the report marks projections of runs whose
+compute is wall time on shared cores.
+
+Projected time: for every step, each rank's measured compute plus its
 modelled communication on a profile (`bench.network.project` of that step's ledger
 records, priced with the collective algorithm of `network.model`). Ranks wait for each
 other only where they communicate: the steps are cut into stretches that end at a
@@ -416,12 +424,16 @@ class StepClock:
         """Per profile, a pipeline's: its critical path's prices, on warm connections."""
 
     def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord],
-            samples: dict[str, list[float]] | None = None) -> None:
+            samples: dict[str, list[float]] | None = None,
+            compute_s: float | None = None) -> None:
         """One timed step: its seconds, its stats and its training-traffic ledger records.
-        `samples` (LoopState.compute_samples) receives the step's compute under its kind.
-        Its own seconds are harness time (`Settled.projection_s`)."""
+        `compute_s`: its compute on the rank's work clock (the module docstring's Compute
+        clock; None: step_s - stats.comm_s, the wall clock's). `samples`
+        (LoopState.compute_samples) receives the step's compute under its kind. Its own
+        seconds are harness time (`Settled.projection_s`)."""
         start = time.perf_counter()
-        compute_s = step_s - stats.comm_s
+        if compute_s is None:
+            compute_s = step_s - stats.comm_s
         self.step_s += step_s
         self.tokens += stats.tokens
         recent = self.recent_compute_s
@@ -662,6 +674,7 @@ class MetricsWindow:
 
     def reset(self) -> None:
         self.num_steps, self.loss, self.step_s, self.comm_s, self.bytes = 0, 0.0, 0.0, 0.0, 0
+        self.compute_s = 0.0
         self.nonfinite, self.first_nonfinite = 0, None
         self.losses, self.idle_s = 0, 0.0
         self.extras: dict[str, float] = {}
@@ -676,8 +689,11 @@ class MetricsWindow:
         for key, value in state.items():
             setattr(self, key, value)
 
-    def add(self, stats: StepStats, step_s: float, nbytes: int, step: int = 0) -> None:
+    def add(self, stats: StepStats, step_s: float, nbytes: int, step: int = 0,
+            compute_s: float | None = None) -> None:
+        """One step; `compute_s` as `StepClock.add` takes it (None: step_s - comm_s)."""
         self.num_steps += 1
+        self.compute_s += step_s - stats.comm_s if compute_s is None else compute_s
         if stats.loss is not None:  # a pipeline's non-last stages report none
             self.losses += 1
             if math.isfinite(stats.loss):
@@ -697,13 +713,14 @@ class MetricsWindow:
         averages only the losses ranks reported; `bubble_fraction` is the ranks' idle
         (point-to-point wait) seconds over their step seconds."""
         sums = all_reduce_floats([self.loss, self.step_s, self.comm_s, self.bytes,
-                                  self.nonfinite, self.losses, self.idle_s], device)
+                                  self.nonfinite, self.losses, self.idle_s, self.compute_s],
+                                 device)
         n = self.num_steps * world
         finite = sums[5] - sums[4]
         row = {
             "loss": sums[0] / finite if finite else float("nan"),
             "step_s": sums[1] / n,
-            "compute_s": (sums[1] - sums[2]) / n,
+            "compute_s": sums[7] / n,
             "comm_s": sums[2] / n,
             "comm_bytes": sums[3] / n,
             "idle_s": sums[6] / n,

@@ -86,7 +86,7 @@ class Summary:
     warmup_tokens: int = 0
     """Tokens consumed in the warm-up steps (left out of throughput)."""
     compute_s_total: float = 0.0
-    """Rank 0's measured compute seconds."""
+    """Rank 0's measured compute seconds, on the clock `compute_clock` names."""
     comm_s_total: float = 0.0
     """Rank 0's exposed communication seconds."""
     comm_bytes_total: int = 0
@@ -148,6 +148,15 @@ class Summary:
     ranks_per_node: int | None = None
     """Ranks per node the projections tiered the links with (`network.ranks_per_node`, or
     the launcher's local size)."""
+    compute_clock: str | None = None
+    """What every compute figure of the run was measured on (bench/meter.py, Compute clock):
+    `thread_cpu` (a CPU rank's own thread's CPU time: torch on one thread), `process_cpu`
+    (its process's: torch on several), or `wall` (step seconds minus exposed communication:
+    CUDA). None in records made before it was recorded (they are `wall`)."""
+    ranks_per_core: float | None = None
+    """CPU devices: this node's ranks over the cores they may use (bench/env.py). Above 1
+    the ranks wait for cores: measured wall times (wall_s, throughput, comm_s) hold those
+    waits; projections stay contention-free only on a CPU-time `compute_clock`."""
     optim: dict | None = None
     """The optimizer(s), their parameter groups and the delay settings (bench/optim.py)."""
     num_params: int | None = None
@@ -207,7 +216,8 @@ class Summary:
 
 _LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "compute_per_step",
                        "projection_s_total", "projection_s_per_step",
-                       "ranks_per_node", "num_params", "flops_per_token", "device",
+                       "ranks_per_node", "compute_clock", "ranks_per_core", "num_params",
+                       "flops_per_token", "device",
                        "backend", "data", "mfu",
                        "config_hash", "error", "eval", "comm_wire_bytes_total",
                        "comm_wire_bytes_per_rank", "projection_model", "optim",

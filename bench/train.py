@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.base import StepStats, TrainSetup, mean_loss, peak_memory_bytes, strategy_class
+from algorithms.clocks import WALL, work_clock
 from algorithms.comm import CommLedger, Communicator
 from bench import checkpoint
 from bench.batches import BatchStream, validation_set
@@ -45,9 +46,11 @@ from bench.config import Config, from_dict, load_raw
 from bench.data import load_corpus
 from bench.env import (
     capture_env,
+    cores_available,
     fault_injection,
     inject_fault,
     peak_flops,
+    ranks_per_core,
     resolve_device,
     straggle,
     synchronize,
@@ -109,8 +112,11 @@ class Trainer:
         self.model = model  # the parameters (COMMBENCH_FAULT=...:nan poisons them)
         self.num_params, self.flops_per_token = model.num_params(), model.flops_per_token()
 
-        self.ranks_per_node = cfg.network.ranks_per_node or int(
-            os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.ranks_per_node = cfg.network.ranks_per_node or self.local_ranks
+        self.compute_clock, self.work = (work_clock(device) if cfg.run.compute_clock == "auto"
+                                         else (WALL, time.perf_counter))
+        """Which clock a step's compute is measured on, and its seconds function."""
         self.profiles = {name: get_profile(name) for name in cfg.network.profiles}
         self.net_model = backend if cfg.network.model == "auto" else cfg.network.model
         delay = (delay_policy(get_profile(cfg.network.emulate), self.rank, self.ranks_per_node,
@@ -190,13 +196,14 @@ class Trainer:
                 inject_fault(fault[1], rank, step, self.model)
             if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
                 self.strategy.watch_next_step()  # its metrics row follows this step
-            stats, step_s, step_records = self.timed_step(step)
+            stats, step_s, compute_s, step_records = self.timed_step(step)
             state.step = step + 1
-            state.compute_s += step_s - stats.comm_s
+            state.compute_s += compute_s
             state.comm_s += stats.comm_s
             state.idle_s += stats.idle_s
-            window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step)
-            clock.add(step_s, stats, step_records, state.compute_samples)
+            window.add(stats, step_s, sum(r.nbytes for r in step_records), state.step,
+                       compute_s)
+            clock.add(step_s, stats, step_records, state.compute_samples, compute_s)
             if state.step == warm_end:  # the warm-up steps, settled apart
                 settle()
 
@@ -267,21 +274,27 @@ class Trainer:
                                        dist.ReduceOp.MAX)
         return seconds
 
-    def timed_step(self, step: int) -> tuple[StepStats, float, list]:
-        """One training step: (its stats, its seconds, its training-traffic ledger records)."""
+    def timed_step(self, step: int) -> tuple[StepStats, float, float, list]:
+        """One training step: (its stats, its seconds, its compute seconds on the work clock,
+        its training-traffic ledger records). Compute: on CPU this rank's CPU time in the
+        step plus a straggler's sleep; on CUDA step_s - comm_s (bench/meter.py, Compute
+        clock)."""
         self.comm.step = step
         self.strategy.set_lr(lr_at(step, self.cfg))
         x, y = (t.to(self.device, non_blocking=True) for t in self.stream.batch(step))
         self.ledger.trim()  # the aggregates keep the run; the records, this step
         first_record = len(self.ledger.records)
         synchronize(self.device)
-        start = time.perf_counter()
+        work_start, start = self.work(), time.perf_counter()
         stats = self.strategy.train_step((x, y))
         synchronize(self.device)
-        straggle(self.cfg.run.straggler, self.rank, time.perf_counter() - start)
+        work_s = self.work() - work_start
+        slept = straggle(self.cfg.run.straggler, self.rank, time.perf_counter() - start)
         step_s = time.perf_counter() - start
+        compute_s = (step_s - stats.comm_s if self.compute_clock == WALL
+                     else work_s + slept)
         records = [r for r in self.ledger.records[first_record:] if r.phase in TRAIN_PHASES]
-        return stats, step_s, records
+        return stats, step_s, compute_s, records
 
     def validation_row(self, state: LoopState) -> None:
         """Validate, log the row, and note the first time the target loss is reached."""
@@ -362,7 +375,8 @@ class Trainer:
                 self.memory_plan.rank_roles[estimate.index(max(estimate))]].terms,
             projection_s_total=projection_s,
             projection_s_per_step=projection_s / state.step if state.step else None,
-            ranks_per_node=self.ranks_per_node, **robust, **fields,
+            ranks_per_node=self.ranks_per_node, compute_clock=self.compute_clock,
+            ranks_per_core=ranks_per_core(self.local_ranks, self.device), **robust, **fields,
         ).to_dict()
 
     def robust_fields(self, state: LoopState) -> dict:
@@ -402,8 +416,9 @@ def main(run_dir: str) -> int:
     device, backend = resolve_device(cfg)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s))
     rank = dist.get_rank()
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    if device.type == "cpu":  # the node's cores shared out among its ranks
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        torch.set_num_threads(max(1, cores_available() // local_ranks))
     try:
         stop = StopRequest(rank, dist.get_world_size(), cfg.checkpoint.timeout_s)
         handle_signals(stop)

@@ -1,5 +1,7 @@
 """Parameter comparisons shared by the identity tests."""
 
+import time
+
 import torch
 from torch import nn
 
@@ -37,6 +39,15 @@ def assert_bad_config(config: str | None, overrides: list[str] | str, *expected:
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
     return message
+
+
+def burn_cpu(seconds: float) -> None:
+    """Compute for `seconds` of this thread's CPU time: what a test strategy's step does
+    to stand for compute. A sleep would not do: a CPU rank's compute is its CPU time
+    (bench/meter.py, Compute clock), and a sleep, like a wait for a core, costs none."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 class IdleStrategy:

@@ -35,7 +35,7 @@ from bench.failure import error_text
 from bench.records import RunDir, status_of
 from bench.train import Trainer
 from tests.distributed import run_distributed
-from tests.helpers import IdleStrategy
+from tests.helpers import IdleStrategy, burn_cpu
 
 SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=12", "--set", "run.log_every=2",
          "--set", "run.val_every=6", "--set", "run.val_sequences=8", "--set",
@@ -160,12 +160,13 @@ class SleepConfig(StrategyConfig):
 
 
 class Sleepy(IdleStrategy, Strategy):
-    """Every rank's step takes SLEEP_S and trains nothing: the straggler's sleep is all."""
+    """Every rank's step computes for SLEEP_S (CPU time) and trains nothing: the straggler's
+    sleep is all the rest."""
 
     Config = SleepConfig
 
     def train_step(self, batch):
-        time.sleep(SLEEP_S)
+        burn_cpu(SLEEP_S)
         return StepStats(loss=1.0, tokens=batch[1].numel())
 
 

@@ -455,13 +455,12 @@ FIRST_STEP_S = 0.6
 
 def _warmup_runs(rank, world, run_dir):
     import os
-    import time
     from dataclasses import dataclass
 
     from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
     from bench.config import load_config
     from bench.train import Trainer
-    from tests.helpers import IdleStrategy
+    from tests.helpers import IdleStrategy, burn_cpu
 
     @dataclass
     class SlowStartConfig(StrategyConfig):
@@ -473,7 +472,7 @@ def _warmup_runs(rank, world, run_dir):
 
         def train_step(self, batch):
             if self.steps_here == 0:
-                time.sleep(FIRST_STEP_S)
+                burn_cpu(FIRST_STEP_S)
             self.steps_here += 1
             self.comm.all_reduce(torch.ones(4))
             return StepStats(loss=1.0, tokens=batch[1].numel())

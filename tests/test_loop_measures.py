@@ -1,13 +1,14 @@
 """What the training loop records when ranks differ: the clock, the tokens, the projection.
 
 A test strategy (`Straggler`, registered in the rank processes only) does no training:
-rank 1 sleeps in every step and consumes half a batch; every rank all-reduces a large
-tensor in the first steps only, like Pier's DDP warmup. Issue 10, defects 2, 3 and 5:
+rank 1 computes (burns CPU time) for SLEEP_S in every step and consumes half a batch;
+every rank all-reduces a large tensor in the first steps only, like Pier's DDP warmup. Issue 10, defects 2, 3 and 5:
 - the clock must be the slowest rank's (rank 0 waits for rank 1 outside its timed steps);
 - tokens are those consumed, summed over ranks, not the nominal global batch;
 - projected time accumulates step by step, so time to target sees the front-loaded traffic.
 
-Only lower bounds on seconds are asserted (sleeps guarantee them), never upper bounds.
+Only lower bounds on seconds are asserted (CPU time burnt guarantees them), never upper
+bounds; `Descheduled` checks that a wait (for a core, a peer) is not counted as compute.
 """
 
 import math
@@ -24,10 +25,10 @@ from bench.network import get_profile, project
 from bench.records import RunDir
 from bench.train import TRAIN_PHASES, Trainer
 from tests.distributed import run_distributed
-from tests.helpers import IdleStrategy
+from tests.helpers import IdleStrategy, burn_cpu
 
 SLEEP_S = 0.15
-"""Seconds rank 1 sleeps in each step."""
+"""Seconds of CPU time rank 1 computes in each step."""
 STEPS = 6
 FRONT_STEPS = 2
 """Steps at the start that all-reduce FRONT_FLOATS floats (training traffic)."""
@@ -49,7 +50,7 @@ class Straggler(IdleStrategy, Strategy):
 
     def train_step(self, batch):
         if self.comm.rank == 1:
-            time.sleep(SLEEP_S)
+            burn_cpu(SLEEP_S)
         if self.comm.step < FRONT_STEPS:
             self.comm.all_reduce(torch.zeros(FRONT_FLOATS))
         tokens = batch[1].numel() // (2 if self.comm.rank == 1 else 1)
@@ -120,7 +121,7 @@ def test_projected_time_accumulates_step_by_step(straggler_run):
     last = rows[-1]["projected_elapsed_s"]
     for name in ("nvlink", "wan-1g"):
         assert summary["projected"][name]["total_s"] == pytest.approx(last[name])
-        # the robust projection: rank 1's median compute is at least its sleep
+        # the robust projection: rank 1's median compute is at least its burn
         assert summary["projected_robust"][name]["total_s"] >= STEPS * SLEEP_S
     assert min(summary["compute_per_step"]["no traffic"]["median_s"]) >= 0
     assert summary["compute_per_step"]["no traffic"]["median_s"][1] >= SLEEP_S
@@ -129,6 +130,55 @@ def test_projected_time_accumulates_step_by_step(straggler_run):
     val3 = next(r for r in rows if r["step"] == 3 and "val_loss" in r)
     assert at_target == val3["projected_elapsed_s"]["wan-1g"]
     assert at_target > wan_total * summary["tokens_to_target"] / summary["total_tokens"]
+
+
+BURN_S, WAIT_S = 0.04, 0.12
+"""`Descheduled`: every rank's compute per step (CPU time), and rank 1's wait for a core."""
+
+
+@dataclass
+class DescheduledConfig(StrategyConfig):
+    name: str = "descheduled"
+
+
+class Descheduled(IdleStrategy, Strategy):
+    """Ranks sharing cores, as 4 gloo ranks on 2 cores: every rank computes BURN_S a step,
+    rank 1 also waits WAIT_S for a core before it (a sleep: no CPU time), then all
+    all-reduce, so rank 0 waits for rank 1 there: a DDP step's shape."""
+
+    Config = DescheduledConfig
+
+    def train_step(self, batch):
+        if self.comm.rank == 1:
+            time.sleep(WAIT_S)
+        burn_cpu(BURN_S)
+        self.comm.all_reduce(torch.zeros(4))
+        return StepStats(loss=1.0, tokens=batch[1].numel())
+
+
+def train_descheduled(rank, world_size, run_dir):
+    STRATEGIES["descheduled"] = f"{__name__}:Descheduled"
+    cfg = load_config("configs/ddp-tiny.yaml", SETTINGS)
+    cfg.strategy = DescheduledConfig()
+    return Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
+
+
+@pytest.mark.timeout(150)
+def test_a_wait_for_a_core_is_not_compute(tmp_path):
+    """Issue 50: on CPU a rank's compute is its CPU time, so neither the descheduled rank
+    (whose wall step holds its wait) nor its peer (whose wall step holds the wait for it)
+    counts the wait as compute, and the projection prices BURN_S a step, not BURN_S +
+    WAIT_S (wall minus exposed comm: 0.16 s on rank 1)."""
+    summaries = run_distributed(train_descheduled, 2, str(tmp_path), timeout=120)
+    summary = summaries[0]
+    assert summary["compute_clock"] in ("thread_cpu", "process_cpu")
+    assert summary["ranks_per_core"] > 0
+    medians = summary["compute_per_step"]["train:all_reduce"]["median_s"]
+    for median in medians:
+        assert BURN_S <= median < BURN_S + WAIT_S / 2, medians
+    assert summary["wall_s"] >= STEPS * (BURN_S + WAIT_S)  # the wall clock holds the wait
+    nvlink = summary["projected"]["nvlink"]["total_s"]
+    assert nvlink < STEPS * (BURN_S + WAIT_S / 2), nvlink
 
 
 def test_coupled_max_takes_the_slowest_rank_per_stretch_not_per_step():

@@ -48,11 +48,11 @@ def run_and_capture(rank, world_size, base):
     log: list = []
     add, settle = StepClock.add, StepClock.settle
 
-    def logged_add(self, step_s, stats, step_records, samples=None):
+    def logged_add(self, step_s, stats, step_records, samples=None, compute_s=None):
         before, inputs = len(self.projected), len(self.robust)
-        add(self, step_s, stats, step_records, samples)
-        log.append((step_s - stats.comm_s, bool(step_records), self.projected[before:],
-                    self.robust[inputs + 2:]))
+        add(self, step_s, stats, step_records, samples, compute_s)
+        log.append((step_s - stats.comm_s if compute_s is None else compute_s,
+                    bool(step_records), self.projected[before:], self.robust[inputs + 2:]))
 
     def logged_settle(self):
         if self.num_steps:

@@ -214,7 +214,10 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int, profiles: list[str]
             f"run.log_every={log_every(strategy)}", f"parallel.world_size={lab.n}",
             *([f"strategy.inner_steps={INNER_STEPS[strategy]}"] if strategy in INNER_STEPS else []),
             "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
-            "network.model=gloo", f"network.profiles=[{','.join(profiles)}]"]
+            "network.model=gloo", f"network.profiles=[{','.join(profiles)}]",
+            # the lab holds the model against wall steps on its own shared cores (and the
+            # delayers' CPU): the compute beside them must be wall too (bench/meter.py)
+            "run.compute_clock=wall"]
     cfg = load_config(ROOT / CONFIGS[strategy], sets)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))

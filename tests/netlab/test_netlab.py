@@ -212,10 +212,29 @@ lab's delayers ran real-time: within 10% in runs o, p and r (+1.4%, -3.1%, -8.0%
 -24% to -34%, the delayers waiting for a core)."""
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=c.id, marks=pytest.mark.xfail(
-        c.setting in WINDOW_LIMITED, reason="TCP's window below the BDP: docs/network-model.md",
-        strict=False)) for c in EXCHANGES])
+SHARED_CORES = "ranks share cores: each exchange's wall seconds hold a peer's wait for one"
+"""Why GASLoC's exchange op by op is reported, not asserted, when the lab runs more ranks
+than cores (4 ranks on 2): an exchange ends when the later of its two ranks arrives and
+its data are through, and with ranks descheduled in turn the wait for the later one
+lands in the exchange's seconds (+14.6% against netprobe's profile at 100 Mbit/s + 10 ms,
++36% against the formula at 1 Gbit/s + 10 ms for one replicate in a quiet 3-replicate
+run; every 2-rank case held). What a 4-rank case on 2 cores validates, and asserts: the
+step time, projected and on the run's own wall compute (the link's cost per step, which
+a peer's lateness does not move, being the same for every step); the exchanges are in
+the rows ($NETLAB_OUT) for reading."""
+
+
+def _exchange_marks(case: Case) -> list:
+    if case.world > (os.cpu_count() or 1):
+        return [pytest.mark.xfail(reason=SHARED_CORES, strict=False)]
+    if case.setting in WINDOW_LIMITED:
+        return [pytest.mark.xfail(reason="TCP's window below the BDP: docs/network-model.md",
+                                  strict=False)]
+    return []
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=_exchange_marks(c))
+                                  for c in EXCHANGES])
 def test_gasloc_exchange_per_op(results, case):
     """GASLoC's exchange, op by op, is within 10% of the textbook profile's price (median)
     where the window covers the path."""
@@ -237,7 +256,9 @@ def test_step_time_on_the_runs_own_compute(results, case):
 MEASURED_EXCHANGES = [c for c in EXCHANGES if any(p.setting == c.setting for p in PROBED)]
 
 
-@pytest.mark.parametrize("case", MEASURED_EXCHANGES, ids=[c.id for c in MEASURED_EXCHANGES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[
+    pytest.mark.xfail(reason=SHARED_CORES, strict=False)] if c.world > (os.cpu_count() or 1)
+    else []) for c in MEASURED_EXCHANGES])
 def test_gasloc_exchange_per_op_with_netprobes_measurement(results, case):
     """GASLoC's exchange, op by op, is within 10% of the price of a profile netprobe fitted
     on the same links (its measured exchange, `Tier.exchange_scale`), at every setting."""
