@@ -247,6 +247,23 @@ def test_llama_counts_by_hand(tied):
     assert model.blocks[0].attn.k.weight.shape == (s.n_embd // s.n_head * s.n_kv_head, s.n_embd)
 
 
+@pytest.mark.parametrize("arch, preset", [(a, p) for a, presets in
+                                          (("gpt2", PRESETS), ("llama", LLAMA_PRESETS))
+                                          for p in presets])
+def test_every_preset_counts_by_hand(arch, preset):
+    """Every preset of both architectures builds (on meta) with the count its shape gives."""
+    s = {"gpt2": PRESETS, "llama": LLAMA_PRESETS}[arch][preset]
+    with torch.device("meta"):
+        model = build_model(model_config(arch, preset, 256, 128))
+    if arch == "gpt2":
+        assert model.num_params() == expected_num_params(256, 128, s.n_layer, s.n_embd)
+    else:
+        assert model.num_params() == expected_llama_params(
+            256, s.n_layer, s.n_embd, s.n_head, s.n_kv_head or s.n_head, model.cfg.ffn_hidden,
+            False)
+        assert model.cfg.ffn_hidden == (s.ffn_hidden or model.cfg.ffn_hidden)
+
+
 def test_llama_forward_causal_and_layers_equal_forward():
     model = tiny_llama()
     idx = torch.randint(0, 256, (2, 16))

@@ -33,6 +33,7 @@ class ModelShape:
 
 PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(n_layer=2, n_head=2, n_embd=64),  # ~0.13M params at vocab 256
+    "cpu": ModelShape(n_layer=4, n_head=4, n_embd=128),  # 0.84M at vocab 256: 2 cores
     "small": ModelShape(n_layer=12, n_head=12, n_embd=768),  # GPT-2 124M
     "medium": ModelShape(n_layer=24, n_head=16, n_embd=1024),  # GPT-2 350M
     "xl": ModelShape(n_layer=48, n_head=25, n_embd=1600),  # GPT-2 1.5B
@@ -42,6 +43,8 @@ PRESETS: dict[str, ModelShape] = {
 
 LLAMA_PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(n_layer=2, n_head=4, n_embd=64, n_kv_head=2),  # GQA even when tiny
+    "cpu": ModelShape(n_layer=4, n_head=4, n_embd=128, n_kv_head=2,
+                      ffn_hidden=352),  # 8/3 x 128 rounded to 32 (the 256 rule: 512)
     "small": ModelShape(n_layer=12, n_head=12, n_embd=768),  # ~124M class (85M in blocks)
     "medium": ModelShape(n_layer=24, n_head=16, n_embd=1024),  # ~350M class
     "1b": ModelShape(n_layer=16, n_head=32, n_embd=2048, n_kv_head=8,
