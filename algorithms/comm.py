@@ -622,8 +622,10 @@ def sparse_average(indices: torch.Tensor, values: torch.Tensor, numel: int, pg,
     dist.all_gather_into_tensor(gathered, payload, group=pg)
     out = torch.zeros(numel, dtype=torch.float32, device=values.device)
     for part in gathered.view(size, -1):
-        out.index_add_(0, part[value_bytes:].view(indices.dtype).long(),
-                       part[:value_bytes].view(values.dtype).float())
+        # copies: a byte slice views as a wider dtype only at an offset divisible by its
+        # size, which the indices after k half-precision values (k odd) are not
+        out.index_add_(0, part[value_bytes:].clone().view(indices.dtype).long(),
+                       part[:value_bytes].clone().view(values.dtype).float())
     return out.div_(size)
 
 
