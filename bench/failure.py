@@ -20,7 +20,9 @@ its host, so a lost node is named.
 On NCCL a timeout leaves no error file: each waiting rank's watchdog logs "Watchdog
 caught collective operation timeout" and aborts the process (SIGABRT), so torchrun's
 first failure is a victim. Those ranks count as timed out (3), not as killed (1): the
-headline names the rank that never arrived, not the first rank that gave up on it.
+headline names the rank that never arrived, not the first rank that gave up on it. The
+watchdog's `Rank N` is the rank in the timed-out group; the global one is the line's
+`[rankN]:` prefix.
 """
 
 from __future__ import annotations
@@ -41,13 +43,28 @@ TIMEOUT = ("Timed out", "timed out", "Timeout", "timeout")
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
 _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
 _STOPPED = re.compile(r"Sending process (\d+) closing signal")
-_WATCHDOG = re.compile(r"Rank (\d+)\]\s*Watchdog caught collective operation timeout")
-"""ProcessGroupNCCL's line when a collective ran past the timeout on that rank."""
+_WATCHDOG = re.compile(r"\[(?P<group>[^\[\]]*?)\s*Rank (?P<rank>\d+)\]\s*"
+                       r"Watchdog caught collective operation timeout")
+_GLOBAL_RANK = re.compile(r"\[rank(\d+)\]:")
+"""ProcessGroupNCCL's line when a collective ran past the timeout on that rank: the line's
+`[rankN]:` prefix (torch's C++ log, from RANK) is the global rank; `Rank N` in the bracket
+is the rank within the timed-out process group ("PG ID 0" is the world)."""
+_DEFAULT_GROUP = re.compile(r"PG ID 0\b")
 
 
 def nccl_timeouts(lines: list[str]) -> set[int]:
-    """The ranks whose NCCL watchdog caught a collective timeout (then aborted them)."""
-    return {int(m.group(1)) for line in lines if (m := _WATCHDOG.search(line))}
+    """The global ranks whose NCCL watchdog caught a collective timeout (then aborted them).
+    A subgroup's rank (DiLoCo's cross-replica group, a pipeline pair) is not the global one:
+    a line without the global prefix counts only when its group is the world."""
+    ranks = set()
+    for line in lines:
+        if not (m := _WATCHDOG.search(line)):
+            continue
+        if prefix := _GLOBAL_RANK.search(line, 0, m.start()):
+            ranks.add(int(prefix.group(1)))
+        elif _DEFAULT_GROUP.search(m.group("group")):
+            ranks.add(int(m.group("rank")))
+    return ranks
 
 
 def torchrun_failures(lines: list[str]) -> tuple[dict[int, int], int | None]:

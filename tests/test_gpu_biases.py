@@ -47,3 +47,61 @@ def test_topk_exchange_with_a_half_dtype_and_odd_k():
             expected.index_add_(0, indices.long(), values.float())
         for rank_results in results:
             assert torch.equal(rank_results[case][2], expected / 3), CASES[case]
+
+
+# ------------------------------------------------------------------ NCCL watchdog on a subgroup
+
+# World of 4 (DiLoCo, group_size 2: replicas {0, 1}, {2, 3}; cross groups {0, 2}, {1, 3}).
+# Rank 3 froze; ranks 0, 1, 2 timed out in subgroups where each is group rank 0, and the
+# bracket's `Rank N` is that group rank: only the `[rankN]:` prefix is the global rank.
+SUBGROUP_TIMEOUT_LOG = """\
+/usr/bin/python -m torch.distributed.run --nproc-per-node=4 --standalone -m bench.train run
+[rank1]:[E1128 10:02:00.1 ProcessGroupNCCL.cpp:632] [PG ID 2 PG GUID 2 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=4096, NumelOut=4096, Timeout(ms)=120000) ran for 120038 milliseconds before timing out.
+[rank0]:[E1128 10:02:05.1 ProcessGroupNCCL.cpp:632] [PG ID 3 PG GUID 3 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=40, OpType=ALLREDUCE, NumelIn=8192, NumelOut=8192, Timeout(ms)=120000) ran for 120012 milliseconds before timing out.
+[rank2]:[E1128 10:02:05.2 ProcessGroupNCCL.cpp:632] [PG ID 4 PG GUID 4 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=40, OpType=ALLREDUCE, NumelIn=8192, NumelOut=8192, Timeout(ms)=120000) ran for 120015 milliseconds before timing out.
+[rank1]:[F1128 10:02:06.0 ProcessGroupNCCL.cpp:1614] [PG ID 2 PG GUID 2 Rank 0] Terminating the process after attempting to dump debug info, due to collective timeout or exception.
+W1128 10:02:07.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 1234 closing signal SIGTERM
+W1128 10:02:07.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 1236 closing signal SIGTERM
+W1128 10:02:07.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 1237 closing signal SIGTERM
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+bench.train FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_10:02:07
+  host      : gpu-node-1
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 1235)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 1235
+============================================================"""
+
+
+def test_nccl_watchdog_on_a_subgroup_names_global_ranks(tmp_path):
+    """The parser read the bracket's group rank as the global one: {0} timed out, ranks 1, 2,
+    3 'stopped responding', and rank 1's SIGABRT was not recognised as a watchdog abort,
+    so the headline blamed rank 1 ('killed by SIGABRT'). Rank 3 is the one that froze."""
+    from bench.failure import error_text, nccl_timeouts
+    from bench.records import RunDir
+
+    lines = SUBGROUP_TIMEOUT_LOG.splitlines()
+    assert nccl_timeouts(lines) == {0, 1, 2}
+    run = RunDir(tmp_path)
+    run.prepare()
+    run.torchrun_log.write_text(SUBGROUP_TIMEOUT_LOG)
+    headline = error_text(run, 1, lines[-14:], 4, 120).splitlines()[0]
+    assert headline.startswith("rank 3 stopped responding"), headline
+    assert "ranks 0, 1, 2 timed out after 120 s" in headline
+
+
+def test_a_watchdog_line_without_the_global_prefix_counts_only_on_the_world():
+    from bench.failure import nccl_timeouts
+
+    line = ("[E1128 10:02:00.1 ProcessGroupNCCL.cpp:632] [PG ID {} PG GUID {} Rank 1] Watchdog "
+            "caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)")
+    assert nccl_timeouts([line.format(0, "0(default_pg)")]) == {1}
+    assert nccl_timeouts([line.format(2, 2)]) == set()  # group rank 1 of which ranks?
