@@ -382,8 +382,8 @@ class DataParallelStrategy(Strategy):
         """Every torch DDP wrapper of the model, with its hook (`register_ddp`)."""
         self.backward_end = None
         """The comm hook's clock mark when the step's last backward returned."""
-        self._compiled: tuple[nn.Module, nn.Module] | None = None
-        """(train_model, its compiled form) once `setup.compile` has been applied."""
+        self._compiled: dict[int, tuple[nn.Module, nn.Module]] = {}
+        """id(module) -> (module, its compiled form) once `setup.compile` was applied to it."""
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -404,7 +404,11 @@ class DataParallelStrategy(Strategy):
         so without this the first timed step of a process all-reduces other buckets than
         every later one, and a resumed run on 3 or more ranks sums its first step in
         another order than the uninterrupted run (not bit-exact). With it every timed step,
-        fresh or resumed, uses the rebuilt buckets, as DDP means them to be."""
+        fresh or resumed, uses the rebuilt buckets, as DDP means them to be.
+        Under `setup.compile`: `warm_up_compiled` instead."""
+        if self.setup.compile is not None and self.sharded is None:
+            self.warm_up_compiled(batch)
+            return
         if not self.ddp_wrappers:
             return
         x, y = (t[:1] for t in batch)
@@ -415,6 +419,49 @@ class DataParallelStrategy(Strategy):
             loss.backward()
             hook.pending = []  # not training traffic
             self._zero_grads()
+
+    def trained_modules(self) -> list[nn.Module]:
+        """Every module a step of this process may call (`trained_module`, now or later):
+        the DDP wrappers, then `train_model` if it is none of them (Pier switches from its
+        world DDP to its group's model at the end of its lazy start)."""
+        modules = [model for model, _ in self.ddp_wrappers]
+        if all(model is not self.train_model for model in modules):
+            modules.append(self.train_model)
+        return modules
+
+    def warm_up_compiled(self, batch) -> None:
+        """`warm_up` under `setup.compile`: each of `trained_modules()` compiled and run
+        forward and backward on the step's first microbatch (its shape, so the timed steps
+        reuse the graphs; with several microbatches once under `no_sync` too), so that
+        compilation (at a compiled module's first calls) lands in no timed step, e.g. not
+        at Pier's switch. DDP's bucket rebuild happens on the way; nothing is recorded or
+        updated. Unsharded only (FSDP's collectives record themselves)."""
+        n = self.setup.num_microbatches
+        x, y = next(iter(_microbatches(batch, n)))
+        autocast = self.setup.autocast
+        hooks = {id(model): hook for model, hook in self.ddp_wrappers}
+        for module in self.trained_modules():
+            compiled = self.compiled(module)
+            for sync in ([False] if n > 1 else []) + [True]:
+                skip = module.no_sync() if not sync and id(module) in hooks else None
+                with skip or contextlib.nullcontext():
+                    with autocast() if autocast else contextlib.nullcontext():
+                        _, loss = compiled(x, y)
+                    loss.backward()
+                if id(module) in hooks:
+                    hooks[id(module)].pending = []  # not training traffic
+                self._zero_grads()
+
+    def compiled(self, module: nn.Module) -> nn.Module:
+        """`setup.compile(module)`, once per module."""
+        if id(module) not in self._compiled:
+            self._compiled[id(module)] = (module, self.setup.compile(module))
+        return self._compiled[id(module)][1]
+
+    def release(self, module: nn.Module) -> None:
+        """Forget a module no step will call again (its DDP wrapper, its compiled form)."""
+        self.ddp_wrappers = [w for w in self.ddp_wrappers if w[0] is not module]
+        self._compiled.pop(id(module), None)
 
     def replica_group(self):
         """The ranks holding one replica of the model (algorithms.comm.Group; None = the
@@ -428,14 +475,11 @@ class DataParallelStrategy(Strategy):
 
     def trained_module(self) -> nn.Module:
         """What the forward passes call: `train_model` (a DDP wrapper where there is one),
-        compiled by `setup.compile` when it is set, once per module. Compiled lazily, at
-        the first step, so every subclass has wrapped its model by then (compile(DDP(m)))."""
-        compile = self.setup.compile
-        if compile is None:
+        compiled by `setup.compile` when it is set, once per module: in `warm_up` (after
+        every subclass has wrapped its model: compile(DDP(m))), else at the first step."""
+        if self.setup.compile is None:
             return self.train_model
-        if self._compiled is None or self._compiled[0] is not self.train_model:
-            self._compiled = (self.train_model, compile(self.train_model))
-        return self._compiled[1]
+        return self.compiled(self.train_model)
 
     def no_sync(self):
         """Context that skips gradient communication for non-final microbatches."""

@@ -242,13 +242,23 @@ class Pier(DiLoCo):
         """Whether the last step taken (or, before a step, the next) belongs to T_w."""
         return self.step_index <= self.warmup_steps
 
+    def trained_modules(self) -> list[torch.nn.Module]:
+        """The world DDP (until T_w ends) and the group's model: both compiled in `warm_up`,
+        so the switch at T_w compiles nothing inside a timed step."""
+        modules = super().trained_modules()
+        if self.world_model is not self.group_model and self.step_index >= self.warmup_steps:
+            modules = [m for m in modules if m is not self.world_model]  # resumed past T_w
+        if all(m is not self.group_model for m in modules):
+            modules.append(self.group_model)
+        return modules
+
     def train_step(self, batch) -> StepStats:
         if self.step_index < self.warmup_steps:
             self.train_model, self.comm_hook = self.world_model, self.world_hook
         else:
             self.train_model, self.comm_hook = self.group_model, self.group_hook
-            if self.world_model is not None:  # free the world DDP's buckets
-                self.ddp_wrappers = [w for w in self.ddp_wrappers if w[0] is not self.world_model]
+            if self.world_model is not None and self.world_model is not self.group_model:
+                self.release(self.world_model)  # free the world DDP's buckets
             self.world_model = self.world_hook = None
         return super().train_step(batch)
 

@@ -105,3 +105,90 @@ def test_a_watchdog_line_without_the_global_prefix_counts_only_on_the_world():
             "caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)")
     assert nccl_timeouts([line.format(0, "0(default_pg)")]) == {1}
     assert nccl_timeouts([line.format(2, 2)]) == set()  # group rank 1 of which ranks?
+
+
+# ------------------------------------------------------------------ Pier under model.compile
+
+
+class CompileClock:
+    """A stand-in `TrainSetup.compile`: torch.compile returns a wrapper at once and compiles
+    at the wrapper's first calls (forward, then backward). This records, for each module it
+    is given, when it was given it and when its wrapper was first called, as the loop's
+    phase (`now`: "warm_up", or "step N")."""
+
+    def __init__(self):
+        self.now, self.events = "built", []
+
+    def __call__(self, module):
+        self.events.append(("compile", type(module).__name__, self.now))
+        return FirstCall(module, self)
+
+
+class FirstCall(torch.nn.Module):
+    def __init__(self, module, clock: CompileClock):
+        super().__init__()
+        self.inner, self.clock, self.called = module, clock, False
+
+    def forward(self, *args):
+        if not self.called:
+            self.called = True
+            self.clock.events.append(("first call", type(self.inner).__name__, self.clock.now))
+        return self.inner(*args)
+
+
+def _pier_compile_events(rank, world_size, group_size):
+    from algorithms.pier import Pier, PierConfig
+    from tests.test_gpu_path import tiny_batch, tiny_setup
+
+    clock = CompileClock()
+    setup = tiny_setup(rank, world_size, compile=clock, group_size=group_size,
+                       total_steps=4, num_microbatches=2)
+    pier = Pier(PierConfig(inner_steps=2, warmup_fraction=0.5, schedule="constant"), setup)
+    clock.now = "warm_up"
+    pier.warm_up(tiny_batch(0))
+    for step in range(4):
+        clock.now = f"step {step}"
+        pier.comm.step = step
+        pier.train_step(tiny_batch(step * world_size + rank))
+    return clock.events
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,group_size", [(2, 1), (4, 2)])
+def test_pier_compiles_both_of_its_modules_in_warm_up(world_size, group_size):
+    """The lazy start trains the world DDP; at T_w (step 2) Pier switches to the group's
+    model (a group DDP, or the bare model for group_size 1), which was compiled then,
+    inside a timed step. Both are compiled and first called in the untimed warm-up."""
+    for events in run_distributed(_pier_compile_events, world_size, group_size, timeout=100):
+        compiled = sorted(name for what, name, _ in events if what == "compile")
+        assert compiled == (["DistributedDataParallel", "GPT"] if group_size == 1
+                            else ["DistributedDataParallel"] * 2), events
+        assert len(events) == 4, events  # each compiled once and first called once
+        assert {when for _, _, when in events} == {"warm_up"}, events
+
+
+def _compiled_warm_up_changes_nothing(rank, world_size):
+    from algorithms.pier import Pier, PierConfig
+    from tests.test_gpu_path import CompileRecorder, tiny_batch, tiny_setup
+
+    params = []
+    for warm in (False, True):
+        setup = tiny_setup(rank, world_size, compile=CompileRecorder(), total_steps=4,
+                           num_microbatches=2)
+        pier = Pier(PierConfig(inner_steps=2, warmup_fraction=0.5, schedule="constant"), setup)
+        if warm:
+            pier.warm_up(tiny_batch(0))
+        for step in range(3):
+            pier.comm.step = step
+            pier.train_step(tiny_batch(step * world_size + rank))
+        params.append([p.detach().clone() for p in pier.model.parameters()])
+    return params
+
+
+@pytest.mark.slow  # torch.compile (dynamo, eager backend) on 2 ranks: ~15 s
+@pytest.mark.timeout(240)
+def test_compiled_warm_up_leaves_the_trajectory_as_it_was():
+    """Real torch.compile (eager backend) through Pier's warm-up, no_sync and the switch:
+    the parameters after 3 steps are those of the run that compiled in its steps."""
+    for cold, warm in run_distributed(_compiled_warm_up_changes_nothing, 2, timeout=220):
+        assert all(torch.equal(a, b) for a, b in zip(cold, warm, strict=True))
