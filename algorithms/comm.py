@@ -347,11 +347,13 @@ class Communicator:
         return out
 
     def average(self, flat: torch.Tensor, group: Group | None = None, codec=None,
-                launch: bool = False) -> torch.Tensor | Pending:
+                launch: bool = False, record: bool = True) -> torch.Tensor | Pending:
         """The mean of the flat float tensor `flat` over the group, in the format `codec`
         (None: an all-reduce of `flat` as it is, in place; an `algorithms.compress.
         RowQuantizer`: the quantized exchange of the module docstring, into a new fp32
-        tensor). `launch=True`: start it and return a `Pending` (ops that span steps)."""
+        tensor). `launch=True`: start it and return a `Pending` (ops that span steps).
+        `record=False`: run it untimed and unrecorded, without emulation (a warm-up: NCCL
+        sets up what a collective needs at its first call of that kind and size)."""
         size = len(self.group_ranks(group))
         if codec is None:
             op, nbytes = "all_reduce", _nbytes(flat)
@@ -359,24 +361,29 @@ class Communicator:
         else:
             op, nbytes = "quantized_all_reduce", codec.coded_bytes(flat.numel(), size)
             work = functools.partial(quantized_average, flat, codec, size=size)
-        return self._run(op, nbytes, work, group, launch, inputs=(flat,))
+        return self._run(op, nbytes, work, group, launch, inputs=(flat,), record=record)
 
     def average_sparse(self, indices: torch.Tensor, values: torch.Tensor, numel: int,
-                       group: Group | None = None, launch: bool = False
+                       group: Group | None = None, launch: bool = False, record: bool = True
                        ) -> torch.Tensor | Pending:
         """The mean over the group of every rank's sparse tensor (`indices`, `values`: the
         same count on every rank) as a dense fp32 tensor of `numel`: one all-gather of the
-        values and indices, summed in rank order. `launch` as in `average`."""
+        values and indices, summed in rank order. `launch`, `record` as in `average`."""
         size = len(self.group_ranks(group))
         work = functools.partial(sparse_average, indices, values, numel, size=size)
         return self._run("all_gather", _nbytes(indices) + _nbytes(values), work, group, launch,
-                         inputs=(indices, values))
+                         inputs=(indices, values), record=record)
 
     def _run(self, op: str, nbytes: int, work: Callable, group: Group | None,
-             launch: bool, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | Pending:
+             launch: bool, inputs: tuple[torch.Tensor, ...], record: bool = True
+             ) -> torch.Tensor | Pending:
         if launch:
             return self.launch(op, nbytes, work, group, inputs)
         pg = self._pg(group)
+        if not record:
+            result = work(pg)
+            self.synchronize()
+            return result
         with self._timed(op, nbytes, group):
             result = work(pg)
         return result

@@ -309,6 +309,16 @@ class DiLoCo(DataParallelStrategy):
         with self.comm.phase("inner"):
             return super().train_step(batch)
 
+    def warm_up(self, batch) -> None:
+        """DDP's (base class), then every fragment's outer exchange once at full size,
+        unrecorded, on each group it will run on (the cross group; with overlap the launch
+        group too): NCCL connects a collective lazily, at its first call of a kind and
+        size, which would otherwise land in the first timed outer step."""
+        super().warm_up(batch)
+        self.outer.warm_up(self.cross_group)
+        if self.launch_group is not None:
+            self.outer.warm_up(self.launch_group)
+
     # ------------------------------------------------------------- outer rounds
 
     def in_sync(self) -> bool:

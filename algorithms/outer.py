@@ -165,6 +165,26 @@ class OuterOptimizer:
                                  launch)
 
     @torch.no_grad()
+    def warm_up(self, group: Group | None = None) -> None:
+        """The round's exchange once, of zeros at its full size (the same collectives on the
+        same group as `exchange`: NCCL connects them lazily, at their first call, which
+        would land in the first timed outer step), unrecorded; no state changes (the top-k
+        error buffer included). Nothing with one replica. Collective over `group`."""
+        if self.num_replicas == 1:
+            return
+        group = self.cross_group if group is None else group
+        numel, device = self.numel(), self.params[0].device
+        if isinstance(self.codec, TopK):
+            k = self.codec.count(numel)
+            indices = torch.zeros(k, dtype=self.codec.index_dtype(numel), device=device)
+            values = torch.zeros(k, dtype=self.codec.value_dtype, device=device)
+            self.comm.average_sparse(indices, values, numel, group, record=False)
+        else:
+            dtype = self.wire_dtype if self.codec is None else torch.float32
+            self.comm.average(torch.zeros(numel, dtype=dtype, device=device), group,
+                              self.codec, record=False)
+
+    @torch.no_grad()
     def finish(self, delta: torch.Tensor, lr: float, momentum: float,
                alpha: float = 0.0) -> float:
         """The outer step on θ with the averaged `delta` as its gradient, then the merge

@@ -137,6 +137,14 @@ class Fragments:
         self.in_flight: tuple[int, Pending] | None = None
         """The fragment whose exchange is launched and not yet finished, and that exchange."""
 
+    def warm_up(self, group: Group | None = None) -> None:
+        """`OuterOptimizer.warm_up` of one fragment of each size (each size once)."""
+        sizes = set()
+        for part in self.parts:
+            if part.numel() not in sizes:
+                sizes.add(part.numel())
+                part.warm_up(group)
+
     @torch.no_grad()
     def copy_global_to(self, params) -> None:
         """Copy the global θ of every fragment into `params` (model parameter order)."""

@@ -192,3 +192,91 @@ def test_compiled_warm_up_leaves_the_trajectory_as_it_was():
     the parameters after 3 steps are those of the run that compiled in its steps."""
     for cold, warm in run_distributed(_compiled_warm_up_changes_nothing, 2, timeout=220):
         assert all(torch.equal(a, b) for a, b in zip(cold, warm, strict=True))
+
+
+# ------------------------------------------------------------------ NCCL's lazy connections
+
+
+class CollectiveLog:
+    """A recording stand-in under the Communicator: torch.distributed's collectives (as the
+    outer exchanges call them) logged as (op, bytes, group's ranks) under the current
+    `phase`, then run. NCCL sets each kind and size up at its first call: what the
+    warm-up issues must cover what the timed steps will."""
+
+    OPS = ("all_reduce", "all_to_all_single", "all_gather_into_tensor")
+
+    def __init__(self):  # in a rank's own process: patches its torch.distributed
+        import torch.distributed as dist
+
+        self.phase, self.ops = "built", []
+        for name in self.OPS:
+            setattr(dist, name, self.wrap(name, getattr(dist, name)))
+
+    def wrap(self, name, original):
+        import torch.distributed as dist
+
+        def logged(*args, group=None, **kwargs):
+            tensor = args[0] if name == "all_reduce" else args[1]  # what this rank sends
+            ranks = None if group is None else tuple(dist.get_process_group_ranks(group))
+            self.ops.append((self.phase, name, tensor.numel() * tensor.element_size(), ranks))
+            return original(*args, group=group, **kwargs)
+
+        return logged
+
+    def of(self, phase):
+        return [op[1:] for op in self.ops if op[0] == phase]
+
+
+OUTER_CASES = {
+    "diloco": {},
+    "diloco-bf16": {"outer_grad_dtype": "bf16"},
+    "topk-bf16": {"outer_compression": "topk", "outer_grad_dtype": "bf16",
+                  "topk_fraction": 0.0101},
+    "int8": {"outer_compression": "int8", "compression_row": 64},
+    "streaming": {"fragments": 2},
+    "streaming-overlap": {"fragments": 2, "inner_steps": 4, "overlap_steps": 1},
+    "pier": {"warmup_fraction": 0.5, "schedule": "constant"},
+}
+
+
+def _outer_warm_up_ops(rank, world_size, group_size, cases):
+    from algorithms.diloco import DiLoCo, DiLoCoConfig
+    from algorithms.pier import Pier, PierConfig
+    from tests.test_gpu_path import tiny_batch, tiny_gpt, tiny_setup
+
+    log = CollectiveLog()
+    out = {}
+    for name in cases:
+        options = {"inner_steps": 2, **OUTER_CASES[name]}
+        setup = tiny_setup(rank, world_size, model=tiny_gpt(n_layer=4), group_size=group_size,
+                           total_steps=8, comm=Communicator(rank, world_size, "cpu",
+                                                            CommLedger(keep_records=True)))
+        strategy = (Pier(PierConfig(**options), setup) if name == "pier"
+                    else DiLoCo(DiLoCoConfig(**options), setup))
+        log.phase = f"{name} warm_up"
+        strategy.warm_up(tiny_batch(0))
+        recorded = len(strategy.comm.ledger)
+        log.phase = f"{name} steps"
+        for step in range(8):
+            strategy.comm.step = step
+            strategy.train_step(tiny_batch(step * world_size + rank))
+        out[name] = log.of(f"{name} warm_up"), log.of(f"{name} steps"), recorded
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,group_size,cases", [
+    (2, 1, list(OUTER_CASES)), (4, 2, ["diloco", "streaming"])])
+def test_warm_up_issues_every_outer_collective_at_full_size(world_size, group_size, cases):
+    """DiLoCo, Streaming DiLoCo (with and without overlap) and Pier warmed up their DDP
+    only: the first full-size outer all-reduce, all-to-all or all-gather connected inside
+    the first timed outer step. Now the warm-up issues each of them once (same op, bytes
+    and group as the steps' exchanges; each fragment size once) and records nothing."""
+    results = run_distributed(_outer_warm_up_ops, world_size, group_size, cases, timeout=100)
+    for out in results:
+        for name in cases:
+            warm, steps, recorded = out[name]
+            assert recorded == 0, name
+            assert steps and set(steps) <= set(warm), (name, warm, steps)
+            if "overlap" not in name:  # overlap also warms its blocking sync's group
+                assert set(warm) == set(steps), (name, warm, steps)
