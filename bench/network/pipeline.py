@@ -44,6 +44,10 @@ one `send` of it, `h` = its price as a symmetric `exchange` minus `d` (gloo: one
 NCCL and the naive model: 0). The earlier slot model charged every slot `max(c, 2 tau)`
 (transfers hidden under compute, two per slot): on latency-bound links it projected a
 2-stage 1F1B step 28-69% slower than it ran (docs/network-model.md).
+
+Cost: `simulate` is the model as an interpreter; the projections run it as straight-line
+code (`compiled`: the same operations, so the same bits, about 30x faster), one replay
+per distinct input (`critical_path_time`) or many as numpy lanes (`critical_path_times`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
+
+import numpy as np
 
 from algorithms import schedule as ours
 from algorithms.base import CriticalPath
@@ -92,21 +98,61 @@ def critical_path_time(compute_s: float | Sequence[float], d: float, h: float,
                        other: float, path: CriticalPath) -> float:
     """The step's modelled seconds: its schedule replayed (`simulate`) with each stage's
     compute (`compute_s`: one per stage, or one for every stage), plus `other` once per
-    step."""
-    computes = ([compute_s] * path.num_stages if isinstance(compute_s, (int, float))
-                else list(compute_s))
+    step. Priced once per distinct input (a run's identical steps, the robust
+    projection's medians, the what-if's rank classes meet the cache)."""
+    computes = ((float(compute_s),) * path.num_stages if isinstance(compute_s, (int, float))
+                else tuple(compute_s))
     if len(computes) != path.num_stages:
         raise ValueError(f"critical path: need one compute per stage ({path.num_stages}), "
                          f"got {len(computes)}")
     if min(computes) < 0 or d < 0 or h < 0 or h > d:
         raise ValueError(f"critical path: need compute_s, d >= 0 and 0 <= h <= d, got "
                          f"compute_s={compute_s}, d={d}, h={h}")
-    steps = 3 if path.schedule == "2bw" else 1  # no flush: the steady state's period
+    return _replayed(computes, d, h, other, path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _replayed(computes: tuple[float, ...], d: float, h: float, other: float,
+              path: CriticalPath) -> float:
+    steps = _steps(path)
     f = [c * FORWARD_SHARE / path.passes for c in computes]
     b = [c * (1 - FORWARD_SHARE) / path.passes for c in computes]
-    ends = simulate(programs(path.schedule, path.num_stages, path.passes, steps),
-                    f, b, d, h, other)
+    ends = compiled(path.schedule, path.num_stages, path.passes, steps)(f, b, d, h, other)
     return ends[-1] - (ends[-2] if steps > 1 else 0.0)
+
+
+def critical_path_times(computes, d, h, other, path: CriticalPath):
+    """`critical_path_time` of many steps at once, bit for bit (the same operations, lane
+    by lane): `computes` [lanes, stages], `d`, `h`, `other` [lanes] (numpy float64)
+    -> [lanes]. The settle point's replay of a window's replicas and profiles."""
+    computes = np.asarray(computes, dtype=np.float64)
+    d, h, other = (np.asarray(x, dtype=np.float64) for x in (d, h, other))
+    if computes.ndim != 2 or computes.shape[1] != path.num_stages:
+        raise ValueError(f"critical path: need one compute per stage ({path.num_stages}), "
+                         f"got shape {computes.shape}")
+    bad = (computes < 0).any(axis=1) | (d < 0) | (h < 0) | (h > d)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"critical path: need compute_s, d >= 0 and 0 <= h <= d, got "
+                         f"compute_s={computes[i].tolist()}, d={d[i]}, h={h[i]}")
+    if len(d) < LANES_AT_ONCE:  # numpy's per-call overhead outweighs a few replays
+        return np.array([_replayed(tuple(c), *x, path) for c, *x in zip(
+            computes.tolist(), d.tolist(), h.tolist(), other.tolist(), strict=True)])
+    steps = _steps(path)
+    f = [c * FORWARD_SHARE / path.passes for c in computes.T]
+    b = [c * (1 - FORWARD_SHARE) / path.passes for c in computes.T]
+    ends = compiled(path.schedule, path.num_stages, path.passes, steps, lanes=True)(
+        f, b, d, h, other)
+    return ends[-1] - (ends[-2] if steps > 1 else 0.0)
+
+
+LANES_AT_ONCE = 64
+"""From this many replays on, `critical_path_times` runs them as numpy lanes."""
+
+
+def _steps(path: CriticalPath) -> int:
+    """Steps replayed: three without a flush (the steady state's period), else one."""
+    return 3 if path.schedule == "2bw" else 1
 
 
 def simulate(stages: tuple[tuple[Op, ...], ...], f: Sequence[float], b: Sequence[float],
@@ -152,6 +198,101 @@ def simulate(stages: tuple[tuple[Op, ...], ...], f: Sequence[float], b: Sequence
             end = max(clock) + other
             ends.append(end)
             clock = [end] * num
+            at = [i + 1 for i in at]
+        elif not moved:
+            raise RuntimeError(f"pipeline schedule deadlocks at ops {at} "
+                               f"(a bug in bench/network/pipeline.py's programs)")
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(schedule: str, num_stages: int, passes: int, steps: int,
+             lanes: bool = False) -> Callable:
+    """`simulate` of these programs as straight-line code: (f, b, d, h, other) -> the
+    step ends, the same floating-point operations in the same order (so the same bits),
+    without the interpreter's bookkeeping. Which stage runs which op when depends only on
+    the programs (a wait blocks until its peer has POSTED, whenever that was), so the
+    order `simulate` visits the ops in is fixed once here (`_trace`) and written out as
+    Python; only the times and gloo's late-batch test are left to run. `lanes`: every
+    value a numpy array, many replays at once (`critical_path_times`)."""
+    num, lines, names = num_stages, [], {}
+
+    def var(kind: str, m: Message) -> str:
+        return names.setdefault((kind, m), f"{kind}{len(names)}")
+
+    def maximum(target: str, terms: list[str]) -> list[str]:
+        """`target = max(*terms)`: Python's max keeps the first of equal values."""
+        if lanes:
+            out = terms[0]
+            for term in terms[1:]:
+                out = f"np.maximum({out}, {term})"
+            return [f"{target} = {out}"]
+        return [f"{target} = {terms[0]}", *(f"if {t} > {target}: {target} = {t}"
+                                            for t in terms[1:])]
+
+    for s, op in _trace(programs(schedule, num_stages, passes, steps)):
+        if op[0] in ("F", "B"):
+            lines.append(f"c{s} = c{s} + {op[0].lower()}{s}")
+        elif op[0] == "post":
+            lines += [f"{var('S', m)} = c{s}" for m in op[1]]
+            lines += [f"{var('R', m)} = c{s}" for m in op[2]]
+        elif op[0] == "wait":
+            done = []
+            for m in (*op[1], *op[2]):
+                sent, x = var("S", m), f"x{len(done)}"
+                lines += [f"u = {var('R', m)} + h", *maximum("t", [sent, "u"])]
+                if m in op[1]:
+                    lines.append(f"{x} = t + d - h")
+                elif op[3] and op[1]:  # gloo's late batch (`simulate`): decided per replay
+                    lines.append(f"{x} = t + d + np.where({sent} <= u, dh, 0.0)" if lanes
+                                 else f"{x} = t + d + (dh if hpos and {sent} <= u else 0.0)")
+                else:
+                    lines.append(f"{x} = t + d")
+                done.append(x)
+            lines += maximum(f"c{s}", [f"c{s}", *done])
+        else:  # every stage at its sync
+            lines += maximum("end", [f"c{i}" for i in range(num)])
+            lines += ["end = end + other", "ends.append(end)",
+                      *(f"c{i} = end" for i in range(num))]
+    head = ["def replay(f, b, d, h, other):",
+            f"    {', '.join(f'f{i}' for i in range(num))}, = f",
+            f"    {', '.join(f'b{i}' for i in range(num))}, = b",
+            "    hpos, ends = h > 0, []",
+            # late lanes add d - h, the others 0 (d - h where h > 0: the late test's first half)
+            "    dh = np.where(hpos, d - h, 0.0) if hasattr(d, 'shape') else d - h",
+            f"    {' = '.join(f'c{i}' for i in range(num))} = 0.0"]
+    source = "\n".join([*head, *("    " + line for line in lines), "    return ends"])
+    scope = {"np": np}
+    exec(compile(source, f"<pipeline replay {schedule} {num_stages}x{passes}x{steps}>",
+                 "exec"), scope)
+    return scope["replay"]
+
+
+def _trace(stages: tuple[tuple[Op, ...], ...]) -> list[tuple[int, Op]]:
+    """The (stage, op) order in which `simulate` runs `stages` (a sync as (-1, ("sync",)),
+    once every stage has reached it): its loop with the times left out."""
+    at, order = [0] * len(stages), []
+    sent: set[Message] = set()
+    ready: set[Message] = set()
+    while True:
+        moved = False
+        for s, program in enumerate(stages):
+            while at[s] < len(program):
+                op = program[at[s]]
+                if op[0] == "post":
+                    sent.update(op[1])
+                    ready.update(op[2])
+                elif op[0] == "wait":
+                    if not all(m in ready for m in op[1]) or not all(m in sent for m in op[2]):
+                        break
+                elif op[0] == "sync":
+                    break
+                order.append((s, op))
+                at[s] += 1
+                moved = True
+        if all(at[s] == len(p) for s, p in enumerate(stages)):
+            return order
+        if all(at[s] < len(p) and p[at[s]][0] == "sync" for s, p in enumerate(stages)):
+            order.append((-1, ("sync",)))
             at = [i + 1 for i in at]
         elif not moved:
             raise RuntimeError(f"pipeline schedule deadlocks at ops {at} "
