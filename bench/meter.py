@@ -24,41 +24,16 @@ communication; on CUDA step_s - comm_s. summary.json records which (`compute_clo
 the ranks per core (`ranks_per_core`); the report marks projections of runs whose
 compute is wall time on shared cores.
 
-Projected time: for every step, each rank's measured compute plus its
-modelled communication on a profile (`bench.network.project` of that step's ledger
-records, priced with the collective algorithm of `network.model`). Ranks wait for each
-other only where they communicate: the steps are cut into stretches that end at a
-COUPLED step (one in which any rank recorded training traffic) or at the settle point,
-each stretch takes the MAXIMUM over ranks of its summed seconds, and the projected elapsed
-time is the sum over stretches (`coupled_max`). With traffic in every step (DDP) that is
-the per-step maximum; with H local steps between outer steps (DiLoCo, GASLoC) it is the
-slowest rank's H steps, as on the measured clock, not the sum of per-step maxima (which
-over-states local-step methods' compute by the ranks' step-to-step jitter).
-The rank that ends a stretch is the projection's timeline there: its compute is the
-projection's compute (`LoopState.projected_compute_s`) and the rest of its seconds the
-modelled communication, so every projected figure of a run (summary.json's total_s,
-step_s, compute_s, comm_s, the rows' projected clock, time to target) prices one
-timeline, not the max of each rank's own comm beside another rank's total.
-Two projections are kept: overlap-aware (the headline: a DDP bucket's modelled all-reduce
-starts when the bucket was ready and only what runs past the end of backward counts; an
-op launched in an earlier step, Streaming DiLoCo's overlapped exchange, runs beside the
-measured compute of the steps since its launch, `span_window_s`) and no-overlap (every
-modelled op added to compute). A strategy with a `critical_path()` (the
-pipelines) is priced overlap-aware on its schedule instead (bench/network/pipeline.py:
-the schedule replayed on the modelled link), each stage at the compute its own rank
-measured in that step, gathered at the settle point (`pipeline_values`); every rank of a
-replica then holds the replica's seconds, so the timeline's compute is its first stage's.
-Per-step values are buffered and reduced at settle points, so measuring adds no
-synchronisation to the steps.
-
-Projection cost. Pricing every step's records on every profile and overlap mode
-(`StepClock.add`) and reducing them (`settle`) runs on the host after each step, outside
-the timed step and off the clock. It is measured as harness time instead: each rank's
-seconds in `add` and in `settle`'s own work (perf_counter; settle's reductions left out,
-being mostly the wait for slower ranks), summed over the run (`LoopState.projection_s`);
-summary.json's `projection_s_total` is the maximum over ranks and
-`projection_s_per_step` that over the steps. It grows with records x profiles
-(tests/benchmarks/test_bench_hot_paths.py times `add` at 10^3 and 10^5 records).
+Projected time and its cost. Each rank's measured compute plus its modelled
+communication on a profile, the ranks' steps cut into stretches between the steps where
+they communicate, each stretch the slowest rank's: the pricing engine,
+bench/network/timeline.py, says how. `StepClock.add` prices a step after it, outside the
+timed step and off the clock, and `settle` reduces the window (no synchronisation added
+to the steps); both are harness time instead: each rank's seconds in `add` and in
+`settle`'s own work (its reductions left out: mostly the wait for slower ranks), summed
+over the run (`LoopState.projection_s`); summary.json's `projection_s_total` is the
+maximum over ranks and `projection_s_per_step` that over the steps
+(tests/benchmarks/test_bench_hot_paths.py times `add` and the settle point's replay).
 
 Bytes per step. Each step's training traffic is summed per rank (logical payload, and
 modelled wire bytes); at each settle point the maximum over ranks of every step joins
@@ -83,11 +58,8 @@ ones. Time to target is kept both ways: `time_to_target_s` with the one-off cost
 
 from __future__ import annotations
 
-import hashlib
 import math
-import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -95,12 +67,16 @@ import torch.distributed as dist
 
 from algorithms.base import CriticalPath, StepStats
 from algorithms.comm import CommLedger, CommRecord
-from bench.network import Profile, link_keys, wire_bytes
-from bench.network.model import exposed_s, pricer
-from bench.network.pipeline import critical_path_inputs, critical_path_time
-
-OVERLAP_MODES = (True, False)
-"""Projections kept per profile: overlap-aware (headline), then no-overlap."""
+from bench.network import Profile
+from bench.network.timeline import (
+    OVERLAP_MODES,
+    StepPricer,
+    aggregate_wire_bytes,
+    kind_id,
+    price_window,
+    span_window_s,
+    stretch_size,
+)
 
 HARNESS_PHASES = ("eval", "metrics")
 """Ledger phases of the harness's own calls into strategies; every other phase (train,
@@ -253,7 +229,7 @@ class LoopState:
             return
         for stretch, count in settled.stretches.items():
             self.robust_stretches[stretch] = self.robust_stretches.get(stretch, 0) + count
-        if self.robust_stretches and len(self.robust_stretches) * _stretch_size(
+        if self.robust_stretches and len(self.robust_stretches) * stretch_size(
                 next(iter(self.robust_stretches))) > ROBUST_RECORD_LIMIT:
             self.robust_stretches, self.robust_dropped = {}, True
 
@@ -280,12 +256,6 @@ STRETCH_FORMAT = 3
 """`LoopState.stretch_format` of this version."""
 
 
-def _stretch_size(stretch: tuple) -> int:
-    """Numbers in one stretch's content (`stretches`): per rank its kinds, links, others."""
-    return sum(2 * len(kinds) + 2 * len(links) + len(others)
-               for kinds, links, others in stretch)
-
-
 @dataclass
 class Settled:
     """What the ranks did together since the previous settle point."""
@@ -304,11 +274,8 @@ class Settled:
     that timeline's modelled communication."""
     compute_no_overlap_s: dict[str, float] = field(default_factory=dict)
     stretches: dict = field(default_factory=dict)
-    """The window's stretches between coupled steps (`coupled_max`'s), each as what every
-    rank did in it: per rank its step kinds (id, count) and, per projection column, the
-    modelled seconds that are not compute (`other`) and the link of its largest transfer
-    (`(d, h)`, critical-path columns: bench/network/pipeline.py) -> how many such
-    stretches (`robust_projection` prices them)."""
+    """The window's stretches between coupled steps, by what every rank did in them
+    (bench/network/timeline.py `stretches`) -> how many (`robust_projection` prices them)."""
     step_bytes: list[float] = field(default_factory=list)
     """Per step of the window: the max over ranks of its training traffic's logical bytes."""
     step_wire_bytes: list[float] = field(default_factory=list)
@@ -316,51 +283,6 @@ class Settled:
     projection_s: float = 0.0
     """THIS rank's seconds spent projecting the window (not reduced over ranks):
     `StepClock.add` of its steps and `settle`'s own work, its collectives left out."""
-
-
-def step_kind(phase_ops: Iterable[tuple[str, str]], reads_batch: bool = True) -> str:
-    """The kind of a step, for the robust compute estimate: its training traffic's
-    phase:op pairs (a DiLoCo round's last step differs from its inner steps), and whether
-    the rank consumed a batch (an idle GASLoC worker, a pipeline's later stages do not).
-    bench/whatif names its modelled steps with the same words."""
-    pairs = "+".join(sorted({f"{phase}:{op}" for phase, op in phase_ops})) or "no traffic"
-    return pairs if reads_batch else f"no batch, {pairs}"
-
-
-def kind_id(kind: str) -> float:
-    """A step kind as a float every rank computes alike (48 bits of its sha256: exact in
-    float64), to gather kinds with the projected values."""
-    return float(int(hashlib.sha256(kind.encode()).hexdigest()[:12], 16))
-
-
-class LinkClock:
-    """When this rank last used each connection, on one profile's projected clock (for TCP
-    slow start after idle: bench/network/costs.py `slow_start_extra_s`)."""
-
-    def __init__(self):
-        self.now = 0.0
-        self.last: dict[tuple, float] = {}
-        self.ramped: set[tuple] = set()
-        """Connections an earlier record of the current step has already used."""
-
-    def idle(self, key: tuple) -> float:
-        """Seconds since the connection was last used at the end of a step (inf: never);
-        0 once a record of this step has used it (its window has ramped up)."""
-        if key in self.ramped:
-            return 0.0
-        return self.now - self.last.get(key, -math.inf)
-
-    def use(self, keys: list[tuple]) -> None:
-        """A record on these connections (`link_keys`) has been priced: later records of
-        this step find them warm."""
-        self.ramped.update(keys)
-
-    def advance(self, step_s: float) -> None:
-        """The step took `step_s` on this profile; the connections it used are now warm."""
-        self.now += step_s
-        for key in self.ramped:
-            self.last[key] = self.now
-        self.ramped.clear()
 
 
 def peak_sync_bytes(series: list[list[int]]) -> tuple[int, int]:
@@ -382,17 +304,6 @@ COMPUTE_HISTORY = 1024
 longer ago than this gets no window for the steps beyond)."""
 
 
-def span_window_s(record: CommRecord, compute_s: float, recent: Sequence[float]) -> float:
-    """The compute an op launched `record.launch_step` ran beside, waited for in the step of
-    `compute_s` (`recent`: this rank's compute seconds of the steps before it, latest
-    last): the whole compute of the steps between, and this step's compute before the
-    wait (all of it but `record.tail_s`). Only compute: the other traffic of those steps
-    is priced on its own, never as hiding this op (they may share its link)."""
-    between = record.step - record.launch_step - 1
-    earlier = sum(recent[len(recent) - between:]) if between > 0 else 0.0
-    return earlier + max(0.0, compute_s - (record.tail_s or 0.0))
-
-
 class StepClock:
     """This rank's timed steps since the last settle point; `settle` reduces them."""
 
@@ -405,23 +316,15 @@ class StepClock:
         self.recent_compute_s = [] if recent_compute_s is None else recent_compute_s
         self.critical_path = critical_path
         """Strategy.critical_path(): the overlap-aware projection prices the step on it."""
-        self.profiles, self.rank, self.ranks_per_node = profiles, rank, ranks_per_node
-        self.num_profiles, self.device, self.model = len(profiles), device, model
+        self.profiles, self.num_profiles, self.device = profiles, len(profiles), device
         self.num_steps, self.step_s, self.tokens = 0, 0.0, 0
         self.projected: list[float] = []  # num_profiles values per pending step
         self.robust: list[float] = []  # per pending step: kind, compute, (d, h, other) each
         self.coupled: list[float] = []  # per pending step: 1 if it recorded training traffic
         self.sent: list[float] = []  # per pending step: logical bytes, wire bytes
         self.projection_s = 0.0  # this rank's seconds in add since the last settle
-        self.links = {name: LinkClock() for name in profiles}
-        """Per profile: when each connection was last used (lives for the whole run)."""
-        self.pricers = {name: pricer(profile, rank, ranks_per_node, backend=model,
-                                     idle=self.links[name].idle)
-                        for name, profile in profiles.items()}
-        """Per profile: record -> modelled seconds (caches each group's tiers)."""
-        self.warm = {name: pricer(profile, rank, ranks_per_node, backend=model)
-                     for name, profile in profiles.items()} if critical_path else {}
-        """Per profile, a pipeline's: its critical path's prices, on warm connections."""
+        self.pricer = StepPricer(profiles, rank, ranks_per_node, model, critical_path)
+        """Prices each step on every profile (its link clocks live for the whole run)."""
 
     def add(self, step_s: float, stats: StepStats, step_records: list[CommRecord],
             samples: dict[str, list[float]] | None = None,
@@ -441,51 +344,17 @@ class StepClock:
         def window(record: CommRecord) -> float:
             return span_window_s(record, compute_s, recent)
 
-        kind = step_kind(((r.phase, r.op) for r in step_records), stats.tokens > 0)
+        priced = self.pricer.price(step_records, compute_s, stats.tokens > 0, window)
         if samples is not None:
-            samples.setdefault(kind, []).append(compute_s)
-        keys = [link_keys(r) for r in step_records]
-        modelled: dict[bool, dict[str, float]] = {True: {}, False: {}}  # overlap -> name ->
-        inputs = {}  # (overlap, name) -> (d, h, other): the step's pricing beside compute
-        for name in self.profiles:  # this rank's modelled step seconds
-            costs = []  # each record priced once, in order: slow start once per connection
-            for r, k in zip(step_records, keys, strict=True):
-                costs.append(self.pricers[name](r))
-                self.links[name].use(k)
-            inputs[True, name] = self.overlap_inputs(step_records, costs, name, window)
-            inputs[False, name] = (0.0, 0.0, sum(costs))
-            modelled[True][name] = self.step_time(compute_s, *inputs[True, name])
-            modelled[False][name] = compute_s + sum(costs)
-        columns = [(overlap, name) for overlap in OVERLAP_MODES for name in self.profiles]
-        self.projected.extend(modelled[overlap][name] for overlap, name in columns)
-        self.robust.extend([kind_id(kind), compute_s,
-                            *(x for column in columns for x in inputs[column])])
-        for name, links in self.links.items():
-            links.advance(modelled[True][name])
+            samples.setdefault(priced.kind, []).append(compute_s)
+        self.projected += priced.values
+        self.robust += [kind_id(priced.kind), compute_s, *priced.inputs]
         self.coupled.append(1.0 if step_records else 0.0)
-        self.sent += [float(sum(r.nbytes for r in step_records)),
-                      float(sum(wire_bytes(r, backend=self.model) for r in step_records))]
+        self.sent += [priced.nbytes, priced.wire_bytes]
         recent.append(compute_s)
         del recent[:-COMPUTE_HISTORY]
         self.num_steps += 1
         self.projection_s += time.perf_counter() - start
-
-    def overlap_inputs(self, records: list[CommRecord], costs: list[float], name: str,
-                       window: Callable[[CommRecord], float] | None = None
-                       ) -> tuple[float, float, float]:
-        """(d, h, other) of this rank's overlap-aware step on profile `name`: the exposed part
-        of the records' modelled seconds `costs` (d = h = 0; `window`: an op that spans
-        steps ran beside that much compute), or, with a critical path, the link of its
-        largest transfer and the rest (bench/network/pipeline.py)."""
-        if self.critical_path is not None:
-            return critical_path_inputs(records, self.warm[name])
-        return 0.0, 0.0, exposed_s(records, costs, window)
-
-    def step_time(self, compute_s: float, d: float, h: float, other: float) -> float:
-        """The overlap-aware step from its compute and `overlap_inputs`."""
-        if self.critical_path is None:
-            return compute_s + other
-        return critical_path_time(compute_s, d, h, other, self.critical_path)
 
     def settle(self) -> Settled:
         """Reduce over ranks (a collective: every rank calls it at the same step). Its own
@@ -510,13 +379,11 @@ class StepClock:
         every = every[:, 3 * n:]  # then as without the bytes: projected, robust
         values = every[:, :n * width].reshape(len(ranks), n, width)
         robust = every[:, n * width:].reshape(len(ranks), n, 2 + 3 * width)
-        if self.critical_path is not None:  # each stage at its own rank's compute
-            values = pipeline_values(values, robust, self.critical_path, self.num_profiles)
-        totals, compute = (x.tolist() for x in coupled_max(values, coupled, robust[:, :, 1]))
+        totals, compute, found = price_window(values, robust, coupled, self.critical_path,
+                                              self.num_profiles)
         overlap, no_overlap, compute_overlap, compute_no_overlap = (
             {name: column[offset + i] for i, name in enumerate(self.profiles)}
             for column in (totals, compute) for offset in (0, self.num_profiles))
-        found = stretches(robust, coupled, width)
         projection_s = self.projection_s + (before_gather - start
                                             + time.perf_counter() - after_gather)
         self.num_steps, self.step_s, self.tokens, self.projection_s = 0, 0.0, 0, 0.0
@@ -524,144 +391,6 @@ class StepClock:
         return Settled(step_s, int(tokens), overlap, no_overlap, compute_overlap,
                        compute_no_overlap, found, sent[:, 0].tolist(), sent[:, 1].tolist(),
                        projection_s)
-
-
-def stretches(robust: torch.Tensor, coupled: torch.Tensor, width: int) -> dict:
-    """The window's stretches (cut as `coupled_max` cuts them) by content -> count.
-
-    `robust` [ranks, steps, 2 + 3 * width]: per step the kind id, the compute, then
-    (d, h, other) per projection column. A stretch's content, per rank: its kinds with
-    their counts, and per column the link of the largest transfer, (d, h), and the summed
-    other (rounded to 1 ns, so that equal stretches meet)."""
-    out: dict = {}
-    ranks, steps = robust.shape[0], robust.shape[1]
-    start = 0
-    for step in range(steps):
-        if not (bool(coupled[step]) or step == steps - 1):
-            continue
-        part = robust[:, start:step + 1]
-        content = []
-        for r in range(ranks):
-            kinds: dict[float, int] = {}
-            for kid in part[r, :, 0].tolist():
-                kinds[kid] = kinds.get(kid, 0) + 1
-            triples = part[r, :, 2:].reshape(part.shape[1], width, 3)  # width 0: no profiles
-            largest = triples[:, :, 0].argmax(dim=0)  # per column: the step of largest d
-            links = triples[largest, torch.arange(width), :2].tolist()
-            others = triples[:, :, 2].sum(dim=0).tolist()
-            content.append((tuple(sorted(kinds.items())),
-                            tuple((round(d, 9), round(h, 9)) for d, h in links),
-                            tuple(round(o, 9) for o in others)))
-        key = tuple(content)
-        out[key] = out.get(key, 0) + 1
-        start = step + 1
-    return out
-
-
-def coupled_max(values: torch.Tensor, coupled: torch.Tensor,
-                compute: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Projected seconds of a settle window, and the compute inside them: `values`
-    [ranks, steps, k] per-step seconds (compute + modelled comm), `compute` [ranks, steps]
-    the measured compute in them, `coupled` [steps] bool (the ranks wait for each other in
-    that step). The steps are cut into stretches ending at each coupled step and at the
-    last step; the rank whose summed seconds are largest ends the stretch (the lowest
-    rank on a tie) and is the projection's timeline there. Returns ([k] totals, [k]
-    compute): the sum over stretches of that rank's summed seconds, and of its compute,
-    so that total - compute is the same timeline's modelled communication (not another
-    rank's, whose compute differs: a pipeline's stages, a straggler)."""
-    ranks, k = values.shape[0], values.shape[2]
-    total = torch.zeros(k, dtype=values.dtype)
-    timeline = torch.zeros(k, dtype=values.dtype)
-    stretch = torch.zeros(ranks, k, dtype=values.dtype)
-    own = torch.zeros(ranks, dtype=values.dtype)
-    last = values.shape[1] - 1
-    for step in range(values.shape[1]):
-        stretch += values[:, step]
-        own += compute[:, step]
-        if bool(coupled[step]) or step == last:
-            slowest, ends = stretch.max(dim=0)  # [k]: the first maximal rank on a tie
-            total += slowest
-            timeline += own[ends]
-            stretch.zero_()
-            own.zero_()
-    return total, timeline
-
-
-def pipeline_step_s(compute: Sequence[float], links: Sequence[tuple[float, float]],
-                    others: Sequence[float], path: CriticalPath) -> list[float]:
-    """Every rank's projected seconds of a pipeline step (`bench/network/pipeline.py`):
-    each replica's schedule replayed with each stage's own compute (`compute[rank]`), the
-    link (d, h) of its ranks' largest transfer and the largest of their `others`, the
-    replica's seconds given to each of its ranks. Ranks are laid out replica-major,
-    rank = replica * num_stages + stage (algorithms/pipeline_base.py `make_grid`; the
-    DeepSpeed engine's topology is built to match)."""
-    ranks, stages = len(compute), path.num_stages
-    if ranks % stages:
-        raise ValueError(f"pipeline projection: {ranks} ranks is not a whole number of "
-                         f"{stages}-stage replicas")
-    out: list[float] = []
-    for first in range(0, ranks, stages):
-        replica = range(first, first + stages)
-        d, h = max((links[r] for r in replica), key=lambda link: link[0])
-        seconds = critical_path_time([compute[r] for r in replica], d, h,
-                                     max(others[r] for r in replica), path)
-        out += [seconds] * stages
-    return out
-
-
-def pipeline_values(values: torch.Tensor, robust: torch.Tensor, path: CriticalPath,
-                    columns: int) -> torch.Tensor:
-    """`values` [ranks, steps, k] with its first `columns` columns (the overlap-aware ones)
-    priced by `pipeline_step_s` from `robust` [ranks, steps, 2 + 3 * width] (per step:
-    kind, compute, then (d, h, other) per column)."""
-    values = values.clone()
-    for step in range(values.shape[1]):
-        compute = robust[:, step, 1].tolist()
-        for c in range(columns):
-            triples = robust[:, step, 2 + 3 * c:5 + 3 * c].tolist()
-            values[:, step, c] = torch.tensor(pipeline_step_s(
-                compute, [(d, h) for d, h, _ in triples], [o for _, _, o in triples], path),
-                dtype=values.dtype)
-    return values
-
-
-def compute_stats(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """Per step kind: how many steps, and the median, 10th and 90th percentile and mean of
-    their compute seconds (one rank's `LoopState.compute_samples`)."""
-    out = {}
-    for kind, values in samples.items():
-        deciles = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
-        out[kind] = {"steps": len(values), "median_s": statistics.median(values),
-                     "p10_s": deciles[0], "p90_s": deciles[-1],
-                     "mean_s": statistics.fmean(values)}
-    return out
-
-
-def robust_projection(stretches: dict, medians: list[dict[str, float]], width: int,
-                      critical_path: CriticalPath | None = None,
-                      path_columns: int = 0) -> tuple[list[float], list[float]]:
-    """(seconds, compute seconds) per projection column of the run with every rank's
-    compute replaced by its median for the step's kind (`medians[rank][kind]`): the same
-    stretches, ranks and modelled communication as the projection, so a load spike on a
-    shared machine moves the median, not the total. As in `coupled_max`, a column's
-    compute is that of the rank ending each stretch (the lowest rank on a tie). The first
-    `path_columns` columns price a pipeline step on its critical path."""
-    by_id = [{kind_id(k): m for k, m in rank.items()} for rank in medians]
-    totals, compute = [0.0] * width, [0.0] * width
-    for content, count in stretches.items():
-        own = [sum(n * by_id[r][kid] for kid, n in kinds)
-               for r, (kinds, _, _) in enumerate(content)]
-        for c in range(width):
-            if critical_path is not None and c < path_columns:
-                seconds = pipeline_step_s(own, [links[c] for _, links, _ in content],
-                                          [others[c] for _, _, others in content],
-                                          critical_path)
-            else:
-                seconds = [own[r] + others[c] for r, (_, _, others) in enumerate(content)]
-            ends = seconds.index(max(seconds))
-            totals[c] += count * seconds[ends]
-            compute[c] += count * own[ends]
-    return totals, compute
 
 
 class MetricsWindow:
@@ -758,20 +487,13 @@ class RunTotals:
 
 
 def run_totals(ledger: CommLedger, device: torch.device, model: str | None = None) -> RunTotals:
-    """At the end of a run (a collective over all ranks), from the ledger's aggregates (a
-    row's wire bytes are its bytes times its op's factor: `wire_bytes` is linear in them)."""
+    """At the end of a run (a collective over all ranks), from the ledger's aggregates."""
     rows = ledger.aggregate()
     train = [row for row in rows if row["phase"] in TRAIN_PHASES]
-    nbytes, wire = all_reduce_floats([
-        sum(row["bytes"] for row in train),
-        sum(wire_bytes(_as_record(row), backend=model) for row in train)], device)
+    nbytes, wire = all_reduce_floats([sum(row["bytes"] for row in train),
+                                      aggregate_wire_bytes(train, model)], device)
     aggregates = [None] * dist.get_world_size()
     dist.all_gather_object(aggregates, rows)
     rows = [{"rank": r, **row} for r, agg in enumerate(aggregates) for row in agg]
     return RunTotals(int(nbytes), int(wire), rows)
 
-
-def _as_record(row: dict) -> CommRecord:
-    """An aggregate row as one record carrying all its bytes (for `wire_bytes`)."""
-    return CommRecord(step=0, phase=row["phase"], op=row["op"], group_size=row["group_size"],
-                      peers=None, nbytes=row["bytes"], seconds=row["seconds"], tier=row["tier"])

@@ -63,13 +63,12 @@ from bench.meter import (
     MetricsWindow,
     StepClock,
     all_reduce_floats,
-    compute_stats,
     peak_sync_bytes,
-    robust_projection,
     run_totals,
 )
 from bench.model import autocast_context, build_model, config_of, lm_loss
 from bench.network import delay_policy, get_profile
+from bench.network.timeline import compute_stats, robust_projection
 from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl, write_text
 from bench.stop import StopRequest, die_with_parent, handle_signals

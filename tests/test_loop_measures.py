@@ -185,7 +185,7 @@ def test_coupled_max_takes_the_slowest_rank_per_stretch_not_per_step():
     """Two ranks with alternating jitter over 4 local steps then an outer step: they wait
     for each other only at the outer step, so the stretch costs the slower rank's SUM
     (4 + 3 + ... = 12.0 s), not the sum of per-step maxima (which would say 14.0 s)."""
-    from bench.meter import coupled_max
+    from bench.network.timeline import coupled_max
 
     def total(values, coupled):
         return coupled_max(values, coupled, torch.zeros(values.shape[:2]))[0].tolist()
@@ -218,7 +218,7 @@ def test_projection_compute_and_comm_are_the_timeline_ranks():
     longer, does. The projection's compute is the rank that ends each stretch, and its
     comm the rest of that rank's step: the maximum of the ranks' own comm (rank 1's on
     the fast profile, 1.5 s a step) belongs to no timeline (4 s + 1.5 s is no step)."""
-    from bench.meter import coupled_max, kind_id, robust_projection
+    from bench.network.timeline import coupled_max, kind_id, robust_projection
 
     compute = torch.tensor([[4.0, 4.0], [1.0, 1.0]], dtype=torch.float64)
     comm = torch.tensor([[[0.5, 1.0], [0.5, 1.0]],   # rank 0: per step, per column
@@ -249,7 +249,7 @@ def test_robust_projection_replaces_a_spike_by_the_median():
     """Issue 26: a load spike in one step moves `projected` by the spike but the robust
     projection by nothing (each rank's median compute per step kind, the same stretches
     and modelled communication)."""
-    from bench.meter import coupled_max, kind_id, robust_projection, stretches
+    from bench.network.timeline import coupled_max, kind_id, robust_projection, stretches
 
     kind = "inner:all_reduce"
     compute = [[1.0, 1.0, 1.0, 9.0, 1.0, 1.0, 1.0, 1.0],  # rank 0: a spike in step 3
@@ -275,7 +275,7 @@ def test_robust_projection_replaces_a_spike_by_the_median():
 def test_stretches_of_a_run_projecting_onto_no_profile():
     """`network.profiles: []` (a run that projects nothing, as the shaped netlab runs):
     the stretch record has no columns, and its first settle used to fail reshaping them."""
-    from bench.meter import kind_id, stretches
+    from bench.network.timeline import kind_id, stretches
 
     robust = torch.zeros(2, 3, 2, dtype=torch.float64)
     robust[:, :, 0] = kind_id("no traffic")

@@ -631,7 +631,7 @@ def test_quantized_all_reduce_prices_all_to_all_then_all_gather_by_hand():
 def test_launched_op_exposes_only_what_its_window_did_not_hide():
     """An exchange launched at the end of step 3 and waited for in step 5 ran beside step
     4's compute and step 5's up to the wait (all but tail_s)."""
-    from bench.meter import span_window_s
+    from bench.network.timeline import span_window_s
 
     p = Profile("p", Tier(0.0, 1e6), Tier(0.0, 1e6))
     launched = replace(rec("all_reduce", 3 * MB, 2), step=5, launch_step=3, tail_s=0.5)

@@ -676,8 +676,8 @@ def test_a_runs_pipeline_projection_prices_each_replica_with_its_stages_compute(
     d of its ranks (with that rank's h) and the larger other; a world that is not whole
     replicas is refused."""
     from algorithms.base import CriticalPath
-    from bench.meter import pipeline_step_s
     from bench.network.pipeline import critical_path_time
+    from bench.network.timeline import pipeline_step_s
 
     path = CriticalPath("1f1b", 2, 4)
     compute = [0.04, 0.06, 0.05, 0.05]

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.meter import OVERLAP_MODES, LoopState, StepClock
+from bench.meter import LoopState, StepClock
+from bench.network.timeline import OVERLAP_MODES
 from tests.distributed import run_distributed
 from tests.local_updates import make_trainer
 

@@ -11,6 +11,12 @@ The model and every formula: docs/network-model.md.
   nccl) and `wire_bytes`.
 - model.py: `record_seconds`, `project` (plain sum or overlap-aware), `project_overlap`,
   `delay_policy` (emulation with a per-link busy-until timeline).
+- pipeline.py: a pipeline step priced by replaying its schedule on the modelled link
+  (`critical_path_time`, `critical_path_times` for many at once).
+- timeline.py: the pricing engine of a timeline of steps, used by the loop's clock
+  (bench/meter.py `StepClock`) and the what-if (bench/whatif/engine.py) alike:
+  `StepPricer`, `LinkClock`, `coupled_max`, `stretches`, `pipeline_values`,
+  `robust_projection` (it imports torch; this package's `__init__` does not).
 """
 
 from bench.network.costs import (

@@ -219,7 +219,8 @@ def exposed_s(records: list[CommRecord], costs: list[float],
     backward; set by the DDP hook) are queued in order on the link by `bucket_timeline`:
     exposed = max(0, end of the last one). A record of an op that spans steps
     (`launch_step`) exposes max(0, cost - window(record)), its window being the compute it
-    ran beside (bench/meter.py `StepClock` knows it; without `window`, none: all exposed).
+    ran beside (bench/network/timeline.py `span_window_s`; without `window`, none: all
+    exposed).
     Other records do not overlap: their modelled seconds are added in full.
     """
     steps: dict[int, list[tuple[float, float]]] = {}

@@ -1,7 +1,7 @@
 """Pricing a pipeline step by replaying its schedule on the modelled link, not op by op.
 
-Used by bench/meter.py's StepClock (and the what-if, bench/whatif/engine.py) for the
-overlap-aware projection of strategies that describe their step
+Used by the pricing engine (bench/network/timeline.py: the loop's StepClock and the
+what-if) for the overlap-aware projection of strategies that describe their step
 (`Strategy.critical_path()`, algorithms/base.py: the pipelines); tested by
 `pytest tests/test_pipeline.py -k critical_path`. The model (docs/algorithms.md,
 Pipelines, "Projection"):
@@ -26,7 +26,8 @@ Pipelines, "Projection"):
 - `F` = c_s / 3W and `B` = 2c_s / 3W on stage s, c_s = the measured compute of the step
   (without bubble and transfers) of the rank that runs stage s, over its W microbatch
   passes. The run's projection and the what-if gather every stage's compute of the step
-  (bench/meter.py `pipeline_step_s`); given one compute, every stage computes it.
+  (bench/network/timeline.py `pipeline_step_s`, `pipeline_values`); given one compute,
+  every stage computes it.
   Taking the slowest rank's for every stage charged the bubble at its rate and, step by
   step, the largest of the stages' jitter. On the 2-rank lab (100 Mbit/s + 1 ms, a
   traced step) the last stage computed 14.2 ms a microbatch and the first 13.0 (its

@@ -2,12 +2,13 @@
 
     pytest tests/test_whatif.py
 
-One model with the run projections (bench/meter.py `StepClock`): each rank's step is its
-compute plus its records priced by `bench.network.model.pricer` (TCP slow start on
-connections idle past the RTO, through the same `LinkClock`), DDP buckets on the
-backward timeline (`exposed_s`), pipelines on their critical path
-(bench/network/pipeline.py); ranks wait for each other only at steps where one of them
-communicates (stretches, `coupled_max`). What differs is where the records come from:
+One model with the run projections (the pricing engine, bench/network/timeline.py, that
+the loop's `StepClock` prices a run's steps with): each rank's step is its compute plus
+its records priced by `bench.network.model.pricer` (TCP slow start on connections idle
+past the RTO, through the same `LinkClock`), DDP buckets on the backward timeline
+(`exposed_s`), pipelines on their critical path (`step_time`, `pipeline_step_s`); ranks
+wait for each other only at steps where one of them communicates (stretches, as
+`coupled_max` cuts them). What differs is where the records come from:
 here the strategy's own description (`StrategyConfig.traffic`, algorithms/traffic.py)
 instead of a run's ledger, and compute from the scenario (bench/whatif/scenario.py).
 
@@ -31,11 +32,11 @@ from dataclasses import dataclass, field, replace
 from algorithms.base import CriticalPath
 from algorithms.comm import CommRecord
 from algorithms.traffic import ParamFact, Traffic, TrafficFacts, Transfer
-from bench.meter import LinkClock, pipeline_step_s, step_kind
 from bench.network.costs import COLLECTIVES, canonical_op
 from bench.network.model import exposed_s, link_keys, pricer
-from bench.network.pipeline import critical_path_inputs, critical_path_time
+from bench.network.pipeline import critical_path_inputs
 from bench.network.profiles import Profile, Tier
+from bench.network.timeline import LinkClock, pipeline_step_s, step_kind, step_time
 
 BACKWARD_SHARE = 2 / 3
 """Share of a step's compute in backward (6N FLOPs per token: 2N forward, 4N backward):
@@ -87,7 +88,7 @@ class Compute:
     step_s: float = 0.0
     """A full data-parallel step of one rank (a pipeline stage does its share of it)."""
     measured: list[dict[str, float]] | None = None
-    """A measured run's own: per rank, step kind (bench/meter.py `step_kind`) -> its
+    """A measured run's own: per rank, step kind (bench.network.timeline `step_kind`) -> its
     median compute seconds (summary.json `compute_per_step`)."""
     backward_share: float = BACKWARD_SHARE
 
@@ -335,7 +336,7 @@ def price(p: Plan, profile: Profile, backend: str | None) -> Priced:
 def _replicas_s(p: Plan, step: int, warm: dict) -> float:
     """A pipeline step's overlap-aware seconds: each replica's schedule replayed with each
     stage at its own rank's compute, the largest transfer's link and the largest other of
-    its stages; the slowest replica (bench/meter.py `pipeline_step_s`, which prices a
+    its stages; the slowest replica (bench.network.timeline `pipeline_step_s`, which prices a
     measured run the same way)."""
     inputs = {rep: critical_path_inputs(p.records[rep, step], warm[rep]) for rep in p.classes}
     return max(pipeline_step_s([p.compute[rep, step] for rep in p.class_of],
@@ -361,8 +362,8 @@ def _step(p: Plan, rank: int, step: int, clock: LinkClock, price_one, price_warm
         costs.append(memo[key])
         clock.use(keys)
     if p.critical_path is not None:
-        d, h, other = critical_path_inputs(records, price_warm)
-        overlap = critical_path_time(compute, d, h, other, p.critical_path(rank))
+        overlap = step_time(compute, *critical_path_inputs(records, price_warm),
+                            p.critical_path(rank))
     else:
         held = [(r, c) for r, c, s in zip(records, costs, p.overlapped[rank, step],
                                            strict=True) if not s]
