@@ -622,9 +622,22 @@ def preflight(cfg: Config) -> None:
 
     check_rendezvous(cfg.launch, required=True)
     check_device(cfg)
+    check_packages(cfg)
     check_fits(cfg)
     check_corpus_size(cfg.data.corpus, cfg.data.tokenizer, cfg.data.cache_dir,
                       cfg.data.val_fraction, cfg.model.seq_len, cfg.run.val_sequences)
+
+
+def check_packages(cfg: Config) -> None:
+    """The packages the run's engine imports lazily (inside its ranks) are installed here:
+    without them every rank would fail after launch."""
+    import importlib.util
+
+    if (getattr(cfg.strategy, "backend", None) == "deepspeed"
+            and importlib.util.find_spec("deepspeed") is None):
+        raise _fail("strategy.backend", "deepspeed",
+                    "an installed engine: DeepSpeed is not installed here (pip install "
+                    "deepspeed, or commbench's '.[deepspeed]' extra), or strategy.backend=torch")
 
 
 def check_output_dir(path: str, key: str = "run.output_dir") -> Path:

@@ -336,3 +336,21 @@ def test_an_exported_fault_is_recorded_and_an_exported_resume_is_not_passed_on(
     summary = json.loads(next((tmp_path / "out").glob("*/summary.json")).read_text())
     assert summary["fault_injected"] == "1:2:crash" and summary["status"] == "failed"
     assert "COMMBENCH_RESUME" not in seen and seen  # the ranks' environment
+
+
+def test_deepspeed_backend_without_deepspeed_is_refused_before_launch(monkeypatch):
+    """strategy.backend=deepspeed where DeepSpeed is not installed failed in every rank
+    after launch; preflight refuses it, naming the key and what to do."""
+    import importlib.util
+
+    from bench.config import load_config, preflight
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    for config in ("configs/ddp-tiny.yaml", "configs/deepspeed-pp-tiny.yaml"):
+        cfg = load_config(REPO / config, ["strategy.backend=deepspeed"])
+        with pytest.raises(ValueError) as err:
+            preflight(cfg)
+        assert "strategy.backend" in str(err.value) and "not installed" in str(err.value)
+    preflight(load_config(REPO / "configs/ddp-tiny.yaml", []))  # torch's DDP: no DeepSpeed
