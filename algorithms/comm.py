@@ -482,6 +482,21 @@ class Communicator:
             dist.recv(tensor, src=src)
         return tensor
 
+    def start_p2p(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]
+                  ) -> tuple[list[dist.P2POp], list]:
+        """(ops, works) of point-to-point transfers started now: not waited for, not
+        recorded, no device synchronise (on CUDA the host only queues them). The caller
+        waits for each work and records the batch on the device's clock
+        (algorithms/pipeline.py `P2PRecorder`, as torch's pipeline schedules are). One
+        transfer alone is a plain isend/irecv (what `send`/`recv` wait for), more a batch,
+        receives first (as `exchange`)."""
+        ops = [dist.P2POp(dist.irecv, t, p) for p, t in sorted(recvs.items())]
+        ops += [dist.P2POp(dist.isend, t.contiguous(), p) for p, t in sorted(sends.items())]
+        if len(ops) == 1:
+            (op,) = ops
+            return ops, [op.op(op.tensor, op.peer)]
+        return ops, dist.batch_isend_irecv(ops)
+
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
         """Batched isend/irecv: send `sends[peer]` to each peer, receive into `recvs[peer]`.
 

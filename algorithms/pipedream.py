@@ -39,13 +39,18 @@ receive that follows its send only when both neighbours cross there (each sends 
 other, then receives from it); every other message is sent and received plain, so each
 message is sent and received with the same kind of op on NCCL, for every stage and
 microbatch count (with fewer microbatches than stages a one-sided batch used to hang).
+Each is started without a device synchronise (`Communicator.start_p2p`) and waited for at
+once; its wait is idle time and its record are timed on the device's clock by the same
+`P2PRecorder` as torch's 1F1B and GPipe (algorithms/pipeline.py), which synchronises the
+device once, at the end of the step. Synchronising around every op, as the blocking
+`Communicator.send`/`recv` do, kept the host from queueing ahead on CUDA and understated
+2BW's throughput against torch's schedules.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import time
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +59,7 @@ from torch import nn
 from algorithms import schedule
 from algorithms.base import CriticalPath, TrainSetup
 from algorithms.delay import DelayCorrection, rebind_parameters
+from algorithms.pipeline import P2PRecorder
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 
@@ -137,7 +143,8 @@ class PipeDream2BW(PipelineStrategy):
         self.pending: tuple[int, torch.Tensor] | None = None
         """A send not yet issued: (peer, tensor); fused with the next receive from peer."""
         self.losses: list[torch.Tensor] = []
-        self.idle_s = 0.0
+        self.recorder: P2PRecorder | None = None
+        """The step's p2p waits and records (`run_schedule`)."""
 
     # ------------------------------------------------------------------ versions
 
@@ -181,7 +188,7 @@ class PipeDream2BW(PipelineStrategy):
         k = self.step_index
         M, s = self.num_microbatches, self.grid.stage
         xs, ys = x.chunk(M), y.chunk(M)
-        self.losses, self.idle_s = [], 0.0
+        self.losses, self.recorder = [], P2PRecorder(self.comm)
         # which messages go in a batched exchange (the same op kind on both ends)
         self.held, self.exchanged = schedule.p2p_plan(s, self.grid.num_stages, M, k,
                                                       self.delay)
@@ -191,8 +198,9 @@ class PipeDream2BW(PipelineStrategy):
             else:
                 self.backward(j)
         # a send still held here goes out with the next step's first receive (delay 1)
+        idle_s = self.recorder.finish()  # the step's one device synchronise
         loss = torch.stack(self.losses).sum().item() if self.grid.is_last else None
-        return loss, self.idle_s
+        return loss, idle_s
 
     def forward(self, j: int, x_mb: torch.Tensor, y_mb: torch.Tensor) -> None:
         s = self.grid.stage
@@ -232,23 +240,26 @@ class PipeDream2BW(PipelineStrategy):
             assert self.pending is None, f"two held sends: {self.pending[0]} and {peer}"
             self.pending = (peer, tensor)
         else:
-            self.comm.send(tensor, peer)
+            self.transfer({peer: tensor}, {})
 
     def receive(self, buffer: torch.Tensor, peer: int, message: schedule.Message) -> torch.Tensor:
         """Receive into `buffer` from `peer` (in an exchange with the held send when the
-        plan says so); the wait is idle time (the bubble). The device is synchronised
-        first: on CUDA the rank's own queued compute would otherwise run inside the idle
-        clock (the op's own synchronise), counting compute as bubble."""
-        self.comm.synchronize()
-        start = time.perf_counter()
+        plan says so)."""
         if message in self.exchanged:
             assert self.pending is not None and self.pending[0] == peer, (message, peer)
-            self.comm.exchange({peer: self.pending[1]}, {peer: buffer})
+            self.transfer({peer: self.pending[1]}, {peer: buffer})
             self.pending = None
         else:
-            self.comm.recv(buffer, peer)
-        self.idle_s += time.perf_counter() - start
+            self.transfer({}, {peer: buffer})
         return buffer
+
+    def transfer(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+        """Start the transfers and wait for them: the waits are idle time (the bubble),
+        marked on the device's clock, so neither the rank's own queued compute nor a
+        host that returned early counts (module docstring, Point-to-point)."""
+        ops, works = self.comm.start_p2p(sends, recvs)
+        for work in self.recorder.track(ops, works):
+            work.wait()
 
     # ------------------------------------------------------------------ update
 

@@ -280,3 +280,53 @@ def test_warm_up_issues_every_outer_collective_at_full_size(world_size, group_si
             assert steps and set(steps) <= set(warm), (name, warm, steps)
             if "overlap" not in name:  # overlap also warms its blocking sync's group
                 assert set(warm) == set(steps), (name, warm, steps)
+
+
+# ------------------------------------------------------------------ 2BW's device synchronises
+
+
+def _synchronises_per_schedule(rank, world_size):
+    from algorithms import pipeline
+    from algorithms.clocks import HostClock
+    from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
+    from algorithms.pipeline import Pipeline, PipelineConfig
+    from tests.test_gpu_path import tiny_batch, tiny_setup
+
+    events: list[str] = []
+
+    class CountingClock(HostClock):  # the device clock's synchronise, counted
+        def synchronize(self):
+            events.append("clock")
+
+    pipeline.clock_for = lambda device: CountingClock()  # this process only
+    out = {}
+    for name, make in [("2bw", lambda s: PipeDream2BW(PipeDreamConfig(delay=1), s)),
+                       ("ours-1f1b", lambda s: PipeDream2BW(PipeDreamConfig(delay=0), s)),
+                       ("torch-1f1b", lambda s: Pipeline(PipelineConfig(schedule="1f1b"), s))]:
+        strategy = make(tiny_setup(rank, world_size, num_stages=2, num_microbatches=2))
+        strategy.comm.synchronize = lambda: events.append("comm")  # torch.cuda.synchronize
+        schedule, per_step = strategy.run_schedule, []
+
+        def counted(batch, schedule=schedule, per_step=per_step):
+            events.clear()
+            result = schedule(batch)
+            per_step.append(list(events))
+            return result
+
+        strategy.run_schedule = counted
+        for step in range(3):
+            strategy.comm.step = step
+            strategy.train_step(tiny_batch(step))
+        out[name] = per_step
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_2bw_synchronises_the_device_once_a_step_like_torchs_1f1b():
+    """2BW's sends and receives went through the blocking Communicator ops: a device
+    synchronise before each receive and around every op (5 or 6 a step on a rank of a
+    2-stage pipeline of 2 microbatches), where torch's 1F1B queues its step and
+    synchronises once, at the end, to read its event marks. Inside the schedule both now synchronise once a step."""
+    for out in run_distributed(_synchronises_per_schedule, 2, timeout=100):
+        for name, per_step in out.items():
+            assert per_step == [["clock"]] * 3, (name, per_step)

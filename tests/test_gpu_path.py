@@ -202,60 +202,6 @@ def test_pipelines_evaluate_under_the_runs_autocast():
 # ------------------------------------------------------------------ pipeline idle time
 
 
-class FakeDevice:
-    """A device whose work runs apart from the host: `queued` seconds of this rank's
-    compute are pending; `synchronize` lets the host wait for them. `now` is the host's
-    clock (what time.perf_counter reads)."""
-
-    def __init__(self, queued: float):
-        self.now, self.queued = 100.0, queued
-
-    def synchronize(self):
-        self.now += self.queued
-        self.queued = 0.0
-
-
-class FakeP2PComm:
-    """The Communicator's p2p as it behaves on CUDA: each op synchronises the device
-    before it starts (Communicator._timed), then the transfer takes `transfer_s`."""
-
-    def __init__(self, device: FakeDevice, transfer_s: float):
-        self.device, self.transfer_s = device, transfer_s
-
-    def synchronize(self):
-        self.device.synchronize()
-
-    def recv(self, buffer, peer):
-        self.synchronize()
-        self.device.now += self.transfer_s
-        return buffer
-
-    def exchange(self, sends, recvs):
-        self.recv(None, None)
-
-    def send(self, tensor, peer):
-        pass
-
-
-def test_pipedream_idle_excludes_the_ranks_own_queued_compute(monkeypatch):
-    """PipeDream started its idle clock before the op's device synchronise: on CUDA the
-    rank's own queued compute counted as bubble (bubble ~ 1). Only the wait may count."""
-    from algorithms import pipedream
-    from algorithms.pipedream import PipeDream2BW
-
-    device = FakeDevice(queued=1.0)
-    monkeypatch.setattr(pipedream.time, "perf_counter", lambda: device.now)
-    stage = PipeDream2BW.__new__(PipeDream2BW)  # only its p2p state: no process group
-    stage.comm, stage.pending, stage.idle_s = FakeP2PComm(device, transfer_s=0.25), None, 0.0
-    stage.exchanged = {("G", 0, 1)}
-    stage.receive(torch.empty(1), 1, ("G", 0, 0))
-    assert stage.idle_s == pytest.approx(0.25)
-    device.queued = 2.0
-    stage.pending = (1, torch.zeros(1))  # a held send: received by an exchange
-    stage.receive(torch.empty(1), 1, ("G", 0, 1))
-    assert stage.idle_s == pytest.approx(0.5) and stage.pending is None
-
-
 class FakeStreamClock:
     """CudaClock's behaviour without CUDA: a mark is the compute stream's time when it
     reaches the mark; `FakeNcclWork.wait` returns to the host at once but makes the stream
@@ -287,6 +233,41 @@ class FakeNcclWork:
 class FakeOp:
     def __init__(self, op, nbytes: int, peer: int):
         self.op, self.tensor, self.peer = op, torch.zeros(nbytes // 4), peer
+
+
+def test_pipedream_idle_is_the_streams_wait_not_its_queued_compute():
+    """PipeDream started its idle clock on the host after a device synchronise per op (and
+    the op's own two): correct, but the host could never queue ahead. Its waits are now
+    marked on the device's clock (P2PRecorder, as torch's schedules): the rank's own queued
+    compute is not bubble, the stream's wait for the transfer is, with one synchronise."""
+    import torch.distributed as dist
+
+    from algorithms.comm import CommLedger
+    from algorithms.pipedream import PipeDream2BW
+    from algorithms.pipeline import P2PRecorder
+
+    clock = FakeStreamClock()
+    comm = Communicator(0, 2, "cpu", CommLedger(keep_records=True))
+    transfer_s = {dist.irecv: 0.25, dist.isend: 0.0}
+
+    def start_p2p(sends, recvs):  # NCCL's: the host returns at once
+        ops = [FakeOp(dist.irecv, 4 * t.numel(), p) for p, t in recvs.items()]
+        ops += [FakeOp(dist.isend, 4 * t.numel(), p) for p, t in sends.items()]
+        return ops, [FakeNcclWork(clock, transfer_s[op.op]) for op in ops]
+
+    comm.start_p2p = start_p2p
+    stage = PipeDream2BW.__new__(PipeDream2BW)  # only its p2p state: no process group
+    stage.comm, stage.pending, stage.recorder = comm, None, P2PRecorder(comm, clock)
+    stage.exchanged = {("G", 0, 1)}
+    clock.stream += 1.0  # compute queued before the receive: not idle
+    stage.receive(torch.empty(1), 1, ("G", 0, 0))
+    clock.stream += 2.0
+    stage.pending = (1, torch.zeros(1))  # a held send: received by an exchange
+    stage.receive(torch.empty(1), 1, ("G", 0, 1))
+    assert stage.pending is None
+    assert stage.recorder.finish() == pytest.approx(0.5)
+    assert clock.synchronized == 1
+    assert [(r.op, r.nbytes) for r in comm.ledger.records] == [("recv", 4), ("exchange", 4)]
 
 
 def test_torch_schedule_idle_is_the_streams_wait_not_the_hosts():
