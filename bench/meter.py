@@ -24,16 +24,16 @@ communication; on CUDA step_s - comm_s. summary.json records which (`compute_clo
 the ranks per core (`ranks_per_core`); the report marks projections of runs whose
 compute is wall time on shared cores.
 
-Projected time and its cost. Each rank's measured compute plus its modelled
-communication on a profile, the ranks' steps cut into stretches between the steps where
-they communicate, each stretch the slowest rank's: the pricing engine,
-bench/network/timeline.py, says how. `StepClock.add` prices a step after it, outside the
-timed step and off the clock, and `settle` reduces the window (no synchronisation added
-to the steps); both are harness time instead: each rank's seconds in `add` and in
-`settle`'s own work (its reductions left out: mostly the wait for slower ranks), summed
-over the run (`LoopState.projection_s`); summary.json's `projection_s_total` is the
-maximum over ranks and `projection_s_per_step` that over the steps
-(tests/benchmarks/test_bench_hot_paths.py times `add` and the settle point's replay).
+Projected time: each rank's measured compute plus its modelled communication on a
+profile, the steps cut into stretches between those where ranks communicate, each the
+slowest rank's; bench/network/timeline.py (the pricing engine) says how.
+
+Projection cost. `StepClock.add` prices a step after it and `settle` reduces the window,
+outside the timed steps and off the clock (no synchronisation added): harness time, each
+rank's seconds in `add` and `settle`'s own work (its reductions, mostly the wait for
+slower ranks, left out) summed over the run (`LoopState.projection_s`); summary.json's
+`projection_s_total` is the maximum over ranks, `projection_s_per_step` that over the
+steps (tests/benchmarks/test_bench_hot_paths.py times `add` and the settle replay).
 
 Bytes per step. Each step's training traffic is summed per rank (logical payload, and
 modelled wire bytes); at each settle point the maximum over ranks of every step joins

@@ -115,11 +115,15 @@ def critical_path_time(compute_s: float | Sequence[float], d: float, h: float,
 @functools.lru_cache(maxsize=4096)
 def _replayed(computes: tuple[float, ...], d: float, h: float, other: float,
               path: CriticalPath) -> float:
-    steps = _steps(path)
+    steps = replayed_steps(path)
     f = [c * FORWARD_SHARE / path.passes for c in computes]
     b = [c * (1 - FORWARD_SHARE) / path.passes for c in computes]
     ends = compiled(path.schedule, path.num_stages, path.passes, steps)(f, b, d, h, other)
     return ends[-1] - (ends[-2] if steps > 1 else 0.0)
+
+
+LANES_AT_ONCE = 64
+"""From this many replays on, `critical_path_times` runs them as numpy lanes."""
 
 
 def critical_path_times(computes, d, h, other, path: CriticalPath):
@@ -139,7 +143,7 @@ def critical_path_times(computes, d, h, other, path: CriticalPath):
     if len(d) < LANES_AT_ONCE:  # numpy's per-call overhead outweighs a few replays
         return np.array([_replayed(tuple(c), *x, path) for c, *x in zip(
             computes.tolist(), d.tolist(), h.tolist(), other.tolist(), strict=True)])
-    steps = _steps(path)
+    steps = replayed_steps(path)
     f = [c * FORWARD_SHARE / path.passes for c in computes.T]
     b = [c * (1 - FORWARD_SHARE) / path.passes for c in computes.T]
     ends = compiled(path.schedule, path.num_stages, path.passes, steps, lanes=True)(
@@ -147,11 +151,7 @@ def critical_path_times(computes, d, h, other, path: CriticalPath):
     return ends[-1] - (ends[-2] if steps > 1 else 0.0)
 
 
-LANES_AT_ONCE = 64
-"""From this many replays on, `critical_path_times` runs them as numpy lanes."""
-
-
-def _steps(path: CriticalPath) -> int:
+def replayed_steps(path: CriticalPath) -> int:
     """Steps replayed: three without a flush (the steady state's period), else one."""
     return 3 if path.schedule == "2bw" else 1
 

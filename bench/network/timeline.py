@@ -50,7 +50,7 @@ import hashlib
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
 import numpy as np
@@ -145,10 +145,15 @@ def has_slow_start(profile: Profile) -> bool:
     return any(t.tcp_initial_window_B is not None for t in tiers)
 
 
-_CONTENT = attrgetter("phase", "op", "group_size", "peers", "nbytes", "tier", "lead_s",
-                      "peer_nbytes", "launch_step", "tail_s")
-"""What a record's price depends on (its `step` only through which records share one)."""
-_STEP, _LAUNCH = attrgetter("step"), attrgetter("launch_step")
+PRICED_FIELDS = ("phase", "op", "group_size", "peers", "nbytes", "lead_s", "peer_nbytes")
+"""What a record's price depends on in a step without ops that span steps (`StepPricer`'s
+cache key): not its `seconds` (measured), `tier` (the links are re-derived from the
+ranks) nor `tail_s` (only with a `launch_step`); its `step` only through which records
+share one (`_STEP`: one step, no `launch_step`)."""
+assert {f.name for f in fields(CommRecord)} == {*PRICED_FIELDS, "step", "launch_step",
+                                                "seconds", "tier", "tail_s"}, \
+    "a CommRecord field StepPricer's cache key does not know: is it priced?"
+_CONTENT, _STEP = attrgetter(*PRICED_FIELDS), attrgetter("step", "launch_step")
 CACHE_LIMIT = 256
 """Distinct step contents (and idle states of one content) a StepPricer keeps."""
 
@@ -249,7 +254,8 @@ class StepPricer:
         that spans steps runs beside earlier steps' compute; records of several steps)."""
         if not records:
             return (reads_batch,)
-        if len(set(map(_STEP, records))) > 1 or set(map(_LAUNCH, records)) != {None}:
+        steps = set(map(_STEP, records))
+        if len(steps) > 1 or next(iter(steps))[1] is not None:
             return None
         return (reads_batch, tuple(map(_CONTENT, records)))
 

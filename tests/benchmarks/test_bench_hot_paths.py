@@ -4,8 +4,17 @@
   ranks: a ratio measured in one run, saved and gated like a time (replay.py);
 - the ledger, the projection of a 10^5-record ledger, the loop's projection of one step
   (`StepClock.add`: 10^3 and 10^5 records on the default profiles, both overlap modes;
-  README, Projection cost), the batch stream, and the report built from 200 run records,
-  each on its own.
+  bench/meter.py, Projection cost), a pipeline's step and its replay at settle, the batch
+  stream, and the report built from 200 run records, each on its own.
+
+Harness-time targets (issue 44): a DDP step's projection (10^3 buckets) 16 ms -> 0.5 ms,
+a pipeline's (8 stages x 32 microbatches) 11 ms (1F1B) + 61 ms of settle replay a step ->
+2 ms. Asserted as the speed-ups they are, each against today's work timed in the same
+run (machines and their load differ; the gate compares minima, so do these): the DDP
+step against the same step priced for the first time (every record on every profile,
+what every step cost before), >= 32x; the pipeline step with its settle share against
+the replays bench/meter.py ran a step, on the interpreter (`simulate`: one per profile
+at `add`, one per profile and replica at settle), >= 36x.
 The outer step, a gossip round and torchft's outer step are in test_bench_outer.py.
 """
 
@@ -17,7 +26,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from algorithms.base import StepStats, TrainSetup
+from algorithms.base import CriticalPath, StepStats, TrainSetup
 from algorithms.comm import CommLedger, CommRecord, Communicator
 from algorithms.ddp import DDP, DDPConfig
 from bench.batches import BatchStream
@@ -25,6 +34,7 @@ from bench.config import NetworkConfig, load_config
 from bench.meter import StepClock
 from bench.model import GPT, gpt_config
 from bench.network import get_profile, project
+from bench.network.timeline import pipeline_values
 from bench.report import build_report
 from bench.train import make_optimizer_factory
 from tests.benchmarks.replay import CLOCK, replay
@@ -33,6 +43,10 @@ from tests.distributed import run_distributed
 pytestmark = pytest.mark.bench
 
 OVERHEAD_LIMIT = 1.03
+DDP_SPEEDUP = 32
+"""A DDP step's projection (10^3 buckets): 16 ms -> 0.5 ms (the module docstring)."""
+PIPELINE_SPEEDUP = 36
+"""A pipeline step with its settle share (8 stages x 32 microbatches): 72 ms -> 2 ms."""
 
 
 def _interleaved_ddp_timing(rank, world_size, rounds, steps_per_round):
@@ -132,46 +146,110 @@ def test_projection_of_one_step(benchmark, records):
     benchmark.pedantic(clock.add, args=(0.5, stats, step), rounds=5 if records > 10**4 else 50,
                        iterations=1, warmup_rounds=1)
     assert clock.num_steps == (6 if records > 10**4 else 51) and clock.projected[0] > 0.49
+    if records == 10**3:  # the target: against the same step priced for the first time
+        first = min(_first_pricing_s(profiles, stats, step) for _ in range(5))
+        benchmark.extra_info["first_pricing_s"] = first
+        print(f"\nDDP step, 10^3 buckets: {benchmark.stats.stats.min * 1e3:.3f} ms, priced "
+              f"the first time {first * 1e3:.2f} ms")
+        assert benchmark.stats.stats.min * DDP_SPEEDUP <= first
+
+
+def _first_pricing_s(profiles: dict, stats: StepStats, step: list[CommRecord]) -> float:
+    clock = StepClock(profiles, 0, 1, torch.device("cpu"), "gloo")
+    start = time.perf_counter()
+    clock.add(0.5, stats, step)
+    return time.perf_counter() - start
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
 def test_projection_of_one_pipeline_step(benchmark, schedule):
     """The same for a deep pipeline stage (8 stages, 32 microbatches: its 64 transfers and
-    a tied all-reduce): `StepClock.add` replays the schedule on every default profile
-    (bench/network/pipeline.py); 2BW replays three steps for its steady state."""
-    from algorithms.base import CriticalPath
-
+    a tied all-reduce), the same step again: `StepClock.add` prices its records once
+    (bench/network/timeline.py `StepPricer`) and replays the schedule (2BW: three steps for
+    its steady state) on the profiles whose link clocks pay slow start, once."""
     profiles = {name: get_profile(name) for name in NetworkConfig().profiles}
-    path = CriticalPath(schedule, 8, 32)
-    clock = StepClock(profiles, 3, 1, torch.device("cpu"), "gloo", critical_path=path)
+    clock = StepClock(profiles, 3, 1, torch.device("cpu"), "gloo",
+                      critical_path=CriticalPath(schedule, 8, 32))
+    stats = StepStats(loss=1.0, tokens=1024, comm_s=0.2)
+    benchmark.pedantic(clock.add, args=(0.5, stats, _pipeline_step()), rounds=20,
+                       iterations=1, warmup_rounds=1)
+    wan = list(profiles).index("wan-1g")  # replayed at add: its link clock pays slow start
+    assert clock.num_steps == 21 and clock.projected[wan] > 0.3
+
+
+def _pipeline_step() -> list[CommRecord]:
     step = [CommRecord(step=0, phase="train", op="exchange", group_size=2, peers=(4,),
                        nbytes=1 << 20, seconds=1e-3, tier="inter", peer_nbytes=(1 << 20,))
             for _ in range(64)]
     step.append(CommRecord(step=0, phase="tied", op="all_reduce", group_size=2,
                            peers=(0, 7), nbytes=1 << 22, seconds=1e-3, tier="inter"))
-    stats = StepStats(loss=1.0, tokens=1024, comm_s=0.2)
-    benchmark.pedantic(clock.add, args=(0.5, stats, step), rounds=20, iterations=1,
-                       warmup_rounds=1)
-    assert clock.num_steps == 21 and clock.projected[0] > 0.3
+    return step
 
 
-def test_pipeline_replay_at_settle(benchmark):
-    """What `StepClock.settle` adds for a pipeline (bench/meter.py `pipeline_values`): a
-    10-step window of 32 ranks (4 replicas of 8 stages, 32 microbatches) replayed per
-    replica with each stage's compute, on every default profile."""
-    from algorithms.base import CriticalPath
-    from bench.meter import pipeline_values
-
+def _settle_window(schedule: str, steps: int, ranks: int = 32) -> tuple:
+    """A settle window of `ranks` (replicas of 8 stages, 32 microbatches) and `steps`,
+    each rank's compute its own: the inputs `pipeline_values` replays."""
     columns = len(NetworkConfig().profiles)
-    ranks, steps, width = 32, 10, 2 * columns
+    width = 2 * columns
     robust = torch.zeros(ranks, steps, 2 + 3 * width, dtype=torch.float64)
     robust[:, :, 1] = 0.4 + 0.01 * torch.rand(ranks, steps, dtype=torch.float64)
     robust[:, :, 2::3] = 2e-3  # d
     robust[:, :, 3::3] = 1e-3  # h
     values = torch.zeros(ranks, steps, width, dtype=torch.float64)
-    got = benchmark.pedantic(pipeline_values, args=(values, robust, CriticalPath("1f1b", 8, 32),
-                                                    columns), rounds=3, iterations=1)
+    return values, robust, CriticalPath(schedule, 8, 32), columns
+
+
+def test_pipeline_replay_at_settle(benchmark):
+    """What `StepClock.settle` adds for a pipeline (bench/network/timeline.py
+    `pipeline_values`): a 10-step window of 32 ranks (4 replicas of 8 stages, 32
+    microbatches) replayed per replica with each stage's compute, on every default
+    profile."""
+    values, robust, path, columns = _settle_window("1f1b", 10)
+    got = benchmark.pedantic(pipeline_values, args=(values, robust, path, columns), rounds=3,
+                             iterations=1)
     assert (got[:, :, :columns] > 0.4).all() and (got[:, :, columns:] == 0).all()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+@pytest.mark.benchmark(timer=CLOCK.now)
+def test_pipeline_step_with_its_settle(benchmark, schedule):
+    """A pipeline rank's host time a step, as a run spends it (issue 44's target): 10 steps
+    whose measured compute differs (no replay priced twice), `StepClock.add` each, then
+    the settle point's replay of the window's 32 ranks (`pipeline_values`); the saved
+    time is per step."""
+    profiles = {name: get_profile(name) for name in NetworkConfig().profiles}
+    clock = StepClock(profiles, 3, 1, torch.device("cpu"), "gloo",
+                      critical_path=CriticalPath(schedule, 8, 32))
+    stats, records = StepStats(loss=1.0, tokens=1024, comm_s=0.2), _pipeline_step()
+    window = _settle_window(schedule, 10)
+    counter = iter(range(10**6))
+
+    def steps():
+        start = time.perf_counter()
+        for _ in range(10):
+            clock.add(0.5, stats, records, compute_s=0.4 + next(counter) * 1e-6)
+        pipeline_values(*window)
+        return (time.perf_counter() - start) / 10
+
+    replay(benchmark, [steps() for _ in range(10)])
+    values, _, path, columns = window
+    replays = columns + columns * values.shape[0] // path.num_stages  # before, a step
+    before = replays * min(_interpreted_replay_s(path) for _ in range(3))
+    benchmark.extra_info["before_s"] = before
+    print(f"\n{schedule} step with its settle share: {benchmark.stats.stats.min * 1e3:.3f} ms, "
+          f"before (interpreted replays) {before * 1e3:.1f} ms")
+    assert benchmark.stats.stats.min * PIPELINE_SPEEDUP <= before
+
+
+def _interpreted_replay_s(path: CriticalPath) -> float:
+    """One replay of a step on the interpreter (`simulate`), as bench/meter.py ran each."""
+    from bench.network.pipeline import programs, replayed_steps, simulate
+
+    stages = programs(path.schedule, path.num_stages, path.passes, replayed_steps(path))
+    f, b = [0.4 / 3 / path.passes] * path.num_stages, [0.8 / 3 / path.passes] * path.num_stages
+    start = time.perf_counter()
+    simulate(stages, f, b, 2e-3, 1e-3, 0.0)
+    return time.perf_counter() - start
 
 
 def test_batch_stream(benchmark):
