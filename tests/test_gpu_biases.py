@@ -249,7 +249,7 @@ def _outer_warm_up_ops(rank, world_size, group_size, cases):
     for name in cases:
         options = {"inner_steps": 2, **OUTER_CASES[name]}
         setup = tiny_setup(rank, world_size, model=tiny_gpt(n_layer=4), group_size=group_size,
-                           total_steps=8, comm=Communicator(rank, world_size, "cpu",
+                           total_steps=4, comm=Communicator(rank, world_size, "cpu",
                                                             CommLedger(keep_records=True)))
         strategy = (Pier(PierConfig(**options), setup) if name == "pier"
                     else DiLoCo(DiLoCoConfig(**options), setup))
@@ -257,7 +257,7 @@ def _outer_warm_up_ops(rank, world_size, group_size, cases):
         strategy.warm_up(tiny_batch(0))
         recorded = len(strategy.comm.ledger)
         log.phase = f"{name} steps"
-        for step in range(8):
+        for step in range(4):
             strategy.comm.step = step
             strategy.train_step(tiny_batch(step * world_size + rank))
         out[name] = log.of(f"{name} warm_up"), log.of(f"{name} steps"), recorded
@@ -266,7 +266,8 @@ def _outer_warm_up_ops(rank, world_size, group_size, cases):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size,group_size,cases", [
-    (2, 1, list(OUTER_CASES)), (4, 2, ["diloco", "streaming"])])
+    (2, 1, list(OUTER_CASES)),
+    pytest.param(4, 2, ["diloco", "streaming"], marks=pytest.mark.slow)])  # ~40 s
 def test_warm_up_issues_every_outer_collective_at_full_size(world_size, group_size, cases):
     """DiLoCo, Streaming DiLoCo (with and without overlap) and Pier warmed up their DDP
     only: the first full-size outer all-reduce, all-to-all or all-gather connected inside
