@@ -113,7 +113,7 @@ class Traffic:
     phases: list[tuple[int, int]] = field(default_factory=list)
     compute_share: Callable[[int, int], float] = lambda rank, step: 1.0
     reads_batch: Callable[[int, int], bool] | None = None
-    """Whether the rank consumes a batch in the step (its tokens count; bench/meter.py
+    """Whether the rank consumes a batch in the step (its tokens count; bench/network/timeline.py
     `step_kind`); None: where it computes."""
     critical_path: Callable[[int], CriticalPath] | None = None
     """rank -> the step's schedule, or None."""

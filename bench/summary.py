@@ -19,7 +19,7 @@ from typing import Any
 class Projection:
     """The run's time on one network profile (bench/network/), modelled from its ledger.
 
-    Every figure prices one timeline (bench/meter.py `coupled_max`): per stretch between
+    Every figure prices one timeline (bench/network/timeline.py `coupled_max`): per stretch between
     the steps where ranks communicate, the rank whose compute + modelled comm ends it.
     So step_s == compute_s + comm_s, total_s == step_s x steps, and the throughput and
     the projected clock of metrics.jsonl (`projected_elapsed_s`, whose last value is
@@ -27,7 +27,7 @@ class Projection:
 
     total_s: float
     """Measured compute + modelled comm, the slowest rank's between the steps where ranks
-    communicate, summed (bench/meter.py `coupled_max`)."""
+    communicate, summed (bench/network/timeline.py `coupled_max`)."""
     step_s: float
     """total_s / steps."""
     compute_s: float
@@ -130,12 +130,12 @@ class Summary:
     """How `projected` was modelled, e.g. "gloo collectives, overlap-aware"."""
     projected_robust: dict[str, Projection] = field(default_factory=dict)
     """Per profile, overlap-aware, robust to load spikes: `projected` with each rank's
-    measured compute replaced by its median for the step's kind (bench/meter.py
+    measured compute replaced by its median for the step's kind (bench/network/timeline.py
     `robust_projection`; one-off costs, e.g. warm-up compile, left out). Its compute_s
     is the medians' on its own timeline (per profile: the rank ending each stretch)."""
     compute_per_step: dict | None = None
-    """Measured compute seconds per step, by step kind (bench/meter.py `step_kind`: the
-    step's training traffic, and whether it read a batch): {kind: {steps, median_s,
+    """Measured compute seconds per step, by step kind (bench/network/timeline.py
+    `step_kind`: the step's training traffic, and whether it read a batch): {kind: {steps, median_s,
     p10_s, p90_s, mean_s}}, each a list over ranks (None where a rank had no such
     step). The spread behind `projected` (mean) and `projected_robust` (median)."""
     projection_s_total: float | None = None

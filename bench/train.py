@@ -313,7 +313,7 @@ class Trainer:
     def _projections(self, total_s: dict[str, float], compute_s: dict[str, float],
                      warmup_s: dict[str, float], state: LoopState) -> dict[str, Projection]:
         """Per profile: the run's projected total, its compute and comm per step (one
-        timeline: bench/meter.py `coupled_max`), steady rate."""
+        timeline: bench/network/timeline.py `coupled_max`), steady rate."""
         return {name: Projection.of(total_s.get(name, 0.0), compute_s.get(name, 0.0),
                                     state.step, state.tokens, warmup_s.get(name, 0.0),
                                     state.warmup_tokens) for name in self.profiles}
@@ -381,7 +381,7 @@ class Trainer:
     def robust_fields(self, state: LoopState) -> dict:
         """summary.json's `compute_per_step` (every rank's compute per step kind: median,
         10th/90th percentile, mean) and `projected_robust` (the overlap-aware projection
-        with each rank's median compute per step kind: bench/meter.py
+        with each rank's median compute per step kind: bench/network/timeline.py
         `robust_projection`). Collective (outside the ledger)."""
         stats = [None] * self.world
         dist.all_gather_object(stats, compute_stats(state.compute_samples))

@@ -671,7 +671,7 @@ def test_critical_path_replays_each_stage_at_its_own_compute():
 
 
 def test_a_runs_pipeline_projection_prices_each_replica_with_its_stages_compute():
-    """bench/meter.py `pipeline_step_s`: 4 ranks = 2 replicas of 2 stages (rank = replica
+    """bench/network/timeline.py `pipeline_step_s`: 4 ranks = 2 replicas of 2 stages (rank = replica
     x 2 + stage); each replica's ranks get its replay with their own computes, the larger
     d of its ranks (with that rank's h) and the larger other; a world that is not whole
     replicas is refused."""

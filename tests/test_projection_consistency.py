@@ -14,7 +14,7 @@ ranks' per-step priced values (captured from `StepClock.add` as the loop made th
 stretches and picks each stretch's slowest rank, independently of `StepClock.settle`. A
 pipeline's overlap-aware values are the replica's schedule replayed with each stage's own
 compute (`critical_path_time` on the captured (d, h, other) of both ranks), as settle
-prices them (bench/meter.py, `pipeline_values`).
+prices them (bench/network/timeline.py, `pipeline_values`).
 """
 
 from pathlib import Path
