@@ -6,17 +6,9 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from bench.netprobe import (
-    coefficients,
-    exchange_scale,
-    fit_profile,
-    flow_plan,
-    format_fit,
-    parse_size,
-    probe,
-    standing_queue,
-    write_profile,
-)
+from bench.netprobe import parse_size
+from bench.netprobe_fit import coefficients, exchange_scale, fit_profile, format_fit, write_profile
+from bench.netprobe_measure import flow_plan, probe, standing_queue
 from bench.network import (
     Tier,
     all_gather_s,
