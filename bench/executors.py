@@ -181,7 +181,7 @@ class LocalExecutor(Executor):
     """This machine: one run at a time, or `max_parallel` at once."""
 
     def prepare(self, tasks: list[Task]) -> set[str]:
-        from bench.config import check_device
+        from bench.preflight import check_device
 
         for task in tasks:  # a config this machine cannot run fails the sweep, not the run
             check_device(task.config)
@@ -201,7 +201,7 @@ def gpu_blocks(configs: list[Config], max_parallel: int) -> list[str] | None:
 
     import torch
 
-    from bench.config import runs_on_cuda
+    from bench.preflight import runs_on_cuda
 
     on_cuda = [c for c in configs if runs_on_cuda(c)]
     if max_parallel <= 1 or not on_cuda:

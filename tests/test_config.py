@@ -7,7 +7,6 @@ import pytest
 
 from bench.cli import main
 from bench.config import (
-    ModelConfig,
     config_hash,
     describe,
     field_docs,
@@ -15,6 +14,7 @@ from bench.config import (
     load_config,
     to_dict,
 )
+from bench.config_schema import ModelConfig
 from tests.helpers import assert_bad_config
 
 DDP_TINY = "configs/ddp-tiny.yaml"

@@ -15,11 +15,14 @@ import pytest
 import torch
 
 from algorithms.delay import DelayedOptimizer
-from bench.config import OptimConfig, load_config, preflight
+from bench.config import load_config
+from bench.config_schema import OptimConfig
 from bench.memory import optimizer_terms, plan, saved_activation_bytes
 from bench.model import build_model, lm_loss, model_config
 from bench.optim import make_optimizer_factory
+from bench.preflight import preflight
 from bench.train import Trainer
+from tests import strategies
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,19 +175,9 @@ def test_bf16_weight_copies_per_autocast_region(config, expected):
 SHAPE = ["model.n_layer=4", "model.n_embd=384", "model.n_head=6", "model.seq_len=128",
          "data.batch_size=8", "parallel.world_size=2", "run.steps=3", "run.log_every=3",
          "run.val_every=0", "run.val_sequences=4", "checkpoint.final=false"]
-LAYOUTS = {
-    "ddp": ("configs/ddp-tiny.yaml", []),
-    "diloco-llama": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=2",
-                                                  "model.arch=llama"]),
-    "gasloc": ("configs/gasloc-tiny.yaml", ["strategy.inner_steps=2"]),
-    "2bw": ("configs/2bw-tiny.yaml", ["parallel.num_microbatches=4"]),
-    "ddp-checkpointing": ("configs/ddp-tiny.yaml", ["model.activation_checkpointing=blocks"]),
-    "ddp-fsdp": ("configs/ddp-tiny.yaml", ["parallel.shard=fsdp"]),
-    "diloco-fsdp-llama": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=2",
-                                                       "parallel.shard=fsdp",
-                                                       "parallel.group_size=2",
-                                                       "model.arch=llama"]),
-}
+LAYOUTS = {  # (config, overrides): tests/strategies.py `memory`
+    name: (strategies.config_of(entry, case), list(case.overrides))
+    for name, (entry, case) in strategies.cases("memory").items()}
 LOW, HIGH = 0.8, 1.4
 """Measured / estimated must lie in [LOW, HIGH]. Measured: each rank's peak RSS above its
 RSS before the model was built (the interpreter, torch and the data excluded; freed heap

@@ -21,7 +21,14 @@ from algorithms.delay import DelayedOptimizer
 from algorithms.partition import split_layers, stage_bounds
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from algorithms.pipeline import Pipeline, PipelineConfig
-from bench.config import OPTIMIZERS, Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig
+from bench.config_schema import (
+    OPTIMIZERS,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+)
 from bench.model import GPT, GPTConfig, LlamaConfig, build_model, lm_loss
 from bench.optim import (
     build_optimizer,

@@ -30,7 +30,8 @@ from algorithms.base import CriticalPath, StepStats, TrainSetup
 from algorithms.comm import CommLedger, CommRecord, Communicator
 from algorithms.ddp import DDP, DDPConfig
 from bench.batches import BatchStream
-from bench.config import NetworkConfig, load_config
+from bench.config import load_config
+from bench.config_schema import NetworkConfig
 from bench.meter import StepClock
 from bench.model import GPT, gpt_config
 from bench.network import get_profile, project

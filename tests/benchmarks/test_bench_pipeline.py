@@ -29,7 +29,7 @@ from algorithms.base import TrainSetup
 from algorithms.comm import CommLedger, Communicator
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from bench.batches import BatchStream
-from bench.config import OptimConfig
+from bench.config_schema import OptimConfig
 from bench.model import GPT, gpt_config, lm_loss
 from bench.network import delay_policy, get_profile
 from bench.optim import build_optimizer

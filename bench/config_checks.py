@@ -1,0 +1,186 @@
+"""Config validation: the checks of a run config that need more than one field's type.
+
+    pytest tests/test_config.py tests/test_bad_input.py
+
+`validate(cfg)` runs when a config is read (bench/config.py `from_dict`), before any
+process starts: ranges, tables, cross-section rules, ending with the strategy's own
+`cfg.strategy.check(cfg)`. Each failure names the key path, the value and what is valid.
+Checks against the machine that will train (device, GPUs, memory, corpus size) are
+bench/preflight.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+from bench.config_schema import Config, LaunchConfig, StragglerConfig
+from bench.tracking import check_tracking
+from bench.typed import check_name
+from bench.typed import fail as _fail
+
+
+def check_straggler(straggler: StragglerConfig, world_size: int) -> None:
+    """Fail naming run.straggler.* unless the rank exists and slowdown >= 1."""
+    if straggler.rank is not None and not 0 <= straggler.rank < world_size:
+        raise ValueError(f"run.straggler.rank must be null or a rank in [0, {world_size}) "
+                         f"(parallel.world_size {world_size}), got {straggler.rank!r}")
+    if not (math.isfinite(straggler.slowdown) and straggler.slowdown >= 1):
+        raise ValueError(f"run.straggler.slowdown must be a finite number >= 1, got "
+                         f"{straggler.slowdown!r}")
+
+
+def _at_least(path: str, value: float | None, minimum: float = 1) -> None:
+    if value is not None and value < minimum:
+        raise ValueError(f"{path} must be >= {minimum}, got {value!r}")
+
+
+def _in_range(path: str, value: float, low: float, high: float, closed: str = "[)") -> None:
+    ok_low = value >= low if closed[0] == "[" else value > low
+    ok_high = value <= high if closed[1] == "]" else value < high
+    if not (ok_low and ok_high):
+        raise _fail(path, value, f"in {closed[0]}{low}, {high}{closed[1]}")
+
+
+MAX_SEED = 2**63 - 1
+"""The largest run.seed: torch.manual_seed takes a 64-bit integer, numpy's generator a
+non-negative one."""
+
+
+def check_rendezvous(launch: LaunchConfig, required: bool = False) -> None:
+    """launch.rdzv_endpoint: host:port when given (refused here, not by torchrun on every
+    node after the launch); `required` (a run started by hand, `preflight`): given when
+    launch.nnodes > 1 (a Slurm job fills a null one with its first node: bench/jobentry.py)."""
+    endpoint = launch.rdzv_endpoint
+    if endpoint is None:
+        if required and launch.nnodes > 1:
+            raise ValueError(f"launch.rdzv_endpoint must be host:port (rank 0's node, e.g. "
+                             f"node1:29500) when launch.nnodes > 1, got None (launch.nnodes "
+                             f"{launch.nnodes})")
+        return
+    host, _, port = str(endpoint).rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:29500
+    if not host or any(c.isspace() or c in "/@?#" for c in host) or not port.isdigit() \
+            or not 1 <= int(port) <= 65535:
+        raise _fail("launch.rdzv_endpoint", endpoint,
+                    "host:port with a port from 1 to 65535 (e.g. node1:29500, 10.0.0.1:29500, "
+                    "[::1]:29500)")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need more than one field's type: ranges, tables, cross-section rules."""
+    from bench.data import expand_path, resolve_corpus
+    from bench.model import config_of
+    from bench.network import PROFILES, get_profile, is_profile_path
+    from bench.torchrun import check_extra_args
+
+    check_name("run.name", cfg.run.name, "the run directory")
+    for key in ("run.steps", "run.log_every", "run.val_sequences", "model.seq_len",
+                "data.batch_size", "parallel.world_size", "parallel.group_size",
+                "parallel.num_stages", "parallel.num_microbatches", "parallel.timeout_s",
+                "checkpoint.timeout_s", "launch.rdzv_timeout_s",
+                "launch.nnodes", "eval.batch_size", "eval.limit"):  # None passes
+        section, name = key.split(".")
+        _at_least(key, getattr(getattr(cfg, section), name))
+    for key in ("run.val_every", "run.warmup_steps", "optim.warmup_steps", "optim.grad_clip",
+                "optim.weight_decay", "checkpoint.every", "network.ranks_per_node"):
+        section, name = key.split(".")
+        _at_least(key, getattr(getattr(cfg, section), name), 0)
+    if cfg.optim.lr <= 0:
+        raise _fail("optim.lr", cfg.optim.lr, "> 0")
+    _in_range("optim.min_lr_ratio", cfg.optim.min_lr_ratio, 0, 1, "[]")
+    for i, beta in enumerate(cfg.optim.betas):
+        _in_range(f"optim.betas[{i}]", beta, 0, 1)
+    _in_range("optim.momentum", cfg.optim.momentum, 0, 1)
+    _in_range("data.val_fraction", cfg.data.val_fraction, 0, 1, "()")
+    # the preset and shape checks (heads divide the width, dropout) live with the model
+    blocks = config_of(cfg.model, 256).n_layer
+    if cfg.parallel.num_stages > blocks:
+        raise ValueError(f"parallel.num_stages ({cfg.parallel.num_stages}) must be <= the "
+                         f"model's number of blocks ({blocks})")
+    fragments = getattr(cfg.strategy, "fragments", 1)  # Streaming DiLoCo's, over the blocks
+    if fragments > blocks:
+        raise ValueError(f"strategy.fragments ({fragments}) must be <= the model's number of "
+                         f"blocks ({blocks}): a fragment is a set of blocks")
+    for i, name in enumerate(cfg.network.profiles):
+        if name not in PROFILES and not is_profile_path(name):
+            raise _fail(f"network.profiles[{i}]", name,
+                        f"one of {sorted(PROFILES)} or a profile YAML path")
+        get_profile(name)  # a user's file: its own errors name the bad field
+    emulate = cfg.network.emulate
+    if emulate is not None and emulate not in PROFILES and not is_profile_path(emulate):
+        raise _fail("network.emulate", emulate,
+                    f"null or one of {sorted(PROFILES)} or a profile YAML path")
+    if emulate is not None:
+        get_profile(emulate)
+    world, group = cfg.parallel.world_size, cfg.parallel.group_size
+    if world % group:
+        raise ValueError(
+            f"parallel.world_size ({world}) must be divisible by parallel.group_size ({group})"
+        )
+    if world % cfg.launch.nnodes:
+        raise ValueError(
+            f"parallel.world_size ({world}) must be divisible by launch.nnodes "
+            f"({cfg.launch.nnodes})"
+        )
+    check_rendezvous(cfg.launch)
+    if not 0 <= cfg.run.seed <= MAX_SEED:  # torch.manual_seed and numpy's generator take it
+        raise _fail("run.seed", cfg.run.seed, f"an integer from 0 to {MAX_SEED} (2**63 - 1)")
+    if cfg.data.batch_size % cfg.parallel.num_microbatches:
+        raise ValueError(
+            f"parallel.num_microbatches ({cfg.parallel.num_microbatches}) must divide "
+            f"data.batch_size ({cfg.data.batch_size})"
+        )
+    if cfg.parallel.backend == "nccl" and cfg.parallel.device == "cpu":
+        raise ValueError("parallel.backend 'nccl' needs parallel.device cuda (or auto on a "
+                         "GPU machine); with parallel.device cpu use backend gloo or auto")
+    if cfg.parallel.backend == "gloo" and cfg.parallel.device == "cuda":
+        raise ValueError(GLOO_ON_CUDA.format(device="cuda"))
+    if cfg.eval.suite is not None and cfg.eval.suite not in ("smoke", "paper"):
+        raise _fail("eval.suite", cfg.eval.suite, "null, 'smoke' or 'paper'")
+    if cfg.eval.tasks and cfg.eval.suite is None:
+        raise ValueError(f"eval.tasks {cfg.eval.tasks} needs eval.suite (smoke or paper)")
+    if cfg.parallel.shard == "fsdp":
+        _check_sharded(cfg)
+    cfg.data.corpus = resolve_corpus(cfg.data.corpus)  # relative: from here, at config time
+    expand_path(cfg.data.cache_dir, "data.cache_dir")
+    check_tracking(cfg.tracking)
+    check_extra_args(cfg.launch.torchrun_args)
+    check_straggler(cfg.run.straggler, cfg.parallel.world_size)
+    cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
+    if cfg.optim.delay_correction != "none" and cfg.strategy.update_delay(cfg) == 0:
+        raise ValueError(f"optim.delay_correction={cfg.optim.delay_correction!r} corrects a "
+                         f"delayed update, but strategy {cfg.strategy.name!r} with "
+                         f"optim.delay=0 delays nothing: set optim.delay=1 (the emulation), "
+                         "or use pipedream-2bw with strategy.delay=1")
+
+
+GLOO_ON_CUDA = (
+    "parallel.backend 'gloo' with parallel.device {device} (CUDA tensors): gloo cannot send "
+    "or receive CUDA tensors (pipelines, gossip) and stages CUDA collectives through host "
+    "memory, so its times describe neither a GPU cluster's NCCL nor gloo on CPUs; use "
+    "parallel.backend nccl (or auto) on GPUs, or parallel.device cpu with gloo "
+    "(network.emulate models slower links)")
+
+
+SHARD_REFUSED_OPTIMIZERS = {
+    "muon": "Muon orthogonalises whole matrices: on FSDP shards DTensor would gather them "
+            "behind the ledger's back every step",
+    "soap": "SOAP's Kronecker preconditioners are per whole matrix (pytorch-optimizer's "
+            "SOAP mixes DTensor shards with plain tensors and fails)",
+    "adan": "pytorch-optimizer's Adan calls an operator DTensor has no sharding rule for "
+            "(aten._foreach_copy_)",
+}
+
+
+def _check_sharded(cfg: Config) -> None:
+    """What parallel.shard=fsdp cannot be combined with (strategies check their own)."""
+    reason = SHARD_REFUSED_OPTIMIZERS.get(cfg.optim.name)
+    if reason:
+        raise ValueError(f"optim.name={cfg.optim.name!r} with parallel.shard=fsdp: {reason}; "
+                         f"valid: adamw, sgd, lion, or parallel.shard=none")
+    if cfg.model.compile:
+        raise ValueError("model.compile=true with parallel.shard=fsdp is not supported (the "
+                         "model would be compiled before it is sharded): set model.compile "
+                         "to false, or parallel.shard=none")
+
+
