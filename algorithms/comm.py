@@ -1,38 +1,11 @@
-"""The Communicator, the algorithms' only path to the network, and the CommLedger it feeds.
+"""The Communicator: the algorithms' only path to the network, feeding the CommLedger.
 
 Exercised by `pytest tests/test_comm.py` (2 and 4 gloo ranks). Every op goes through
 torch.distributed (gloo on CPU, NCCL on GPU); nothing here re-implements a collective.
-Each op appends one `CommRecord` to the ledger: the loop's step, the current phase, the
-op, the group size, the peers, the logical bytes and the measured wall time. How the
-strategies' traffic is accounted is described in docs/algorithms.md.
-
-Conventions (the meaning of each field is also documented on `CommRecord`):
-- `nbytes` is always the LOGICAL payload of this rank, never wire bytes:
-  `numel * element_size` of the tensor it all-reduces (the buffer, once, whatever the
-  algorithm underneath), broadcasts, contributes to an all-gather, sends or receives;
-  for `exchange` the sum of the tensors it sends (what it receives is not counted), with
-  the per-peer split in `peer_nbytes`. What actually crosses the wire (a ring all-reduce
-  sends `2(n-1)/n * nbytes` per rank, a gather `(n-1) * nbytes`, ...) is the network
-  model's business (`bench/network/`), computed from these fields.
-- `peers`: for point-to-point ops the other ranks (sorted); for collectives the group's
-  ranks when the op runs on a subgroup, None when it runs on the whole world.
-- `tier`: "intra" if every rank involved lives on this rank's node (node = rank //
-  ranks_per_node), else "inter". `ranks_per_node=None` means one rank per node, i.e. every
-  process stands for a machine (the emulation view).
-- `seconds` is wall time, device-synchronised on CUDA before and after, and includes time
-  spent waiting for slower peers and any emulation sleep.
-- `barrier()` is not recorded: it carries no payload and the harness uses it for
-  alignment; a straggler's wait shows up in the next real op's seconds anyway.
-
-Averages in a compressed format (the outer step's pseudo-gradients,
-`algorithms/compress.py`): quantized values cannot be summed inside an all-reduce without
-overflowing their format, so `average(..., codec=RowQuantizer)` does what real systems do:
-an all-to-all of the quantized shards (rank j receives every rank's rows of shard j), a
-local reduce of the shard in fp32, its mean re-quantized, and an all-gather of the
-quantized means; recorded as ONE op, `quantized_all_reduce`, whose `nbytes` is this rank's
-whole quantized buffer (codes and scales; wire: 2(n-1)/n of it, as a ring all-reduce).
-`average_sparse` all-gathers each rank's top-k (values and indices) and sums them in rank
-order; recorded as an `all_gather` of the bytes this rank contributes.
+Each op appends one `CommRecord` to the ledger (algorithms/ledger.py: the records, their
+conventions, the ledger). `average` and `average_sparse` run their work from
+algorithms/collectives.py (plain, quantized and sparse means). How the strategies' traffic
+is accounted is described in docs/algorithms.md.
 
 Ops that span steps (`launch` -> `Pending.wait` -> `Pending.record`): started at the end
 of one step, waited for some steps later (Streaming DiLoCo's overlapped outer exchange).
@@ -60,119 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class CommRecord:
-    """One communication op as seen by one rank (see the module docstring's conventions)."""
-
-    step: int
-    """The loop step during which the op ran (`Communicator.step`)."""
-    phase: str
-    """Tag of the traffic: train, inner, outer, gossip (training); eval, metrics (not)."""
-    op: str
-    """all_reduce, broadcast, all_gather, send, recv, exchange (or a DeepSpeed op name)."""
-    group_size: int
-    """Ranks taking part, this one included (p2p: peers + 1)."""
-    peers: tuple[int, ...] | None
-    """p2p: the other ranks (sorted); collectives: the subgroup's ranks, None = the world."""
-    nbytes: int
-    """Logical payload of this rank in bytes (never wire bytes; exchange: bytes sent)."""
-    seconds: float
-    """Measured wall seconds of the op (device-synchronised; DDP buckets: see ddp.py)."""
-    tier: str
-    """intra if every rank involved is on this rank's node, else inter."""
-    lead_s: float | None = None
-    """Seconds from this op's launch to the end of the compute it overlaps (DDP buckets:
-    from the bucket being handed to the network until the last bucket was, i.e. the end
-    of backward compute); None for ops that do not overlap compute. A network model
-    exposes `max(0, modelled time - lead_s)` of an overlapped op."""
-    peer_nbytes: tuple[int, ...] | None = None
-    """exchange: bytes sent to each rank of `peers`, in the same order (0 for a peer only
-    received from); sums to `nbytes`. None for every other op."""
-    launch_step: int | None = None
-    """Ops that span steps (`Communicator.launch`): the step at whose end the op was
-    launched (`step` is the one that waited for it); the compute of the steps after the
-    launch runs concurrently with it. None for ops launched and finished in one step."""
-    tail_s: float | None = None
-    """With `launch_step`: the seconds of the waiting step's compute that came after the
-    wait (the outer step on the result), which the op did not overlap."""
-
-
-class CommLedger:
-    """One rank's communication: bounded aggregates of every record, and the records of
-    the current window.
-
-    `records` holds the records since the last `trim()` (the loop trims at the start of
-    each step: a step's records are what its timing, projection and strategy read), or
-    every record with `keep_records` (tests, debugging). The aggregates cover every record
-    ever added and stay bounded whatever the run's length: per (phase, op, tier, group
-    size) the count, bytes and seconds (`aggregate()`: comm.jsonl), and per (phase, peer)
-    the bytes sent point to point (`bytes_sent`). Checkpoints carry `state_dict()`: the
-    aggregates, not the records.
-    """
-
-    def __init__(self, keep_records: bool = False) -> None:
-        self.records: list[CommRecord] = []
-        self.keep_records = keep_records
-        self._rows: dict[tuple, dict] = {}
-        self._sent: dict[tuple[str, int], int] = {}
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def add(self, record: CommRecord) -> None:
-        self.records.append(record)
-        key = (record.phase, record.op, record.tier, record.group_size)
-        row = self._rows.get(key)
-        if row is None:
-            row = self._rows[key] = dict(phase=record.phase, op=record.op, tier=record.tier,
-                                         group_size=record.group_size, count=0, bytes=0,
-                                         seconds=0.0)
-        row["count"] += 1
-        row["bytes"] += record.nbytes
-        row["seconds"] += record.seconds
-        if record.op in ("send", "exchange") and record.peers:
-            sizes = record.peer_nbytes or (record.nbytes,) * len(record.peers)
-            for peer, nbytes in zip(record.peers, sizes, strict=True):
-                self._sent[record.phase, peer] = self._sent.get((record.phase, peer), 0) + nbytes
-
-    def trim(self) -> None:
-        """Drop the records held (their aggregates stay), unless `keep_records`."""
-        if not self.keep_records:
-            self.records = []
-
-    def totals(self, phases: Iterable[str] | None = None, start: int = 0) -> tuple[int, float]:
-        """(bytes, seconds) summed over records from `start`, optionally only these phases."""
-        keep = None if phases is None else set(phases)
-        nbytes, seconds = 0, 0.0
-        for r in self.records[start:]:
-            if keep is None or r.phase in keep:
-                nbytes += r.nbytes
-                seconds += r.seconds
-        return nbytes, seconds
-
-    def aggregate(self) -> list[dict]:
-        """Rows grouped by (phase, op, tier, group_size), in order of first appearance,
-        over every record ever added."""
-        return [dict(row) for row in self._rows.values()]
-
-    def bytes_sent(self, phase: str) -> dict[int, int]:
-        """Peer -> bytes this rank sent it by `send` and `exchange` in `phase`, all run."""
-        return {peer: n for (p, peer), n in self._sent.items() if p == phase}
-
-    def state_dict(self) -> dict:
-        return {"rows": self.aggregate(), "sent": dict(self._sent)}
-
-    def load_state_dict(self, state: dict | list) -> None:
-        """Restore the aggregates (a list: an older checkpoint's records, re-added)."""
-        if isinstance(state, list):
-            for record in state:
-                self.add(record)
-            self.trim()
-            return
-        self._rows = {(r["phase"], r["op"], r["tier"], r["group_size"]): dict(r)
-                      for r in state["rows"]}
-        self._sent = dict(state["sent"])
+from algorithms.collectives import mean_in_place, quantized_average, sparse_average, tensor_bytes
+from algorithms.ledger import CommLedger, CommRecord
 
 
 @dataclass(frozen=True)
@@ -322,9 +184,9 @@ class Communicator:
         if op == "avg" and not tensor.is_floating_point():
             raise TypeError(f"all_reduce op='avg' needs a floating tensor, got {tensor.dtype}")
         pg = self._pg(group)
-        with self._timed("all_reduce", _nbytes(tensor), group):
+        with self._timed("all_reduce", tensor_bytes(tensor), group):
             if op == "avg":
-                _mean_in_place(tensor, pg, len(self.group_ranks(group)))
+                mean_in_place(tensor, pg, len(self.group_ranks(group)))
             else:
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg)
         return tensor
@@ -334,7 +196,7 @@ class Communicator:
         pg = self._pg(group)
         if src not in self.group_ranks(group):
             raise ValueError(f"broadcast src must be in {self.group_ranks(group)}, got {src}")
-        with self._timed("broadcast", _nbytes(tensor), group):
+        with self._timed("broadcast", tensor_bytes(tensor), group):
             dist.broadcast(tensor, src=src, group=pg)
         return tensor
 
@@ -342,7 +204,7 @@ class Communicator:
         """Every group member's `tensor` (same shape everywhere), in group-rank order."""
         pg = self._pg(group)
         out = [torch.empty_like(tensor) for _ in self.group_ranks(group)]
-        with self._timed("all_gather", _nbytes(tensor), group):
+        with self._timed("all_gather", tensor_bytes(tensor), group):
             dist.all_gather(out, tensor.contiguous(), group=pg)
         return out
 
@@ -356,8 +218,8 @@ class Communicator:
         sets up what a collective needs at its first call of that kind and size)."""
         size = len(self.group_ranks(group))
         if codec is None:
-            op, nbytes = "all_reduce", _nbytes(flat)
-            work = functools.partial(_mean_in_place, flat, size=size)
+            op, nbytes = "all_reduce", tensor_bytes(flat)
+            work = functools.partial(mean_in_place, flat, size=size)
         else:
             op, nbytes = "quantized_all_reduce", codec.coded_bytes(flat.numel(), size)
             work = functools.partial(quantized_average, flat, codec, size=size)
@@ -371,8 +233,8 @@ class Communicator:
         values and indices, summed in rank order. `launch`, `record` as in `average`."""
         size = len(self.group_ranks(group))
         work = functools.partial(sparse_average, indices, values, numel, size=size)
-        return self._run("all_gather", _nbytes(indices) + _nbytes(values), work, group, launch,
-                         inputs=(indices, values), record=record)
+        return self._run("all_gather", tensor_bytes(indices) + tensor_bytes(values), work, group,
+                         launch, inputs=(indices, values), record=record)
 
     def _run(self, op: str, nbytes: int, work: Callable, group: Group | None,
              launch: bool, inputs: tuple[torch.Tensor, ...], record: bool = True
@@ -473,12 +335,12 @@ class Communicator:
     # ------------------------------------------------------------------ point to point
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        with self._timed("send", _nbytes(tensor), peers=(dst,)):
+        with self._timed("send", tensor_bytes(tensor), peers=(dst,)):
             dist.send(tensor.contiguous(), dst=dst)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into `tensor` (recorded with the received payload's bytes)."""
-        with self._timed("recv", _nbytes(tensor), peers=(src,)):
+        with self._timed("recv", tensor_bytes(tensor), peers=(src,)):
             dist.recv(tensor, src=src)
         return tensor
 
@@ -519,7 +381,7 @@ class Communicator:
             raise ValueError(f"exchange peers must not include this rank {self.rank}")
         ops = [dist.P2POp(dist.irecv, t, p) for p, t in sorted(recvs.items())]
         ops += [dist.P2POp(dist.isend, t.contiguous(), p) for p, t in sorted(sends.items())]
-        peer_nbytes = tuple(_nbytes(sends[p]) if p in sends else 0 for p in sorted(peers))
+        peer_nbytes = tuple(tensor_bytes(sends[p]) if p in sends else 0 for p in sorted(peers))
         with self._timed("exchange", sum(peer_nbytes), peers=peers, peer_nbytes=peer_nbytes):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -607,49 +469,3 @@ class Pending:
                                 launch_step=self.step, tail_s=tail_s)
 
 
-# ---------------------------------------------------------------------- raw collectives
-# The work of `Communicator.average`/`average_sparse` on a process group, unrecorded (the
-# caller records it); the same on every rank of the group.
-
-
-def _mean_in_place(flat: torch.Tensor, pg, size: int) -> torch.Tensor:
-    native_avg = dist.get_backend(pg) == "nccl"  # gloo has no ReduceOp.AVG: sum, divide
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM, group=pg)
-    return flat if native_avg else flat.div_(size)
-
-
-def quantized_average(flat: torch.Tensor, codec, pg, size: int) -> torch.Tensor:
-    """The group's mean of `flat` through `codec` (a RowQuantizer): all-to-all of the coded
-    shards, each rank's shard reduced in fp32 (in rank order) and re-coded, all-gather."""
-    numel = flat.numel()
-    padded = torch.zeros(codec.padded(numel, size), dtype=torch.float32, device=flat.device)
-    padded[:numel] = flat
-    coded = codec.encode(padded)
-    received = torch.empty_like(coded)
-    dist.all_to_all_single(received, coded, group=pg)
-    shard = codec.decode(received).view(size, -1).sum(dim=0).div_(size)
-    gathered = torch.empty_like(coded)
-    dist.all_gather_into_tensor(gathered, codec.encode(shard), group=pg)
-    return codec.decode(gathered)[:numel]
-
-
-def sparse_average(indices: torch.Tensor, values: torch.Tensor, numel: int, pg,
-                   size: int) -> torch.Tensor:
-    """The group's mean of the sparse tensors (every rank's `indices`, `values`): one
-    all-gather of both, as bytes, summed in rank order into a dense fp32 tensor."""
-    value_bytes = _nbytes(values)
-    payload = torch.cat([values.contiguous().view(torch.uint8),
-                         indices.contiguous().view(torch.uint8)])
-    gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)
-    dist.all_gather_into_tensor(gathered, payload, group=pg)
-    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
-    for part in gathered.view(size, -1):
-        # copies: a byte slice views as a wider dtype only at an offset divisible by its
-        # size, which the indices after k half-precision values (k odd) are not
-        out.index_add_(0, part[value_bytes:].clone().view(indices.dtype).long(),
-                       part[:value_bytes].clone().view(values.dtype).float())
-    return out.div_(size)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()

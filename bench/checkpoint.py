@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.base import Strategy
-from algorithms.comm import CommLedger
+from algorithms.ledger import CommLedger
 from bench.records import RunDir
 
 if TYPE_CHECKING:

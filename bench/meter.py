@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.base import CriticalPath, StepStats
-from algorithms.comm import CommLedger, CommRecord
+from algorithms.ledger import CommLedger, CommRecord
 from bench.network import Profile
 from bench.network.timeline import (
     OVERLAP_MODES,

@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from algorithms.base import StepStats, TrainSetup, mean_loss, peak_memory_bytes, strategy_class
 from algorithms.clocks import WALL, work_clock
-from algorithms.comm import CommLedger, Communicator
+from algorithms.comm import Communicator
+from algorithms.ledger import CommLedger
 from bench import checkpoint
 from bench.batches import BatchStream, validation_set
 from bench.config import Config, from_dict, load_raw

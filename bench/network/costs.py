@@ -246,7 +246,7 @@ def all_to_all_s(n: int, nbytes: float, tier: Tier, algorithm: str = "naive") ->
 
 def quantized_all_reduce_s(n: int, nbytes: float, tier: Tier,
                            algorithm: str = "naive") -> float:
-    """A compressed mean of S coded bytes (algorithms/comm.py `quantized_average`): the
+    """A compressed mean of S coded bytes (algorithms/collectives.py `quantized_average`): the
     all-to-all of the coded shards, then the ring all-gather of each rank's coded mean
     (S/n bytes), every backend's own formulas; the local decode and reduce are compute."""
     return (all_to_all_s(n, nbytes, tier, algorithm)

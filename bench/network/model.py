@@ -28,7 +28,7 @@ from bench.network.costs import (
 from bench.network.profiles import Profile, Tier
 
 if TYPE_CHECKING:  # torch stays out of `commbench --help`
-    from algorithms.comm import CommRecord
+    from algorithms.ledger import CommRecord
 
 
 def group_tiers(profile: Profile, ranks: Iterable[int], ranks_per_node: int = 1) -> set[Tier]:

@@ -61,7 +61,7 @@ import numpy as np
 
 from algorithms import schedule as ours
 from algorithms.base import CriticalPath
-from algorithms.comm import CommRecord
+from algorithms.ledger import CommRecord
 from bench.network.costs import P2P
 
 Message = tuple[str, int, int]

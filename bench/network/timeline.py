@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from algorithms.base import CriticalPath
-from algorithms.comm import CommRecord
+from algorithms.ledger import CommRecord
 from bench.network.costs import wire_bytes
 from bench.network.model import exposed_s, link_keys, pricer
 from bench.network.pipeline import (

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from algorithms.base import CriticalPath
-from algorithms.comm import CommRecord
+from algorithms.ledger import CommRecord
 from algorithms.traffic import ParamFact, Traffic, TrafficFacts, Transfer
 from bench.network.costs import COLLECTIVES, canonical_op
 from bench.network.model import exposed_s, link_keys, pricer
