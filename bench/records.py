@@ -400,8 +400,8 @@ class RunDir:
         run.update_summary({"status": "failed", "error": "..."})
         run.save_torch(payload, run.state_checkpoint(rank=0))
 
-    The trainer, the launcher, lm-eval and the test fixtures (`RunDir.write_fake_run`) go
-    through this class, so a file name is spelled in one place.
+    The trainer, the launcher, lm-eval and the test fixtures (tests/fakes.py) go through
+    this class, so a file name is spelled in one place.
     """
 
     FINAL_CHECKPOINT = Path("checkpoints") / "final.pt"
@@ -572,28 +572,3 @@ class RunDir:
 
         with _atomic(path) as f:
             torch.save(obj, f)
-
-    # --------------------------------------------------------------------- fixtures
-
-    @classmethod
-    def write_fake_run(cls, path: str | os.PathLike, config: dict | str,
-                       rows: list[dict] = (), summary: dict | None = None,
-                       torn_tail: str | None = None) -> RunDir:
-        """A run directory as a finished (or killed) run leaves it, for tests and demos.
-
-        `config` is a config mapping (or YAML text), `rows` the metrics rows in order,
-        `summary` the summary.json content (build it with `bench.summary.make_summary`;
-        None = killed before writing one), `torn_tail` a partial last metrics line.
-        """
-        run = cls(path)
-        run.path.mkdir(parents=True, exist_ok=True)
-        if not isinstance(config, str):
-            import yaml
-
-            config = yaml.safe_dump(config, sort_keys=False)
-        write_text(run.config, config)
-        text = "".join(json.dumps(row, default=_jsonable) + "\n" for row in rows)
-        write_text(run.metrics, text + (torn_tail or ""))
-        if summary is not None:
-            write_json(run.summary, summary)
-        return run

@@ -2,8 +2,8 @@
 
 `commbench run` writes them through these builders (bench/train.py at the end of the
 loop, bench/launch.py for the launcher's fields); tests build fixtures with the same
-builders: `make_summary(...)`, `train_row(...)`, `val_row(...)`, then
-`bench.records.RunDir.write_fake_run(path, config, rows, summary)`.
+builders: `train_row(...)`, `val_row(...)` and tests/fakes.py's `make_summary(...)`, then
+`write_fake_run(path, config, rows, summary)`.
 
 How the times are measured (max over ranks, real tokens, step-by-step projection) is in
 bench/meter.py.
@@ -227,18 +227,6 @@ _LEFT_OUT_WHEN_NONE = ("time_to_target_steady_s", "compute_per_step",
                        "memory_estimate_bytes_per_rank", "memory_estimate_terms",
                        "activation_bytes_per_boundary", "val_set", "comm_peak_sync_bytes",
                        "comm_peak_sync_wire_bytes", "comm_bytes_series")
-
-
-def make_summary(**fields: Any) -> dict[str, Any]:
-    """summary.json content from `Summary`'s fields; `projected` may map profile -> Projection
-    or profile -> total seconds (then all compute: comm_s is 0, step_s total / steps)."""
-    projected = fields.pop("projected", {}) or {}
-    steps, tokens = fields.get("steps", 0), fields.get("total_tokens", 0)
-    fields["projected"] = {
-        name: p if isinstance(p, Projection) else Projection.of(float(p), float(p), steps, tokens)
-        for name, p in projected.items()
-    }
-    return Summary(**fields).to_dict()
 
 
 def running_header(run_name: str, config_hash: str, strategy: str, world_size: int,

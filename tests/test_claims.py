@@ -24,8 +24,8 @@ from bench.claims.decide import (
 )
 from bench.claims.spec import Rule, find_claims, load_claim
 from bench.config import config_hash, to_yaml
-from bench.records import RunDir
-from bench.summary import make_summary, val_row
+from bench.summary import val_row
+from tests.fakes import make_summary, write_fake_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -214,7 +214,7 @@ def fake_runner(cfg, run_dir, progress=True) -> dict:
                            steps=10, total_tokens=200, wall_s=2.0, final_val_loss=loss,
                            val_set={"id": f"{n:06d}{seq_len:06d}", "sequences": n,
                                     "seq_len": seq_len, "tokens": n * seq_len})
-    RunDir.write_fake_run(run_dir, to_yaml(cfg), rows, summary)
+    write_fake_run(run_dir, to_yaml(cfg), rows, summary)
     return {**summary, "run_dir": str(run_dir)}
 
 

@@ -4,8 +4,9 @@ steps, the figure, and the exit status of `--tolerance`."""
 import json
 
 from bench.cli import main
-from bench.records import RunDir, write_json
+from bench.records import write_json
 from bench.summary import train_row
+from tests.fakes import write_fake_run
 from tests.test_tracking import fake_run, fake_sweep
 
 
@@ -86,7 +87,7 @@ def test_validation_sets_that_differ_or_are_not_recorded_are_listed(tmp_path, ca
 
 def test_runs_without_a_step_in_common_fail_the_gate(tmp_path, capsys):
     a = fake_run(tmp_path / "a")
-    b = RunDir.write_fake_run(tmp_path / "b", a.config.read_text(), [
+    b = write_fake_run(tmp_path / "b", a.config.read_text(), [
         train_row(s, s * 100, s * 0.1, {}, lr=1e-3, loss=4.0, step_s=0.1, compute_s=0.1,
                   comm_s=0.0, comm_bytes=0.0) for s in (3, 6, 9)],
         json.loads(a.summary.read_text()))
@@ -109,8 +110,8 @@ def test_a_loss_that_turned_nan_in_one_run_only_exceeds_any_tolerance(tmp_path, 
     a = fake_run(tmp_path / "a")
     rows = a.read_metrics()
     rows[-2]["loss"] = float("nan")  # B diverged at its last training row
-    b = RunDir.write_fake_run(tmp_path / "b", a.config.read_text(), rows,
-                              json.loads(a.summary.read_text()))
+    b = write_fake_run(tmp_path / "b", a.config.read_text(), rows,
+                       json.loads(a.summary.read_text()))
     rc, out, _ = compare(capsys, a.path, b.path, "--tolerance", "100", "-o", tmp_path / "cmp")
     assert rc == 1 and "max |Δtrain| inf > tolerance 100" in out
     rc, out, _ = compare(capsys, b.path, b.path, "--tolerance", "0", "-o", tmp_path / "cmp")

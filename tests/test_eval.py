@@ -13,11 +13,11 @@ from lm_eval.api.instance import Instance
 from bench.config import load_config
 from bench.model import GPT, GPTConfig
 from bench.records import RunDir
-from bench.summary import make_summary
 from bench.tokenizers import get_tokenizer
 from eval.export import export_hf
 from eval.lm import CommbenchLM, score_windows
 from eval.runner import evaluate_run, self_evaluate
+from tests.fakes import make_summary, write_fake_run
 
 SEQ_LEN = 32
 
@@ -62,7 +62,7 @@ def run_dir(tmp_path, model, cache_dir):
         "model": {"seq_len": SEQ_LEN},
         "eval": {"suite": "smoke", "tasks": [], "limit": 4, "batch_size": 8},
     }
-    run = RunDir.write_fake_run(tmp_path / "run", config, summary=FAKE_SUMMARY)
+    run = write_fake_run(tmp_path / "run", config, summary=FAKE_SUMMARY)
     payload = {"model": model.state_dict(), "gpt_config": dataclasses.asdict(model.cfg),
                "tokenizer": "byte", "step": 3}
     run.save_torch(payload, run.final_checkpoint)

@@ -117,13 +117,13 @@ def _compare(capsys, *args) -> tuple[int, str]:
 def _unfinished_copy(run, path: Path, status: str):
     """`run`'s records with its summary's status set to `status` (a run that stopped
     halfway keeps the rows both logged: the losses agree where they overlap)."""
-    from bench.records import RunDir
+    from tests.fakes import write_fake_run
 
     summary = json.loads(run.summary.read_text())
     summary.update(status="failed" if status == "partial" else status, error="stopped")
     if status == "partial":
         summary["interrupted"] = True  # Ctrl-C: recorded failed, shown partial
-    return RunDir.write_fake_run(path, run.config.read_text(), run.read_metrics()[:2], summary)
+    return write_fake_run(path, run.config.read_text(), run.read_metrics()[:2], summary)
 
 
 @pytest.mark.parametrize("status", ["failed", "partial", "diverged"])

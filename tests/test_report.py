@@ -18,11 +18,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from bench.records import RunDir
 from bench.report import build_report, load_results
 from bench.report.analysis import compare, first_crossing, mean_ci, t_quantile_975
 from bench.report.render import md_text
-from bench.summary import Projection, make_summary, train_row, val_row
+from bench.summary import Projection, train_row, val_row
+from tests.fakes import make_summary, write_fake_run
 
 STEPS = [10, 20, 30, 40]
 DDP_VAL = [4.0, 3.0, 2.5, 2.0]
@@ -75,8 +75,8 @@ def write_run(sweep_dir: Path, sweep: dict, name: str, strategy: str, seed: int,
             projected={p: Projection.of(t, 0.75 * t, steps, 1000 * steps)  # comm: 1/4
                        for p, t in PROJECTED_TOTAL.get(strategy, {}).items()},
             error=error, eval=eval_scores, val_set=val_set) | (summary_extra or {})
-    RunDir.write_fake_run(run_dir, full_config, rows, summary,
-                          torn_tail='{"step": 50, "tokens": 500' if torn else None)
+    write_fake_run(run_dir, full_config, rows, summary,
+                   torn_tail='{"step": 50, "tokens": 500' if torn else None)
     return run_dir
 
 

@@ -171,10 +171,10 @@ def test_resume_onto_another_world_size_is_refused(tmp_path):
     another parallel.world_size is refused before launch (the run's identity changed)."""
     from bench.config import load_config, to_dict
     from bench.launch import check_resume
-    from bench.records import RunDir
+    from tests.fakes import write_fake_run
 
     cfg = load_config("configs/ddp-tiny.yaml", ["parallel.shard=fsdp"])
-    run = RunDir.write_fake_run(tmp_path / "run", to_dict(cfg))
+    run = write_fake_run(tmp_path / "run", to_dict(cfg))
     other = load_config("configs/ddp-tiny.yaml", ["parallel.shard=fsdp",
                                                   "parallel.world_size=2"])
     with pytest.raises(ValueError, match="parallel.world_size 4 -> 2"):

@@ -28,9 +28,10 @@ from algorithms.base import STRATEGIES, DataParallelStrategy, StrategyConfig
 from bench import launch, records
 from bench.config import config_hash, to_yaml
 from bench.records import RunDir
-from bench.summary import make_summary, train_row, val_row
+from bench.summary import train_row, val_row
 from bench.sweep import load_spec, run_sweep
 from bench.sweep.store import record_state, retire
+from tests.fakes import make_summary, write_fake_run
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -58,11 +59,11 @@ def fake_runner(cfg, run_dir, progress=True) -> dict:
     head = {"run_name": cfg.run.name, "config_hash": config_hash(cfg),
             "strategy": cfg.strategy.name, "world_size": cfg.parallel.world_size}
     if cfg.run.name in _names("FAKE_RUNNER_RAISE"):
-        RunDir.write_fake_run(run_dir, to_yaml(cfg))
+        write_fake_run(run_dir, to_yaml(cfg))
         raise RuntimeError("launcher crashed")
     if cfg.run.name in _names("FAKE_RUNNER_FAIL"):
         summary = make_summary(**head, status="failed", error="RuntimeError: boom at step 3")
-        RunDir.write_fake_run(run_dir, to_yaml(cfg), summary=summary)
+        write_fake_run(run_dir, to_yaml(cfg), summary=summary)
         return summary
     speed = 1.0 if cfg.strategy.name == "ddp" else 2.0
     tokens_per_step = 100
@@ -78,7 +79,7 @@ def fake_runner(cfg, run_dir, progress=True) -> dict:
     summary = make_summary(**head, status="ok", steps=steps,
                            total_tokens=steps * tokens_per_step, wall_s=steps / speed,
                            final_val_loss=5.0 - steps / 20)
-    RunDir.write_fake_run(run_dir, to_yaml(cfg), rows, summary)
+    write_fake_run(run_dir, to_yaml(cfg), rows, summary)
     return summary
 
 

@@ -19,10 +19,11 @@ import pytest
 
 from bench.config import config_hash, load_config
 from bench.records import RunDir, write_json
-from bench.summary import make_summary, train_row, val_row
+from bench.summary import train_row, val_row
 from bench.tracking import TensorBoardConfig
 from bench.tracking.sinks import make_sink
 from bench.tracking.sync import row_series, sync_run, track
+from tests.fakes import make_summary, write_fake_run
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = {"nvlink": 0.05, "wan-1g": 0.5}
@@ -52,7 +53,7 @@ def fake_run(path: Path, seed: int = 0, steps: int = 20, started: str = STARTED,
         summary["resumed_from_step"] = resumed_from_step
     config = {"run": {"name": "ddp", "seed": seed, "steps": steps},
               "strategy": {"name": "ddp"}, "optim": {"betas": [0.9, 0.95]}}
-    run = RunDir.write_fake_run(path, config, rows, summary)
+    run = write_fake_run(path, config, rows, summary)
     write_json(run.env, {"host": "node1", "git": {"commit": "abc123", "dirty": False},
                          "packages": {"torch": "2.13.0"}})
     return run
