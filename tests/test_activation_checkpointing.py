@@ -7,7 +7,6 @@ replays the same operations on the same inputs).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,17 @@ import torch
 
 from bench.config import load_config
 from bench.train import Trainer
+from tests import strategies
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change
 
 COMMON = ["parallel.world_size=2", "run.steps=3", "run.log_every=3", "run.val_every=0",
           "run.val_sequences=4", "model.seq_len=32", "data.batch_size=4",
           "checkpoint.final=false", "model.n_layer=2"]
-ROUNDS = ["strategy.inner_steps=2"]
-CASES = {
-    "ddp": ("configs/ddp-tiny.yaml", ["model.arch=llama"]),
-    "diloco": ("configs/diloco-tiny.yaml", ROUNDS),
-    "gasloc": ("configs/gasloc-tiny.yaml", [*ROUNDS, "model.arch=llama"]),
-    "pipeline": ("configs/pipeline-1f1b-tiny.yaml", ["parallel.num_microbatches=2"]),
-    "2bw": ("configs/2bw-tiny.yaml", ["parallel.num_microbatches=2", "model.arch=llama"]),
-}
-if importlib.util.find_spec("deepspeed") is not None:
-    CASES["zero1"] = ("configs/ddp-tiny.yaml", ["strategy.backend=deepspeed",
-                                                "strategy.zero_stage=1"])
-    CASES["deepspeed-pp"] = ("configs/deepspeed-pp-tiny.yaml",
-                             ["parallel.num_microbatches=2", "model.arch=llama"])
+CASES = {  # (config, overrides): tests/strategies.py `checkpointing`, DeepSpeed's if installed
+    name: (strategies.config_of(entry, case), list(case.overrides))
+    for name, (entry, case) in strategies.cases(
+        "checkpointing", deepspeed=strategies.HAS_DEEPSPEED).items()}
 
 
 def _train(rank, world_size, root, cache):

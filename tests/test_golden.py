@@ -24,6 +24,7 @@ import torch
 from bench.config import load_config
 from bench.records import read_jsonl
 from bench.train import Trainer
+from tests import strategies
 from tests.distributed import run_distributed
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -35,15 +36,13 @@ x86-64 generations (AVX2 vs AVX-512/AMX machines differ by ~1e-7 from step 1, gr
 ~1e-6 by step 10), while any change to the math moves them by orders more."""
 COMMON = [f"run.steps={STEPS}", "run.log_every=1", "run.val_every=0", "run.val_sequences=8",
           "optim.warmup_steps=2", "checkpoint.final=false", "parallel.world_size=4"]
-ROUNDS = ["strategy.inner_steps=3"]
 CASES: dict[str, tuple[str, list[str]]] = {
-    "ddp": ("configs/ddp-tiny.yaml", []),
-    "ddp-zero1": ("configs/ddp-tiny.yaml", ["strategy.backend=deepspeed", "strategy.zero_stage=1"]),
-    "diloco": ("configs/diloco-tiny.yaml", ROUNDS),
-    "pier": ("configs/pier-tiny.yaml", [*ROUNDS, "strategy.warmup_fraction=0.25"]),
-    "gasloc": ("configs/gasloc-tiny.yaml", ROUNDS),
-    "gossip": ("configs/gossip-tiny.yaml", ROUNDS),
-}
+    case_id: (strategies.config_of(entry, case), list(case.overrides))
+    for case_id, (entry, case) in strategies.cases("golden").items()}
+"""Fixture name -> (tiny config, overrides): tests/strategies.py `golden` (rounds of 3
+inner steps for the local-update methods)."""
+NEEDS_DEEPSPEED = {case_id for case_id, (_, case) in strategies.cases("golden").items()
+                   if case.deepspeed}
 
 
 def _trajectories(rank, world_size, cases, root):
@@ -63,11 +62,8 @@ def _trajectories(rank, world_size, cases, root):
 
 @pytest.fixture(scope="module")
 def trajectories(tmp_path_factory):
-    cases = dict(CASES)
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        del cases["ddp-zero1"]
+    cases = {name: case for name, case in CASES.items()
+             if strategies.HAS_DEEPSPEED or name not in NEEDS_DEEPSPEED}
     root = tmp_path_factory.mktemp("golden")
     return run_distributed(_trajectories, 4, cases, str(root), timeout=400)[0]
 

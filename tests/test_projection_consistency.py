@@ -23,23 +23,16 @@ import pytest
 
 from bench.meter import LoopState, StepClock
 from bench.network.timeline import OVERLAP_MODES
+from tests import strategies
 from tests.distributed import run_distributed
 from tests.local_updates import make_trainer
 
 PROFILES = ["nvlink", "eth-10g", "wan-1g", "two-sites"]
 COMMON = ["run.steps=6", "run.log_every=4", "run.val_every=3", "run.target_loss=100",
           "run.warmup_steps=1", f"network.profiles=[{', '.join(PROFILES)}]"]
-FAMILIES = {
-    "ddp": ("configs/ddp-tiny.yaml", []),
-    "diloco": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=2"]),
-    "pier": ("configs/pier-tiny.yaml", ["strategy.inner_steps=2",
-                                        "strategy.warmup_fraction=0.34"]),
-    "gasloc": ("configs/gasloc-tiny.yaml", ["strategy.inner_steps=[2, 1]"]),
-    "1f1b": ("configs/pipeline-1f1b-tiny.yaml", ["parallel.num_microbatches=2"]),
-    "2bw": ("configs/2bw-tiny.yaml", ["parallel.num_microbatches=2"]),
-    "streaming": ("configs/streaming-diloco-tiny.yaml",
-                  ["strategy.inner_steps=4", "strategy.compression_row=32"]),
-}
+FAMILIES = {  # (config, overrides): tests/strategies.py `projection`
+    name: (strategies.config_of(entry, case), list(case.overrides))
+    for name, (entry, case) in strategies.cases("projection").items()}
 
 
 def run_and_capture(rank, world_size, base):

@@ -16,6 +16,7 @@ from bench.network.profiles import Profile, Tier
 from bench.whatif.engine import Compute, plan, price
 from bench.whatif.report import evaluate, measured_whatif, method_plan
 from bench.whatif.scenario import load_scenario
+from tests import strategies
 from tests.distributed import run_distributed
 
 A, B = 1e-3, 1e9
@@ -206,21 +207,9 @@ def p_facts(s):
 # ---------------------------------------------------------------------- real runs
 
 STEPS = 6
-CASES = {
-    "diloco-hier": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=3",
-                                                 "parallel.group_size=2",
-                                                 "network.ranks_per_node=2"]),
-    "ddp": ("configs/ddp-tiny.yaml", []),
-    "pier": ("configs/pier-tiny.yaml", ["strategy.inner_steps=2",
-                                        "strategy.warmup_fraction=0.5"]),
-    "gasloc": ("configs/gasloc-tiny.yaml", ["strategy.inner_steps=2"]),
-    "pipeline-1f1b": ("configs/pipeline-1f1b-tiny.yaml", ["data.batch_size=4"]),
-    "pipedream-2bw": ("configs/2bw-tiny.yaml", ["data.batch_size=4"]),
-    "gpipe": ("configs/gpipe-tiny.yaml", ["data.batch_size=4"]),
-    "fsdp-diloco": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=3",
-                                                 "parallel.group_size=2",
-                                                 "parallel.shard=fsdp"]),
-}
+CASES = {  # (config, overrides): tests/strategies.py `whatif`
+    name: (strategies.config_of(entry, case), list(case.overrides))
+    for name, (entry, case) in strategies.cases("whatif").items()}
 
 
 def settings(case: str) -> tuple[str, list[str]]:
