@@ -54,6 +54,9 @@ class Case:
 
 @dataclass(frozen=True)
 class Entry:
+    """One registered strategy: its tiny config, its capabilities and its cases in each
+    table (every field required: a new entry decides each table)."""
+
     name: str
     """The registered name (algorithms/base.py `STRATEGIES`)."""
     config: str
@@ -78,7 +81,8 @@ class Entry:
     resume: dict[str, Case]
     """Resume bit-exact from a checkpoint: test id -> case (`ranks`, `checkpoint_step`)."""
     stop: dict[str, Case]
-    """A stop signal on one rank: family -> case."""
+    """A stop signal on one rank: family -> case (~30 s each: the default suite runs those
+    not `slow`)."""
     fsdp: dict[str, Case]
     """Sharded equals unsharded: pair id -> case."""
     fsdp_resume: dict[str, Case]
@@ -90,7 +94,8 @@ class Entry:
     checkpointing: dict[str, Case]
     """Activation checkpointing gives the same parameters: id -> case."""
     memory: dict[str, Case]
-    """The memory plan against measured peaks: layout id -> case."""
+    """The memory plan against measured peaks: layout id -> case (a launch each, ~30 s:
+    the default suite runs those not `slow`)."""
 
 
 LONG = ("run.steps=44", "checkpoint.every=23", "run.log_every=10", "run.val_every=20")
@@ -132,8 +137,10 @@ ENTRIES = (
         whatif={"ddp": Case()},
         projection={"ddp": Case()},
         checkpointing={"ddp": Case(LLAMA), "zero1": Case(ZERO1, deepspeed=True)},
-        memory={"ddp": Case(), "ddp-checkpointing": Case(("model.activation_checkpointing=blocks",)),
-                "ddp-fsdp": Case(("parallel.shard=fsdp",))},
+        memory={"ddp": Case(slow=True),
+                "ddp-checkpointing": Case(("model.activation_checkpointing=blocks",),
+                                          slow=True),
+                "ddp-fsdp": Case(("parallel.shard=fsdp",), slow=True)},
     ),
     Entry(
         name="diloco", config="configs/diloco-tiny.yaml", short=ROUNDS, layout="data-parallel",
@@ -159,7 +166,7 @@ ENTRIES = (
                     "streaming": Case(("strategy.inner_steps=4", "strategy.compression_row=32"),
                                       config="configs/streaming-diloco-tiny.yaml")},
         checkpointing={"diloco": Case(ROUNDS)},
-        memory={"diloco-llama": Case((*ROUNDS, *LLAMA)),
+        memory={"diloco-llama": Case((*ROUNDS, *LLAMA), slow=True),
                 "diloco-fsdp-llama": Case((*ROUNDS, "parallel.shard=fsdp", *GROUPS, *LLAMA))},
     ),
     Entry(
@@ -196,7 +203,7 @@ ENTRIES = (
         whatif={"gasloc": Case(ROUNDS)},
         projection={"gasloc": Case(("strategy.inner_steps=[2, 1]",))},
         checkpointing={"gasloc": Case((*ROUNDS, *LLAMA))},
-        memory={"gasloc": Case(ROUNDS)},
+        memory={"gasloc": Case(ROUNDS, slow=True)},
     ),
     Entry(
         name="gossip", config="configs/gossip-tiny.yaml", short=ROUNDS, layout="data-parallel",

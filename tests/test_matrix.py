@@ -24,8 +24,9 @@ accepted.
 
 Counts: `test_the_matrix_counts` prints them; docs/architecture.md records the latest.
 
-Adding an option: add a dimension (or values) here. If some combination cannot work, refuse
-it in config validation (the strategy's `check`, or `bench.config.validate`) with a reason.
+Adding an option: add a dimension (or values) here; a strategy's rows are its `matrix` in
+tests/strategies.py. If some combination cannot work, refuse it in config validation (the
+strategy's `check`, or `bench.config.validate`) with a reason.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from bench.config import from_dict
 from bench.records import RunDir
+from tests import strategies
 from tests.distributed import run_distributed
 
 COMPILE = torch.compile
@@ -64,27 +66,9 @@ BASE = {
     "checkpoint": {"every": 0, "final": True},
 }
 
-STRATEGIES = {
-    "ddp": {"strategy.name": "ddp"},
-    "ddp-zero0": {"strategy.name": "ddp", "strategy.backend": "deepspeed",
-                  "strategy.zero_stage": 0},
-    "ddp-zero1": {"strategy.name": "ddp", "strategy.backend": "deepspeed",
-                  "strategy.zero_stage": 1},
-    "ddp-zero2": {"strategy.name": "ddp", "strategy.backend": "deepspeed",
-                  "strategy.zero_stage": 2},
-    "diloco": {"strategy.name": "diloco", "strategy.inner_steps": 2},
-    "pier": {"strategy.name": "pier", "strategy.inner_steps": 2,
-             "strategy.warmup_fraction": 0.34},
-    "gasloc": {"strategy.name": "gasloc", "strategy.inner_steps": 2},
-    "gossip": {"strategy.name": "gossip", "strategy.inner_steps": 2},
-    "1f1b": {"strategy.name": "pipeline", "strategy.schedule": "1f1b"},
-    "gpipe": {"strategy.name": "pipeline", "strategy.schedule": "gpipe"},
-    "interleaved": {"strategy.name": "pipeline", "strategy.schedule": "interleaved-1f1b",
-                    "strategy.stages_per_rank": 2},
-    "deepspeed-pp": {"strategy.name": "pipeline", "strategy.backend": "deepspeed"},
-    "2bw": {"strategy.name": "pipedream-2bw", "strategy.delay": 1},
-    "2bw-sync": {"strategy.name": "pipedream-2bw", "strategy.delay": 0},
-}
+STRATEGIES = strategies.matrix_rows()
+"""The strategy dimension: every registered strategy's rows (tests/strategies.py `matrix`):
+ddp and ZeRO 0-2, diloco, pier, gasloc, gossip, the pipeline schedules and backends, 2bw."""
 OUTER = {
     "plain": {},
     "fragments": {"strategy.fragments": 2, "strategy.fragment_pattern": "sequential"},
@@ -97,8 +81,11 @@ OUTER = {
 }
 """Streaming DiLoCo and compressed outer communication (issue 24): options of DiLoCo and
 Pier only (another strategy refuses them as keys it does not have)."""
-PIPELINES = {"1f1b", "gpipe", "interleaved", "deepspeed-pp", "2bw", "2bw-sync"}
-LOCAL_UPDATES = {"diloco", "pier"}
+PIPELINES = {row for entry in strategies.ENTRIES if entry.layout == "pipeline"
+             for row in entry.matrix}
+"""Rows of the pipelines: 2 stages (x 2 replicas on 4 ranks)."""
+LOCAL_UPDATES = {row for entry in strategies.ENTRIES if entry.groups for row in entry.matrix}
+"""Rows of DiLoCo's family: replicas of 2 ranks on 4 ranks."""
 
 
 def layout(strategy: str, world: int) -> dict:
