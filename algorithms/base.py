@@ -1,13 +1,16 @@
 """The Strategy interface every algorithm implements, and the registry of strategies.
 
 The algorithms themselves (math, defaults, identities) are described in the project's
-docs/algorithms.md; this file is the contract the training loop relies on.
+docs/algorithms.md; this file is the interface the training loop relies on.
 
 The training loop (`bench/train.py`, exercised by `commbench run configs/ddp-tiny.yaml`)
 knows only this interface: it never branches on an algorithm's name. A strategy is built
 from its own config dataclass and a `TrainSetup` (model, communicator, optimizer factory,
 ...), and the loop calls `train_step`, `evaluate`, `export_state`, `metrics`,
-`state_dict`/`load_state_dict`.
+`state_dict`/`load_state_dict`. Those plain data classes (`StrategyConfig`, `TrainSetup`,
+`StepStats`, `CriticalPath`) live in algorithms/contract.py; this file holds the registry
+(`STRATEGIES`), the helpers strategies share (`set_lr`, `mean_loss`, `materialize`,
+`unwrap`, ...) and the Strategy classes.
 
 Data-parallel strategies subclass `DataParallelStrategy`, whose step is
 forward/backward -> `after_backward` -> clip -> inner optimizer step -> `after_inner_step`.
@@ -18,12 +21,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from algorithms.comm import Communicator
+from algorithms.contract import CriticalPath, StepStats, StrategyConfig, TrainSetup
 
 # name -> "module:Class". Imported lazily so `commbench --help` stays fast and a broken
 # optional backend cannot break the others.
@@ -38,127 +40,15 @@ STRATEGIES: dict[str, str] = {
 }
 
 
-@dataclass
-class StrategyConfig:
-    """Fields common to every strategy; each strategy subclasses this with its own knobs."""
-
-    name: str = "ddp"
-    """Which algorithm runs: one of the registered strategy names."""
-
-    def check(self, cfg) -> None:
-        """Cross-section validation against the whole run config `cfg` (bench/config.py's
-        tree: `cfg.parallel`, `cfg.run`, ...), called by the config validation before any
-        process starts. Raise ValueError naming the key, the bad value and what is valid.
-        Field-local checks belong in `__post_init__`; the default checks nothing.
-        """
-
-    def update_delay(self, cfg) -> int:
-        """Steps by which this strategy's weight updates lag the weights their gradients
-        were taken at: `optim.delay` (the emulation) unless the strategy delays updates
-        itself (PipeDream-2BW). A delay correction (`optim.delay_correction`) needs >= 1."""
-        return cfg.optim.delay
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """One rank's memory plan in bytes by term, before launch (bench/memory.py hands
-        the measured `algorithms.memory.MemoryFacts`). Default: parameters, gradients,
-        optimizer state and one microbatch's activations (`facts.base_terms()`)."""
-        return facts.base_terms()
-
-    def traffic(self, cfg, facts):
-        """What one rank sends in each step, described without training: an
-        `algorithms.traffic.Traffic` built from the run config `cfg` and the model's
-        `TrafficFacts` (bench/whatif/engine.py prices it for `commbench whatif`). It must say
-        what the strategy's own code records in the CommLedger (tests/test_whatif.py
-        holds each description against real runs' ledgers). Default: not described."""
-        raise ValueError(f"strategy.name={self.name!r} has no traffic description "
-                         "(StrategyConfig.traffic): commbench whatif cannot price it")
+def strategy_class(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy.name must be one of {sorted(STRATEGIES)}, got {name!r}")
+    module_name, class_name = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
-def require_data_parallel(config: StrategyConfig, cfg) -> None:
-    """The rule every data-parallel strategy shares: no pipeline stages."""
-    if cfg.parallel.num_stages != 1:
-        raise ValueError(f"strategy {config.name} is data parallel only: parallel.num_stages "
-                         f"must be 1, got {cfg.parallel.num_stages}")
-
-
-@dataclass
-class StepStats:
-    """What one `train_step` reports to the loop (all values local to this rank)."""
-
-    loss: float | None
-    """Mean training loss of this rank's batch; None where the rank computes no loss
-    (a pipeline's non-last stages)."""
-    tokens: int
-    """Tokens this rank really consumed in the step (0 for an idle step). Ranks that
-    share a batch (a pipeline replica's stages) report it on one of them: the loop sums
-    this over ranks."""
-    comm_s: float = 0.0
-    """Exposed (non-overlapped) communication seconds in the step (idle_s included)."""
-    idle_s: float = 0.0
-    """Seconds spent waiting on point-to-point traffic (a pipeline's bubble); 0 for DP."""
-    extras: dict[str, float] = field(default_factory=dict)
-    """Algorithm-specific scalars (outer round, pseudo-gradient norm, ...)."""
-
-
-@dataclass(frozen=True)
-class CriticalPath:
-    """A pipeline step's schedule, for the projection that replays it on the modelled
-    link (bench/network/pipeline.py): `num_stages` stages each running `passes`
-    microbatch passes (forward and backward) per step in the order of `schedule`."""
-
-    schedule: str
-    """bench/network/pipeline.py's PROGRAMS: 1f1b, gpipe (torch's), ours-1f1b, 2bw (ours)."""
-    num_stages: int
-    passes: int
-
-
-@dataclass
-class TrainSetup:
-    """Everything the harness hands a strategy. Plain objects; no harness imports."""
-
-    model: nn.Module
-    """The full model; `model(x, y)` returns (logits, loss). The loop builds it on the meta
-    device: a strategy makes real what its rank keeps with `materialize` (the whole model,
-    one pipeline stage), on `comm.device`, with the values the whole model's init gives."""
-    comm: Communicator
-    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
-    """Builds the inner optimizer for a module (param groups and hyper-parameters)."""
-    total_steps: int
-    grad_clip: float = 0.0
-    """Max global gradient norm; 0 disables clipping."""
-    group_size: int = 1
-    """Ranks per data-parallel replica (hierarchical strategies); 1 = flat."""
-    rank_batch_size: int = 1
-    """Sequences per rank per step (all microbatches together)."""
-    num_microbatches: int = 1
-    """Gradient-accumulation microbatches per step (pipelines: microbatches per minibatch)."""
-    autocast: Callable[[], object] | None = None
-    """Context-manager factory for mixed precision around forward passes."""
-    num_stages: int = 1
-    """Pipeline stages (`parallel.num_stages`); 1 for every non-pipeline strategy."""
-    partition: str = "layers"
-    """How a pipeline cuts `model.as_layers()` into stages (`parallel.partition`)."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    """(logits, targets) -> mean loss, what `model(x, y)` applies (bench.model.lm_loss);
-    a pipeline's last stage applies it to its output."""
-    delay_correction: str = "none"
-    """`optim.delay_correction`, for strategies that delay updates themselves (2BW); the
-    `optim.delay` emulation gets it through `make_optimizer` (algorithms/delay.py)."""
-    ef_lambda: float = 1.0
-    """`optim.ef_lambda`, the error-feedback correction's weight."""
-    compile: Callable[[nn.Module], nn.Module] | None = None
-    """`model.compile`: torch.compile, or None (eager). The strategy applies it to what it
-    trains AFTER wrapping it: compile(DDP(model)), torch's documented order, which keeps
-    DDP's bucket-wise overlap of gradient all-reduces with backward (compiling the bare
-    model first gives DDP one backward graph: no overlap, a slower baseline). Pipelines
-    compile their stage modules; engines that run the forward themselves refuse it in
-    their config check."""
-    precision: str = "fp32"
-    """`model.precision` (fp32 | bf16), for engines that set mixed precision up
-    themselves (DeepSpeed); torch strategies use `autocast`."""
-    shard: str = "none"
-    """`parallel.shard`: none, or fsdp (each data-parallel replica sharded over its ranks
-    with FSDP2; algorithms/shard.py)."""
+def config_class(name: str) -> type[StrategyConfig]:
+    return strategy_class(name).Config
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -227,17 +117,6 @@ def materialize(model: nn.Module, module: nn.Module, device: torch.device) -> No
 def unwrap(model: nn.Module) -> nn.Module:
     """The module itself under a torch.compile wrapper (whose state keys are prefixed)."""
     return getattr(model, "_orig_mod", model)
-
-
-def strategy_class(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy.name must be one of {sorted(STRATEGIES)}, got {name!r}")
-    module_name, class_name = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
-
-
-def config_class(name: str) -> type[StrategyConfig]:
-    return strategy_class(name).Config
 
 
 class Strategy:

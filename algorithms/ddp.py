@@ -53,14 +53,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from algorithms.base import (
-    DataParallelStrategy,
-    StepStats,
-    StrategyConfig,
-    TrainSetup,
-    require_data_parallel,
-)
+from algorithms.base import DataParallelStrategy
 from algorithms.clocks import Clock, clock_for
+from algorithms.contract import StepStats, StrategyConfig, TrainSetup, require_data_parallel
 from algorithms.memory import fsdp_terms, require_shard_ranks, shard_terms
 from algorithms.traffic import (
     DDP_ASSUMPTION,

@@ -30,15 +30,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from algorithms.base import (
-    DataParallelStrategy,
-    StepStats,
-    StrategyConfig,
-    TrainSetup,
-    require_data_parallel,
-    unwrap,
-)
+from algorithms.base import DataParallelStrategy, unwrap
 from algorithms.compress import QUANTIZERS, bytes_per_element, make_codec
+from algorithms.contract import StepStats, StrategyConfig, TrainSetup, require_data_parallel
 from algorithms.ddp import clock_for, make_ddp
 from algorithms.memory import HOST, fsdp_terms, require_shard_ranks
 from algorithms.outer import WIRE_BYTES, WIRE_DTYPES, OuterOptimizer, RoundStats, replica_groups

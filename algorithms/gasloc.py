@@ -46,15 +46,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from algorithms.base import (
-    DataParallelStrategy,
-    StepStats,
-    StrategyConfig,
-    TrainSetup,
-    require_data_parallel,
-    unwrap,
-)
+from algorithms.base import DataParallelStrategy, unwrap
 from algorithms.comm import Communicator
+from algorithms.contract import StepStats, StrategyConfig, TrainSetup, require_data_parallel
 from algorithms.traffic import Traffic, Transfer, round_ends
 
 TOPOLOGIES = ("complete", "ring", "random-matching", "random-2peer")

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from algorithms.base import StepStats, TrainSetup
+from algorithms.contract import StepStats, TrainSetup
 from algorithms.ddp import make_ddp
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.outer import RoundStats

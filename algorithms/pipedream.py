@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from algorithms import schedule
-from algorithms.base import CriticalPath, TrainSetup
+from algorithms.contract import CriticalPath, TrainSetup
 from algorithms.delay import DelayCorrection, rebind_parameters
 from algorithms.pipeline import P2PRecorder
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy

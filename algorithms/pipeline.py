@@ -32,8 +32,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from algorithms.base import CriticalPath, TrainSetup, unwrap
+from algorithms.base import unwrap
 from algorithms.clocks import clock_for
+from algorithms.contract import CriticalPath, TrainSetup
 from algorithms.pipeline_base import PipelineConfigBase, PipelineStrategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # algorithms.base imports torch; this module does not need it
-    from algorithms.base import CriticalPath
+if TYPE_CHECKING:  # algorithms.contract imports torch; this module does not need it
+    from algorithms.contract import CriticalPath
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Traffic:
     data-parallel step's compute the rank does in that step (0 for an idle worker, a
     stage's share for pipelines); `phases`: consecutive step ranges inside which the
     traffic repeats every `period` steps (the what-if prices one period of each in steady
-    state); `critical_path`: a pipeline step's schedule (algorithms/base.py
+    state); `critical_path`: a pipeline step's schedule (algorithms/contract.py
     `CriticalPath`), priced as bench/network/pipeline.py does (None: op by op).
     """
 

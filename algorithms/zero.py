@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.base import StepStats, _microbatches
+from algorithms.base import _microbatches
 from algorithms.clocks import HostClock, clock_for
+from algorithms.contract import StepStats
 
 LOSS_SCALER, ZERO_STAGE, PARAM_SLICE_MAPPINGS = "loss_scaler", "zero_stage", "param_slice_mappings"
 """DeepSpeed's keys of the objects in a ZeRO-1/2 optimizer state (deepspeed.checkpoint

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from algorithms.base import STRATEGIES, StrategyConfig, config_class
+from algorithms.base import STRATEGIES, config_class
+from algorithms.contract import StrategyConfig
 from algorithms.delay import CORRECTIONS
 from bench.tracking import TrackingConfig
 from bench.typed import fail as _fail

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 
-from algorithms.base import CriticalPath, StepStats
+from algorithms.contract import CriticalPath, StepStats
 from algorithms.ledger import CommLedger, CommRecord
 from bench.network import Profile
 from bench.network.timeline import (

@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from algorithms.base import StepStats, TrainSetup, mean_loss, peak_memory_bytes, strategy_class
+from algorithms.base import mean_loss, peak_memory_bytes, strategy_class
 from algorithms.clocks import WALL, work_clock
 from algorithms.comm import Communicator
+from algorithms.contract import StepStats, TrainSetup
 from algorithms.ledger import CommLedger
 from bench import checkpoint
 from bench.batches import BatchStream, validation_set

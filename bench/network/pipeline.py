@@ -60,7 +60,7 @@ from dataclasses import replace
 import numpy as np
 
 from algorithms import schedule as ours
-from algorithms.base import CriticalPath
+from algorithms.contract import CriticalPath
 from algorithms.ledger import CommRecord
 from bench.network.costs import P2P
 

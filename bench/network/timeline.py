@@ -56,7 +56,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from algorithms.base import CriticalPath
+from algorithms.contract import CriticalPath
 from algorithms.ledger import CommRecord
 from bench.network.costs import wire_bytes
 from bench.network.model import exposed_s, link_keys, pricer

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from algorithms.base import CriticalPath
+from algorithms.contract import CriticalPath
 from algorithms.ledger import CommRecord
 from algorithms.traffic import ParamFact, Traffic, TrafficFacts, Transfer
 from bench.network.costs import COLLECTIVES, canonical_op
