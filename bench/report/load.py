@@ -2,9 +2,9 @@
 
 `load_results("results/quickstart")` finds every run directory (one holding config.yaml
 or summary.json; folders named `_*` or `.*`, such as a sweep's `_retired/`, are skipped),
-reads its files and returns `Results(runs, steps, warnings)`. A symbolic link to a
-directory is not followed: `warnings` names it and its target (and so does the error when
-no run is found):
+reads its files (defensively: bench/report/read.py) and returns `Results(runs, steps,
+warnings)`. A symbolic link to a directory is not followed: `warnings` names it and its
+target (and so does the error when no run is found):
 
 - `runs`: one row per run. Identity (run_id = the run directory relative to results_dir,
   config_hash, sweep, variant, label, group, seed, strategy), `status` (ok, failed,
@@ -60,8 +60,19 @@ from typing import Any
 import pandas as pd
 
 from bench import records
-from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
+from bench.config import NON_IDENTITY_KEYS, without_keys
 from bench.report import contention
+from bench.report.read import (
+    checked_rows,
+    checked_summary,
+    eval_samples,
+    flatten_eval,
+    is_number,
+    read_config,
+    read_json_or_none,
+    read_metrics,
+    rows_of_ok_run,
+)
 
 IDENTITY = ["run_id", "sweep", "variant", "label", "group", "seed", "strategy", "status"]
 STEP_COLUMNS = ["step", "tokens", "elapsed_s", "loss", "val_loss"]
@@ -97,7 +108,7 @@ class Results:
 
 def _update_delay(row: dict) -> int:
     """Steps by which a run's updates lag their gradients: `optim.delay` (the emulation),
-    or PipeDream-2BW's own `strategy.delay` (1 unless set), as algorithms.base
+    or PipeDream-2BW's own `strategy.delay` (1 unless set), as algorithms.contract
     StrategyConfig.update_delay says."""
     if row["optim.delay"]:
         return int(row["optim.delay"])
@@ -150,33 +161,6 @@ def _summary_alone(run: records.RunDir, warnings: list[str] | None) -> bool:
         warnings.append(f"{run.summary}: not a run's summary ({why}) and no config.yaml "
                         "beside it; looked for runs below it")
     return False
-
-
-def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
-    """metrics.jsonl rows; a torn last line (killed run) or a corrupt one is skipped with a
-    warning."""
-    return [row for row in records.read_jsonl(path, skipped=warnings) if isinstance(row, dict)]
-
-
-def _read_json(path: Path, warnings: list[str]) -> Any:
-    if not path.exists():
-        return None
-    try:
-        return records.read_json(path)
-    except (ValueError, OSError) as err:
-        reason = str(err).removeprefix(f"{path}: ")  # read_json's message names the file
-        warnings.append(f"{path}: unreadable ({reason}); treated as missing")
-        return None
-
-
-def _read_config(path: Path, warnings: list[str]) -> dict:
-    if not path.exists():
-        return {}
-    try:
-        return load_raw(path)
-    except (ValueError, OSError) as err:
-        warnings.append(str(err))  # load_raw's message names the file
-        return {}
 
 
 def recorded_val_set(summary: dict | None) -> str | None:
@@ -256,132 +240,10 @@ def _compared_config_key(config: dict, extra: tuple[str, ...] = ()) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
-def _flatten_eval(data: Any) -> dict[str, float]:
-    """Flat {"task/metric": value} from summary["eval"] or an lm-eval-style eval.json."""
-    if not isinstance(data, dict):
-        return {}
-    if isinstance(data.get("summary"), dict):
-        return _flatten_eval(data["summary"])
-    if isinstance(data.get("results"), dict):
-        data = data["results"]
-    flat: dict[str, float] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            for metric, v in value.items():
-                name = str(metric).split(",")[0]  # lm-eval's "acc,none" filter suffix
-                if "stderr" in name or not _is_number(v):
-                    continue
-                flat[f"{key}/{name}"] = float(v)
-        elif _is_number(value) and "stderr" not in str(key):
-            flat[str(key)] = float(value)
-    return flat
-
-
-def _eval_samples(data: Any) -> dict[str, float]:
-    """{task: items scored} from eval.json's `tasks` (eval/runner.py `num_samples`)."""
-    tasks = data.get("tasks") if isinstance(data, dict) else None
-    return {str(task): float(record["num_samples"]) for task, record in
-            (tasks.items() if isinstance(tasks, dict) else ())
-            if isinstance(record, dict) and _is_number(record.get("num_samples"))}
-
-
-def _is_number(value: Any) -> bool:
-    """A number as a record holds one: not a bool, finite and no larger in magnitude than
-    `LARGEST` (a crafted or corrupted 1e308 would overflow the statistics)."""
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and abs(value) <= LARGEST)
-
-
-LARGEST = 1e30
-"""No quantity commbench records (seconds, tokens, bytes, losses) comes near this."""
-SUMMARY_TYPES = {"status": str, "run_name": str, "strategy": str, "config_hash": str,
-                 "error": str, "eval_error": str, "started": str, "projected": dict,
-                 "val_set": dict, "eval": dict, "compute_clock": str, "device": str}
-"""summary.json fields the report reads that are not numbers, and their types."""
-
-
-def _checked_summary(summary: Any, path: Path, warnings: list[str]) -> dict | None:
-    """summary.json with every field the report reads of the right type: a field of
-    another type (a hand-edited or corrupted record) is dropped, with a warning, instead
-    of failing the report of every run."""
-    if summary is None:
-        return None
-    if not isinstance(summary, dict):
-        warnings.append(f"{path}: not a JSON object ({type(summary).__name__}); treated as "
-                        "missing")
-        return None
-    out = dict(summary)
-    for key, kind in SUMMARY_TYPES.items():
-        if key in out and out[key] is not None and not isinstance(out[key], kind):
-            warnings.append(f"{path}: {key} is not a {kind.__name__} (got "
-                            f"{out.pop(key)!r:.60}); treated as missing")
-    projected = out.get("projected") or {}
-    if any(not isinstance(v, dict) for v in projected.values()):
-        warnings.append(f"{path}: projected holds values that are not mappings; those "
-                        "profiles are treated as missing")
-        out["projected"] = {k: v for k, v in projected.items() if isinstance(v, dict)}
-    return out
-
-
-def _checked_rows(rows: list[dict], path: Path, warnings: list[str]) -> list[dict]:
-    """metrics.jsonl rows with an integer step >= 0, their numbers as `_is_number` reads
-    them (others NaN: a non-finite loss marks a diverged run and stays NaN), other keys
-    kept only when they are mappings of numbers (per-profile clocks, extra losses)."""
-    out, bad = [], 0
-    for row in rows:
-        step = row.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            bad += 1
-            continue
-        clean = {"step": step}
-        for key, value in row.items():
-            if key == "step":
-                continue
-            if isinstance(value, dict):
-                clean[key] = {k: v for k, v in value.items() if _is_number(v)}
-            elif isinstance(value, int | float) and not isinstance(value, bool):
-                clean[key] = float(value) if _is_number(value) else math.nan
-            else:
-                bad += 1
-        out.append(clean)
-    if bad:
-        warnings.append(f"{path}: {bad} rows or values are not a metrics row's (a step >= 0, "
-                        "numbers); skipped")
-    return out
-
-
-def _rows_of_ok_run(raw_rows: list[dict], rows: list[dict], summary: dict | None,
-                    path: Path, warnings: list[str]) -> list[dict]:
-    """The checked metrics `rows` of a run whose summary.json says ok, with a warning for
-    what such a run cannot hold (rows appended after it ended were read without a word):
-    a loss that is not finite (kept, read as missing like any other) and rows past the
-    steps summary.json records (left out: the report uses the recorded steps, curves and
-    time to target included)."""
-    bad = list(dict.fromkeys(
-        row.get("step") for row in raw_rows
-        if any(isinstance(row.get(k), float) and not math.isfinite(row[k])
-               for k in ("loss", "val_loss"))))
-    if bad:
-        warnings.append(f"{path}: loss or val_loss is not finite (NaN or Infinity) at "
-                        f"step{'s' * (len(bad) > 1)} {', '.join(map(str, bad[:5]))}"
-                        f"{' ...' * (len(bad) > 5)} of a run whose summary.json status is ok: "
-                        "rows appended after the run? The report reads those losses as "
-                        "missing and the run as ok")
-    recorded = (summary or {}).get("steps")
-    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 0:
-        return rows
-    past = [row["step"] for row in rows if row["step"] > recorded]
-    if past:
-        warnings.append(f"{path}: {len(past)} rows past the {recorded} steps summary.json "
-                        f"records (steps up to {max(past)}): appended after the run? The "
-                        f"report uses the {recorded} recorded steps and leaves those rows out")
-    return [row for row in rows if row["step"] <= recorded]
-
-
 def _nearest_sweep(run_dir: Path, root: Path, cache: dict, warnings: list[str]) -> dict | None:
     for parent in [run_dir.parent, *run_dir.parent.parents]:
         if parent not in cache:
-            cache[parent] = _read_json(parent / "sweep.json", warnings)
+            cache[parent] = read_json_or_none(parent / "sweep.json", warnings)
         if cache[parent] is not None:
             return cache[parent]
         if parent == root or root not in parent.parents:
@@ -405,10 +267,10 @@ def load_results(results_dir: str | os.PathLike) -> Results:
     run_rows, step_rows = [], []
     for run_dir in run_dirs:
         run = records.RunDir(run_dir)
-        config = _read_config(run.config, warnings)
-        summary = _checked_summary(_read_json(run.summary, warnings), run.summary, warnings)
+        config = read_config(run.config, warnings)
+        summary = checked_summary(read_json_or_none(run.summary, warnings), run.summary, warnings)
         raw_rows = read_metrics(run.metrics, warnings)
-        metrics = _checked_rows(raw_rows, run.metrics, warnings)
+        metrics = checked_rows(raw_rows, run.metrics, warnings)
         run_cfg = config.get("run", {}) if isinstance(config.get("run"), dict) else {}
         match = re.search(r"([0-9a-f]{12})$", run_dir.name)
         config_hash = (summary or {}).get("config_hash") or (match.group(1) if match else None)
@@ -447,7 +309,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
                 default if value is None else value)
         row["update_delay"] = _update_delay(row)
         row["delay_ref"] = f"{row['sweep']}#{_compared_config_key(config, _DELAY_KEYS)}"
-        row.update(contention.run_columns(summary, config, _read_json(run.env, warnings)))
+        row.update(contention.run_columns(summary, config, read_json_or_none(run.env, warnings)))
         row["projection_model"] = (summary or {}).get(
             "projection_model", "naive formulas, no overlap (record without projection_model)")
         network = config.get("network") if isinstance(config.get("network"), dict) else {}
@@ -456,7 +318,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
                         else str(links) if links else "this machine's own links")
         for key in SUMMARY_NUMBERS:
             value = (summary or {}).get(key)
-            row[key] = float(value) if _is_number(value) else math.nan
+            row[key] = float(value) if is_number(value) else math.nan
         series = (summary or {}).get("comm_bytes_series")
         row["comm_bytes_series"] = series if isinstance(series, list) else None
         for key in MEMORY_PER_RANK:
@@ -464,7 +326,7 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             row[key.removesuffix("_per_rank")] = (
                 float(max(values)) if isinstance(values, list) and values else math.nan)
         if row["status"] == "ok":
-            metrics = _rows_of_ok_run(raw_rows, metrics, summary, run.metrics, warnings)
+            metrics = rows_of_ok_run(raw_rows, metrics, summary, run.metrics, warnings)
         train = [m for m in metrics if "loss" in m]
         row["steps_done"] = max((m.get("step", 0) for m in metrics), default=0)
         if math.isnan(row["total_tokens"]) and metrics:
@@ -474,20 +336,20 @@ def load_results(results_dir: str | os.PathLike) -> Results:
             if profile not in profiles:
                 profiles.append(profile)
             for key, value in (values or {}).items():
-                if _is_number(value):
+                if is_number(value):
                     row[f"proj.{profile}.{key}"] = float(value)
-        eval_json = _read_json(run.eval, warnings)
-        evals = _flatten_eval((summary or {}).get("eval")) or _flatten_eval(eval_json)
+        eval_json = read_json_or_none(run.eval, warnings)
+        evals = flatten_eval((summary or {}).get("eval")) or flatten_eval(eval_json)
         for key, value in evals.items():
             row[f"eval.{key}"] = value
-        for task, samples in _eval_samples(eval_json).items():
+        for task, samples in eval_samples(eval_json).items():
             row[f"eval_n.{task}"] = samples
         run_rows.append(row)
         for m in metrics:
             m = dict(m)
             clock = m.pop("projected_elapsed_s", None)
             for profile, seconds in (clock.items() if isinstance(clock, dict) else ()):
-                if _is_number(seconds):
+                if is_number(seconds):
                     m[f"proj_elapsed.{profile}"] = float(seconds)
                     if profile not in profiles:
                         profiles.append(profile)

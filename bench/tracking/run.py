@@ -35,7 +35,7 @@ class TrackedRun:
 
     @classmethod
     def load(cls, run_dir: str | os.PathLike) -> TrackedRun:
-        from bench.report.load import _flatten_eval
+        from bench.report.read import flatten_eval
 
         run = RunDir(run_dir)
         config_yaml = run.config.read_text() if run.config.exists() else ""
@@ -50,9 +50,9 @@ class TrackedRun:
         group = sweep_record.get("name") if isinstance(sweep_record, dict) else None
         if group is not None:  # a folder of the TensorBoard sink, a W&B/MLflow group
             check_name(f"{sweep}: name", group, "the tracker's group of the sweep's runs")
-        evals = _flatten_eval(summary.get("eval"))
+        evals = flatten_eval(summary.get("eval"))
         if not evals and run.eval.exists():
-            evals = _flatten_eval(records.read_json(run.eval))
+            evals = flatten_eval(records.read_json(run.eval))
         return cls(path=run.path.absolute(), name=run.path.name, group=group, config=config,
                    config_yaml=config_yaml, config_hash=summary.get("config_hash"),
                    strategy=str(summary.get("strategy") or _strategy_name(config)),
