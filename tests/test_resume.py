@@ -17,39 +17,15 @@ import os
 import pytest
 import torch
 
+from tests import strategies
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, params_of
 from tests.local_updates import make_trainer
 
-CASES = {
-    "ddp": ("configs/ddp-tiny.yaml", ["run.steps=6", "checkpoint.every=3"], 3),
-    "diloco": ("configs/diloco-tiny.yaml",  # H = 4, checkpoint at 6: mid-round
-               ["run.steps=8", "strategy.inner_steps=4", "checkpoint.every=6",
-                "strategy.offload_outer=true"], 6),
-    "pier": ("configs/pier-tiny.yaml",  # lazy start 2 steps (one fill), outer steps at 4, 6, 8
-             ["run.steps=8", "strategy.inner_steps=2", "strategy.warmup_fraction=0.25",
-              "checkpoint.every=5"], 5),
-    "gasloc": ("configs/gasloc-tiny.yaml",  # rounds of 2, worker 1 idles; checkpoint mid-round
-               ["run.steps=8", "strategy.inner_steps=[2, 1]", "checkpoint.every=5"], 5),
-}
-LONG = ["run.steps=44", "checkpoint.every=23", "run.log_every=10", "run.val_every=20"]
-FOUR_RANKS = {  # case -> (config, overrides, checkpoint step)
-    "ddp": ("configs/ddp-tiny.yaml", ["run.steps=12", "checkpoint.every=7",
-                                      "run.log_every=5"], 7),
-}
-FOUR_RANKS_LONG = {
-    "ddp": ("configs/ddp-tiny.yaml", LONG, 23),
-    "ddp-delayed-predict": ("configs/ddp-tiny.yaml", [*LONG, "optim.name=muon", "optim.delay=1",
-                                                      "optim.delay_correction=predict"], 23),
-    "zero2": ("configs/ddp-tiny.yaml", [*LONG, "strategy.backend=deepspeed",
-                                        "strategy.zero_stage=2"], 23),
-    "diloco-groups": ("configs/diloco-tiny.yaml", [*LONG, "parallel.group_size=2",
-                                                   "strategy.inner_steps=5"], 23),
-    "pier-groups": ("configs/pier-tiny.yaml", [*LONG, "parallel.group_size=2",
-                                               "strategy.inner_steps=5"], 23),
-    "gasloc": ("configs/gasloc-tiny.yaml", [*LONG, "strategy.inner_steps=5"], 23),
-    "2bw": ("configs/2bw-tiny.yaml", [*LONG, "parallel.num_microbatches=2"], 23),
-}
+
+def launch_timeout(case) -> int:
+    """Seconds for a case's launch: 2 ranks 130, 4 ranks 280, a slow one (44 steps) 880."""
+    return 880 if case.slow else 130 if case.ranks <= 2 else 280
 
 
 def straight_then_resumed(rank, world_size, config, overrides, run_dir):
@@ -79,21 +55,20 @@ def own_model(strategy):
     return getattr(strategy, "model", None) or strategy.eval_model()
 
 
-RESUMES = [  # (ranks, case, its table, timeout s): 2 ranks, 4 ranks, 4 ranks over 44 steps
-    *[pytest.param(2, c, CASES, 130, id=f"2-{c}", marks=pytest.mark.timeout(150))
-      for c in CASES],
-    *[pytest.param(4, c, FOUR_RANKS, 280, id=f"4-{c}", marks=pytest.mark.timeout(300))
-      for c in FOUR_RANKS],
-    *[pytest.param(4, c, FOUR_RANKS_LONG, 880, id=f"4-{c}-44-steps",
-                   marks=[pytest.mark.slow, pytest.mark.timeout(900)])
-      for c in FOUR_RANKS_LONG],
+RESUMES = [  # (ranks, config, overrides, checkpoint step, timeout s): tests/strategies.py
+    pytest.param(case.ranks, strategies.config_of(entry, case), list(case.overrides),
+                 case.checkpoint_step, launch_timeout(case), id=case_id,
+                 marks=[pytest.mark.timeout(launch_timeout(case) + 20),
+                        *([pytest.mark.slow] if case.slow else [])])
+    for case_id, (entry, case) in sorted(strategies.cases("resume").items(),
+                                         key=lambda item: (item[1][1].slow, item[1][1].ranks))
 ]
 
 
-@pytest.mark.parametrize("world, case, table, timeout", RESUMES)
-def test_resumed_run_ends_with_the_same_parameters(tmp_path, world, case, table, timeout):
+@pytest.mark.parametrize("world, config, overrides, checkpoint_step, timeout", RESUMES)
+def test_resumed_run_ends_with_the_same_parameters(tmp_path, world, config, overrides,
+                                                   checkpoint_step, timeout):
     """Bit for bit: the evaluated model and this rank's own, and really from the checkpoint."""
-    config, overrides, checkpoint_step = table[case]
     results = run_distributed(straight_then_resumed, world, config, overrides, str(tmp_path),
                               timeout=timeout)
     for straight, resumed, resumed_own, step, straight_own in results:
@@ -104,19 +79,9 @@ def test_resumed_run_ends_with_the_same_parameters(tmp_path, world, case, table,
 
 # ------------------------------------------------------------------------ stop signals
 
-STOPS = {  # family -> (config, overrides): a stop asked on rank 1 in step 5, rows every 4
-    "data-parallel": ("configs/ddp-tiny.yaml", ["run.steps=10", "run.log_every=4"]),
-    # ranks free-run a round: the other rank may be at its end (8) when it hears the stop;
-    # rows every 5, so that any stop step (6, 7 or 8) is off the rows' grid
-    "outer-step": ("configs/diloco-tiny.yaml", ["run.steps=10", "strategy.inner_steps=4",
-                                                "run.log_every=5"]),
-    "gossip": ("configs/gasloc-tiny.yaml", ["run.steps=10", "strategy.inner_steps=3",
-                                            "run.log_every=4"]),
-    "pipeline": ("configs/2bw-tiny.yaml", ["run.steps=10", "parallel.num_microbatches=2",
-                                           "run.log_every=4"]),
-    "delayed-optimizer": ("configs/ddp-tiny.yaml", ["run.steps=10", "run.log_every=4",
-                                                    "optim.delay=1", "optim.delay_correction=ef"]),
-}
+STOPS = {  # family -> (config, overrides): a stop asked on rank 1 in step 5 (tests/strategies.py)
+    family: (strategies.config_of(entry, case), list(case.overrides))
+    for family, (entry, case) in strategies.cases("stop").items()}
 
 
 def straight_stopped_resumed(rank, world_size, config, overrides, base):
@@ -152,8 +117,8 @@ def straight_stopped_resumed(rank, world_size, config, overrides, base):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("family", [  # ~30 s each: one family in the default tests
-    family if family == "data-parallel" else pytest.param(family, marks=pytest.mark.slow)
-    for family in STOPS])
+    pytest.param(family, marks=[pytest.mark.slow] if case.slow else [])
+    for family, (_, case) in strategies.cases("stop").items()])
 def test_a_stop_signal_checkpoints_where_all_ranks_agree_and_resumes_bit_exact(tmp_path,
                                                                              family):
     """bench/stop.py: one rank's SIGTERM stops every rank at one step boundary (the first

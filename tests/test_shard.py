@@ -22,18 +22,16 @@ import pytest
 import torch
 
 from algorithms.shard import local
+from tests import strategies
 from tests.distributed import run_distributed
 from tests.helpers import assert_bad_config, assert_same_params, max_change
 from tests.local_updates import make_trainer
 
 SGD = ["optim.name=sgd", "optim.lr=0.5", "optim.momentum=0.9", "optim.grad_clip=0.5",
        "run.steps=4"]
-PAIRS = {
-    "ddp": ("configs/ddp-tiny.yaml", ["model.arch=llama"]),
-    "diloco": ("configs/diloco-tiny.yaml", ["parallel.group_size=2", "strategy.inner_steps=2"]),
-    "pier": ("configs/pier-tiny.yaml", ["parallel.group_size=2", "strategy.inner_steps=2",
-                                        "strategy.warmup_fraction=0.25"]),
-}
+PAIRS = {  # (config, overrides): every strategy that shards (tests/strategies.py `fsdp`)
+    name: (strategies.config_of(entry, case), list(case.overrides))
+    for name, (entry, case) in strategies.cases("fsdp").items()}
 
 
 def _full_parameters(trainer) -> dict[str, torch.Tensor]:
@@ -105,11 +103,9 @@ def test_ledger_holds_fsdp_collectives_and_sharded_outer_bytes(pairs):
 # ---------------------------------------------------------------------- resume
 
 
-RESUME = {  # (config, overrides, the checkpoint's step)
-    "ddp": ("configs/ddp-tiny.yaml", ["run.steps=6", "checkpoint.every=3"], 3),
-    "diloco": ("configs/diloco-tiny.yaml", ["run.steps=8", "strategy.inner_steps=4",
-                                            "checkpoint.every=6", "parallel.group_size=2"], 6),
-}
+RESUME = {  # (config, overrides, the checkpoint's step): tests/strategies.py `fsdp_resume`
+    name: (strategies.config_of(entry, case), list(case.overrides), case.checkpoint_step)
+    for name, (entry, case) in strategies.cases("fsdp_resume").items()}
 
 
 def _straight_then_resumed(rank, world_size, root):
