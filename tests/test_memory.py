@@ -200,9 +200,10 @@ def _measure(rank, world_size, name, root):
     return summary
 
 
-DEFAULT_LAYOUTS = ("diloco-fsdp-llama", "2bw")
-"""In the default suite (a launch each, ~30 s on a loaded 2-core machine); the others run
-under `pytest -m slow`."""
+DEFAULT_LAYOUTS = tuple(name for name, (_, case) in strategies.cases("memory").items()
+                        if not case.slow)
+"""In the default suite (a launch each, ~30 s on a loaded 2-core machine): diloco-fsdp-llama
+and 2bw; the others run under `pytest -m slow`."""
 
 
 @pytest.mark.timeout(900)
