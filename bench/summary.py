@@ -11,6 +11,7 @@ bench/meter.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -269,3 +270,16 @@ def progress_line(row: dict, steps: int) -> str:
     tps = tokens_per_step / row["step_s"] if row["step_s"] else 0.0
     return (f"PROGRESS step {row['step']}/{steps} loss {row['loss']:.4f} "
             f"tok/s {tps:,.0f} comm {share:.0%}")
+
+
+def nonfinite_loss_steps(rows: list[dict]) -> str | None:
+    """The steps of metrics rows whose loss or val_loss is a float that is not finite (NaN,
+    Infinity), as words ("steps 4, 6"; at most five named), or None: what a run recorded ok
+    cannot hold (rows appended after it; the report and `track` warn)."""
+    bad = list(dict.fromkeys(row.get("step") for row in rows
+                             if any(isinstance(row.get(k), float) and not math.isfinite(row[k])
+                                    for k in ("loss", "val_loss"))))
+    if not bad:
+        return None
+    return (f"step{'s' * (len(bad) > 1)} {', '.join(map(str, bad[:5]))}"
+            f"{' ...' * (len(bad) > 5)}")

@@ -20,6 +20,7 @@ from typing import Any
 
 from bench import records
 from bench.config import load_raw
+from bench.summary import nonfinite_loss_steps
 
 
 def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
@@ -152,16 +153,11 @@ def rows_of_ok_run(raw_rows: list[dict], rows: list[dict], summary: dict | None,
     a loss that is not finite (kept, read as missing like any other) and rows past the
     steps summary.json records (left out: the report uses the recorded steps, curves and
     time to target included)."""
-    bad = list(dict.fromkeys(
-        row.get("step") for row in raw_rows
-        if any(isinstance(row.get(k), float) and not math.isfinite(row[k])
-               for k in ("loss", "val_loss"))))
+    bad = nonfinite_loss_steps(raw_rows)
     if bad:
-        warnings.append(f"{path}: loss or val_loss is not finite (NaN or Infinity) at "
-                        f"step{'s' * (len(bad) > 1)} {', '.join(map(str, bad[:5]))}"
-                        f"{' ...' * (len(bad) > 5)} of a run whose summary.json status is ok: "
-                        "rows appended after the run? The report reads those losses as "
-                        "missing and the run as ok")
+        warnings.append(f"{path}: loss or val_loss is not finite (NaN or Infinity) at {bad} "
+                        "of a run whose summary.json status is ok: rows appended after the "
+                        "run? The report reads those losses as missing and the run as ok")
     recorded = (summary or {}).get("steps")
     if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 0:
         return rows

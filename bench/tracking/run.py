@@ -4,7 +4,6 @@ which hands it to the sinks (bench/tracking/sinks.py)."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from bench import records
 from bench.records import RunDir, status_of
+from bench.summary import nonfinite_loss_steps
 from bench.typed import check_name, flatten
 
 
@@ -67,13 +67,10 @@ class TrackedRun:
         if self.status != "ok":
             return []
         out = []
-        bad = list(dict.fromkeys(r["step"] for r in self.rows
-                                 if any(isinstance(r.get(k), float) and not math.isfinite(r[k])
-                                        for k in ("loss", "val_loss"))))
+        bad = nonfinite_loss_steps(self.rows)
         if bad:
             out.append(f"{self.path / 'metrics.jsonl'}: a finished ok run with a loss that "
-                       f"is not finite (NaN or Infinity) at step{'s' * (len(bad) > 1)} "
-                       f"{', '.join(map(str, bad[:5]))}{' ...' * (len(bad) > 5)}: rows "
+                       f"is not finite (NaN or Infinity) at {bad}: rows "
                        "written after the run? (not sent: sinks take finite numbers only)")
         recorded = self.summary.get("steps")
         if isinstance(recorded, int) and not isinstance(recorded, bool):
