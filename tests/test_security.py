@@ -281,11 +281,14 @@ def test_track_never_writes_outside_the_sinks_directory(tmp_path, record, capsys
         write_json(run.tracking, {f"tensorboard:{tb}": {"handle": "../escaped/x",
                                                          "attempt": run.read_summary()[
                                                              "started"]}})
-    else:
+        assert track(tmp_path / "results", "tensorboard", [f"dir={tb}"]) >= 1
+        assert "not a path inside" in capsys.readouterr().err
+    else:  # the name rule refuses the sweep's name before anything is sent (issue 49)
         sweep = json.loads((run.path.parent / "sweep.json").read_text())
         write_json(run.path.parent / "sweep.json", {**sweep, "name": "../escaped"})
-    assert track(tmp_path / "results", "tensorboard", [f"dir={tb}"]) >= 1
-    assert "not a path inside" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="nothing sent.*'../escaped'"):
+            track(tmp_path / "results", "tensorboard", [f"dir={tb}"])
+        assert not tb.exists()
     assert not escape.exists()
 
 
