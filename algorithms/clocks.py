@@ -50,11 +50,13 @@ class HostClock:
     waits_cost_work = False
     """A wait (for a peer, the network, a core) advances `work()` marks not at all."""
 
+    def __init__(self):
+        self.work: Callable[[], float] = work_clock(torch.device("cpu"))[1]
+        """A `work()` mark: the CPU-time function chosen once, as the loop's own (torch's
+        threads are set before any strategy makes its clock)."""
+
     def mark(self) -> float:
         return time.perf_counter()
-
-    def work(self) -> float:
-        return work_clock(torch.device("cpu"))[1]()
 
     def seconds(self, start: float, end: float) -> float:
         return end - start
