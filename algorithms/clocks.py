@@ -24,22 +24,24 @@ from collections.abc import Callable
 
 import torch
 
-THREAD_CPU, PROCESS_CPU, WALL = "thread_cpu", "process_cpu", "wall"
+THREAD_CPU, WALL = "thread_cpu", "wall"
 """`work_clock` names, as summary.json's `compute_clock` records them."""
+CONTENTION_FREE = (THREAD_CPU,)
+"""The clocks whose compute holds no wait for a core (the report and the what-if ask)."""
 
 
 def work_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
     """(name, seconds function) of the clock a rank's compute on `device` is measured on.
 
     CPU: the calling thread's CPU time when torch computes on it alone (one intra-op
-    thread: what the launcher sets for ranks that share the cores), else the process's
-    (its intra-op workers too; gloo's threads, whose reductions and copies are a small
-    part of a step, then count as compute). CUDA: the wall clock (module docstring)."""
-    if device.type != "cpu":
-        return WALL, time.perf_counter
-    if torch.get_num_threads() == 1:
+    thread: what the loop sets where ranks share the cores). With several intra-op
+    threads each rank has cores of its own (bench/train.py gives a rank cores / local
+    ranks threads), so there is no wait for a core to remove, and the process's CPU time
+    would add up its threads (2 threads: twice the compute): the wall clock. CUDA: the
+    wall clock (module docstring)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
         return THREAD_CPU, time.thread_time
-    return PROCESS_CPU, time.process_time
+    return WALL, time.perf_counter
 
 
 class HostClock:

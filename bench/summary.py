@@ -151,9 +151,9 @@ class Summary:
     the launcher's local size)."""
     compute_clock: str | None = None
     """What every compute figure of the run was measured on (bench/meter.py, Compute clock):
-    `thread_cpu` (a CPU rank's own thread's CPU time: torch on one thread), `process_cpu`
-    (its process's: torch on several), or `wall` (step seconds minus exposed communication:
-    CUDA). None in records made before it was recorded (they are `wall`)."""
+    `thread_cpu` (a CPU rank's own thread's CPU time: torch on one thread) or `wall` (step
+    seconds minus exposed communication: CUDA, and CPU ranks with cores of their own).
+    None in records made before it was recorded (they are `wall`)."""
     ranks_per_core: float | None = None
     """CPU devices: this node's ranks over the cores they may use (bench/env.py). Above 1
     the ranks wait for cores: measured wall times (wall_s, throughput, comm_s) hold those

@@ -10,7 +10,6 @@ error, gaps) come from the quickstart's runs and are recorded in docs/cpu-scale.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -106,6 +105,6 @@ def test_quickstart_decides_on_the_cpu_scale():
     assert len(spec.runs) == 4 * len(seeds)
     for run in spec.runs:
         assert run.config.model.preset == "cpu" and run.config.data.corpus == "shakespeare"
-        assert run.config.parallel.world_size <= max(2, os.cpu_count() or 1)
+        assert run.config.parallel.world_size <= 2  # ranks <= cores on a 2-core laptop
     assert spec.target_loss is not None
     assert spec.executor.max_parallel == 1  # one run at a time: 2 ranks fill 2 cores

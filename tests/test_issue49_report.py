@@ -165,7 +165,6 @@ def test_whatif_refuses_wall_clock_compute_on_shared_cores(tmp_path, capsys, clo
 
 @pytest.mark.parametrize("summary", [
     {"ranks_per_core": 2.0, "compute_clock": "thread_cpu"},
-    {"ranks_per_core": 2.0, "compute_clock": "process_cpu"},
     {"ranks_per_core": 1.0, "compute_clock": "wall"},
     {"ranks_per_core": 0.5},
     {"ranks_per_core": None, "compute_clock": "wall"},  # a GPU run

@@ -7,7 +7,7 @@ measured on the wall clock (summary.json `compute_clock: wall`, and every record
 before `compute_clock` was recorded) counts those waits as compute, and the projections
 price that compute on every network profile: such projections are not contention-free
 and the report marks every projected figure of the run (‡). A run whose compute is CPU
-time (`thread_cpu`, or `process_cpu`: CPU time does not run while a thread waits for a
+time (`thread_cpu`: CPU time does not run while a thread waits for a
 core) projects fine, but its measured clock (wall seconds, throughput, measured speedups)
 still shares cores: the report marks its measured figures (†). GPU runs (CUDA, one
 device per rank) record no ranks per core and are never marked.
@@ -26,7 +26,9 @@ from typing import Any
 
 import pandas as pd
 
-CPU_CLOCKS = ("thread_cpu", "process_cpu")
+from algorithms.clocks import CONTENTION_FREE
+
+CPU_CLOCKS = CONTENTION_FREE
 """compute_clock values measured on CPU time: free of waiting for a core."""
 PROJECTED_MARK, MEASURED_MARK = "‡", "†"
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from algorithms.clocks import CONTENTION_FREE
 from bench.network.profiles import Profile, Tier, get_profile, parse_bandwidth, parse_latency
 from bench.network.profiles import sites_profile as make_sites_profile
 from bench.typed import check_name, fail, from_mapping, load_yaml_mapping, set_override
@@ -291,11 +292,11 @@ def _check_uncontended(run_dir: str | Path, summary: dict) -> None:
     per_core, clock = summary.get("ranks_per_core"), summary.get("compute_clock")
     shared = (isinstance(per_core, int | float) and not isinstance(per_core, bool)
               and per_core > 1)
-    if shared and clock in (None, "wall"):
+    if shared and clock not in CONTENTION_FREE:
         raise ValueError(
             f"{str(run_dir)!r}: its compute was measured on the wall clock while ranks "
             f"shared cores (summary.json ranks_per_core {per_core:g} > 1, compute_clock "
             f"{'not recorded' if clock is None else repr(clock)}): its compute per step "
             "holds the ranks' waits for a core, which the what-if would price as compute. "
             "Re-run it with no more ranks than cores, or on CPU time (run.compute_clock: "
-            "auto, the default: compute_clock thread_cpu or process_cpu)")
+            "auto, the default: compute_clock thread_cpu)")
