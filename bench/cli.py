@@ -57,7 +57,7 @@ def _cmd_run(args) -> int:
     """`commbench run`: a new run, `--run-dir DIR`, or `--resume DIR` (what each promises:
     bench/launch.py's docstring and the README's "Resume and run directories")."""
     from bench.config import load_config
-    from bench.preflight import check_output_dir, preflight
+    from bench.config.preflight import check_output_dir, preflight
     from bench.records import RunDir
 
     if args.resume:
@@ -203,7 +203,7 @@ def _cmd_track(args) -> int:
 
 
 def _cmd_data_prepare(args) -> int:
-    from bench.config_schema import DataConfig
+    from bench.config.schema import DataConfig
     from bench.data import prepare
 
     cache_dir = args.cache_dir or DataConfig().cache_dir  # where runs look by default

@@ -43,10 +43,10 @@ import pandas as pd
 
 from bench import records
 from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
+from bench.config.typed import flatten
 from bench.report import figures, render
 from bench.report.load import load_results
 from bench.report.stats import mean_interval, ratio_interval
-from bench.typed import flatten
 
 SIDES = "ABCDEFGHIJ"
 LOSSES = (("loss", "train"), ("val_loss", "val"))

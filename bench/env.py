@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from bench.config_schema import Config, StragglerConfig
+    from bench.config.schema import Config, StragglerConfig
 
 
 def git_identity(repo: Path) -> dict:

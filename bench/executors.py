@@ -65,7 +65,7 @@ from bench.stop import stop_signals
 
 @dataclass
 class ExecutorSpec:
-    """The `executor:` section of a sweep spec (read by bench/typed.py like run configs)."""
+    """The `executor:` section of a sweep spec (read by bench/config/typed.py like run configs)."""
 
     name: Literal["local", "slurm"] = "local"
     """local (this machine) or slurm (submitit)."""
@@ -181,7 +181,7 @@ class LocalExecutor(Executor):
     """This machine: one run at a time, or `max_parallel` at once."""
 
     def prepare(self, tasks: list[Task]) -> set[str]:
-        from bench.preflight import check_device
+        from bench.config.preflight import check_device
 
         for task in tasks:  # a config this machine cannot run fails the sweep, not the run
             check_device(task.config)
@@ -201,7 +201,7 @@ def gpu_blocks(configs: list[Config], max_parallel: int) -> list[str] | None:
 
     import torch
 
-    from bench.preflight import runs_on_cuda
+    from bench.config.preflight import runs_on_cuda
 
     on_cuda = [c for c in configs if runs_on_cuda(c)]
     if max_parallel <= 1 or not on_cuda:

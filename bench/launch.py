@@ -63,13 +63,13 @@ from pathlib import Path
 
 from bench import checkpoint, torchrun
 from bench.config import Config, config_hash, identity_dict, load_config, to_yaml
+from bench.config.preflight import check_gpus, check_output_dir
+from bench.config.typed import flatten
 from bench.data import cached_corpus, corpus_identity, same_data
 from bench.failure import error_text
-from bench.preflight import check_gpus, check_output_dir
 from bench.records import DONE_STATUSES, NO_SPACE, RunDir, status_of, write_text
 from bench.stop import Stopped, Terminated, relaying, stop_received, stop_signals
 from bench.summary import running_header
-from bench.typed import flatten
 
 
 def new_run_dir(cfg: Config) -> Path:

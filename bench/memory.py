@@ -287,8 +287,8 @@ def saved_activation_bytes(layers: list[nn.Module], batch: int, seq_len: int, wi
 
 
 def _meta_model(cfg):
+    from bench.data.tokenizers import get_tokenizer
     from bench.model import build_model, config_of
-    from bench.tokenizers import get_tokenizer
 
     model_cfg = config_of(cfg.model, get_tokenizer(cfg.data.tokenizer).vocab_size)
     # a build draws its init seed from the global RNG: planning must not move the stream

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from algorithms.delay import DelayedOptimizer, rebind_parameters
-from bench.config_schema import OPTIMIZERS, Config, OptimConfig
+from bench.config.schema import OPTIMIZERS, Config, OptimConfig
 from bench.model import hidden_matrices
 
 

@@ -111,7 +111,7 @@ class Summary:
     best_val_loss: float | None = None
     val_set: dict | None = None
     """The validation set every val_loss is the exact mean over: {id, sequences, seq_len,
-    tokens} (bench/batches.py `ValidationSet.record`; tokens = positions scored). Losses
+    tokens} (bench/data/batches.py `ValidationSet.record`; tokens = positions scored). Losses
     compare only between runs with the same `id`; records without it predate it."""
     final_val_loss_extra: dict[str, float] = field(default_factory=dict)
     """Final validation loss of each extra eval model, recorded as final_val_loss_NAME."""

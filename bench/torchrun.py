@@ -18,6 +18,9 @@ word. So the caller says what it waits for at once, each rank prints `STARTED` f
 thing (torchrun starts the ranks once the rendezvous is complete), and a torchrun whose
 ranks have not started within `start_timeout_s` is stopped: the caller reports a
 rendezvous that did not complete, naming the endpoint and the setting that bounds it.
+
+The options `command` sets, which `launch.torchrun_args` may not hold: bench/config/checks.py
+`SET_BY_COMMBENCH`, checked when the config is read.
 """
 
 from __future__ import annotations
@@ -53,31 +56,6 @@ def command(module: str, module_args: Sequence[str], nproc_per_node: int, nnodes
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}", f"--rdzv-conf=join_timeout={int(rdzv_timeout_s)}"]
     return cmd + list(extra) + ["-m", module, *module_args]
-
-
-SET_BY_COMMBENCH = {
-    "--nproc-per-node": "parallel.world_size / launch.nnodes", "--nnodes": "launch.nnodes",
-    "--standalone": "launch.nnodes: 1 without launch.rdzv_endpoint",
-    "--rdzv": "launch.rdzv_endpoint, launch.rdzv_timeout_s", "--node-rank": "the rendezvous",
-    "--master-addr": "the rendezvous", "--master-port": "the rendezvous",
-    "--no-python": "commbench (it runs -m bench.train)",
-    "--run-path": "commbench (it runs -m bench.train)", "-m": "commbench (-m bench.train)",
-    "--module": "commbench (-m bench.train)",
-}
-"""torchrun options commbench sets itself, and the config keys they come from."""
-
-
-def check_extra_args(args: Sequence[str], key: str = "launch.torchrun_args") -> None:
-    """ValueError naming `key`, the argument and the config key behind it when `args`
-    holds an option commbench sets (a contradicting --nproc-per-node would start another
-    number of ranks than parallel.world_size under the same config hash)."""
-    for i, arg in enumerate(args):
-        option = arg.split("=", 1)[0].replace("_", "-")
-        for reserved, source in SET_BY_COMMBENCH.items():
-            if option == reserved or (reserved == "--rdzv" and option.startswith("--rdzv")):
-                raise ValueError(
-                    f"{key}[{i}] {arg!r}: commbench sets {reserved} itself, from {source}; "
-                    "valid: other torchrun options (e.g. --max-restarts=0, --log-dir=DIR)")
 
 
 def check_loopback() -> None:

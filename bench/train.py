@@ -43,9 +43,10 @@ from algorithms.comm import Communicator
 from algorithms.contract import StepStats, TrainSetup
 from algorithms.ledger import CommLedger
 from bench import checkpoint
-from bench.batches import BatchStream, validation_set
 from bench.config import Config, from_dict, load_raw
 from bench.data import load_corpus
+from bench.data.batches import BatchStream, validation_set
+from bench.data.tokenizers import get_tokenizer
 from bench.env import (
     capture_env,
     cores_available,
@@ -75,7 +76,6 @@ from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
 from bench.records import RunDir, write_json, write_jsonl, write_text
 from bench.stop import StopRequest, die_with_parent, handle_signals
 from bench.summary import Projection, Summary, progress_line, train_row, val_row
-from bench.tokenizers import get_tokenizer
 from bench.torchrun import announce_start
 
 __all__ = ["TRAIN_PHASES", "Trainer", "lr_at", "make_optimizer_factory", "main"]

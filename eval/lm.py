@@ -25,9 +25,9 @@ from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 from bench.checkpoint import load_payload
+from bench.data.tokenizers import get_tokenizer
 from bench.model import CausalLM, build_model, config_from_dict
 from bench.records import RunDir
-from bench.tokenizers import get_tokenizer
 
 logger = logging.getLogger(__name__)
 

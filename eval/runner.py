@@ -208,7 +208,7 @@ def check_device(device: str) -> None:
 def eval_device(cfg: Config) -> str:
     """Where a run's self-evaluation runs: the device the run trained on (its first GPU:
     `launch.cuda_visible_devices`' first, numbered as this process sees it), else CPU."""
-    from bench.preflight import runs_on_cuda
+    from bench.config.preflight import runs_on_cuda
 
     if not runs_on_cuda(cfg):
         return "cpu"

@@ -94,7 +94,7 @@ def select_tasks(suite: Suite, tasks: list[str] | None) -> list[str]:
 def _held_out_split(data_cfg: dict):
     """(uint16 held-out tokens, tokenizer, corpus identity) of the run's corpus."""
     from bench.data import load_corpus
-    from bench.tokenizers import get_tokenizer
+    from bench.data.tokenizers import get_tokenizer
 
     for key in ("corpus", "tokenizer", "cache_dir"):
         if data_cfg.get(key) is None:

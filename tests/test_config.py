@@ -1,4 +1,4 @@
-"""Config parsing, overrides, validation and identity (bench/config.py, `commbench run`)."""
+"""Config parsing, overrides, validation and identity (bench/config/__init__.py, `commbench run`)."""
 
 import subprocess
 import sys
@@ -14,7 +14,7 @@ from bench.config import (
     load_config,
     to_dict,
 )
-from bench.config_schema import ModelConfig
+from bench.config.schema import ModelConfig
 from tests.helpers import assert_bad_config
 
 DDP_TINY = "configs/ddp-tiny.yaml"
@@ -120,7 +120,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_the_typed_engine_reads_any_dataclass():
     from dataclasses import dataclass, field
 
-    from bench.typed import from_mapping
+    from bench.config.typed import from_mapping
 
     @dataclass
     class Inner:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.batches import validation_set
 from bench.config import load_config
 from bench.data import load_corpus
+from bench.data.batches import validation_set
 from bench.model import build_model
 from bench.model.presets import LLAMA_PRESETS, PRESETS, model_config
 from bench.sweep.spec import load_spec

@@ -1,4 +1,4 @@
-"""Tests for bench/data.py: tokenizers, corpora and their cache, batch streams."""
+"""Tests for bench/data/__init__.py: tokenizers, corpora and their cache, batch streams."""
 
 import hashlib
 import importlib.util
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.batches import BatchStream, validation_set
 from bench.data import load_corpus, prepare
-from bench.tokenizers import get_tokenizer
+from bench.data.batches import BatchStream, validation_set
+from bench.data.tokenizers import get_tokenizer
 
 
 # ------------------------------------------------------------------------ tokenizers

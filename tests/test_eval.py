@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
 from bench.config import load_config
+from bench.data.tokenizers import get_tokenizer
 from bench.model import GPT, GPTConfig
 from bench.records import RunDir
-from bench.tokenizers import get_tokenizer
 from eval.export import export_hf
 from eval.lm import CommbenchLM, score_windows
 from eval.runner import evaluate_run, self_evaluate

@@ -18,12 +18,12 @@ import torch
 from algorithms.base import TrainSetup
 from algorithms.comm import Communicator
 from algorithms.gasloc import GASLoC, GASLoCConfig, gossip_mix, mixing_weights, round_peers
-from bench.batches import BatchStream
 from bench.config import load_config
 from bench.data import load_corpus
+from bench.data.batches import BatchStream
+from bench.data.tokenizers import get_tokenizer
 from bench.model import GPT, gpt_config
 from bench.records import RunDir, read_jsonl
-from bench.tokenizers import get_tokenizer
 from bench.train import TRAIN_PHASES, Trainer, lr_at, make_optimizer_factory
 from tests.distributed import run_distributed
 from tests.helpers import assert_bad_config, assert_same_params, max_change

@@ -882,7 +882,7 @@ def fake_cuda(monkeypatch, count: int) -> None:
 
 def test_more_ranks_per_node_than_gpus_is_refused_where_torchrun_starts(monkeypatch):
     from bench.config import load_config
-    from bench.preflight import check_device, check_gpus
+    from bench.config.preflight import check_device, check_gpus
 
     fake_cuda(monkeypatch, 4)
     eight = load_config("configs/ddp-tiny.yaml", ["parallel.world_size=8"])
@@ -905,7 +905,7 @@ def test_gloo_with_cuda_tensors_is_refused():
 
 def test_gloo_on_a_gpu_machine_with_device_auto_is_refused(monkeypatch):
     from bench.config import load_config
-    from bench.preflight import check_device
+    from bench.config.preflight import check_device
 
     fake_cuda(monkeypatch, 4)
     with pytest.raises(ValueError, match="gloo cannot send"):

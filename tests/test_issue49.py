@@ -343,7 +343,8 @@ def test_deepspeed_backend_without_deepspeed_is_refused_before_launch(monkeypatc
     after launch; preflight refuses it, naming the key and what to do."""
     import importlib.util
 
-    from bench.config import load_config, preflight
+    from bench.config import load_config
+    from bench.config.preflight import preflight
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -16,11 +16,11 @@ import torch
 
 from algorithms.delay import DelayedOptimizer
 from bench.config import load_config
-from bench.config_schema import OptimConfig
+from bench.config.preflight import preflight
+from bench.config.schema import OptimConfig
 from bench.memory import optimizer_terms, plan, saved_activation_bytes
 from bench.model import build_model, lm_loss, model_config
 from bench.optim import make_optimizer_factory
-from bench.preflight import preflight
 from bench.train import Trainer
 from tests import strategies
 from tests.distributed import run_distributed

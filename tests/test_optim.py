@@ -13,7 +13,7 @@ from torch import nn
 from algorithms.base import set_lr
 from algorithms.delay import DelayedOptimizer
 from bench.config import describe, load_config
-from bench.config_schema import OptimConfig
+from bench.config.schema import OptimConfig
 from bench.model import GPT, gpt_config, hidden_matrices
 from bench.optim import (
     ChainedOptimizer,

@@ -21,7 +21,7 @@ from algorithms.delay import DelayedOptimizer
 from algorithms.partition import split_layers, stage_bounds
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
 from algorithms.pipeline import Pipeline, PipelineConfig
-from bench.config_schema import (
+from bench.config.schema import (
     OPTIMIZERS,
     Config,
     DataConfig,

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.batches import validation_set
 from bench.data import load_corpus
+from bench.data.batches import validation_set
 from bench.records import RunDir
 
 SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=20", "--set", "run.log_every=5",

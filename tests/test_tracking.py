@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from bench.config import config_hash, load_config
+from bench.config.schema import TensorBoardConfig
 from bench.records import RunDir, write_json
 from bench.summary import train_row, val_row
-from bench.tracking import TensorBoardConfig
 from bench.tracking.sinks import make_sink
 from bench.tracking.sync import row_series, sync_run, track
 from tests.fakes import make_summary, write_fake_run

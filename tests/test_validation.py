@@ -2,7 +2,7 @@
 
     pytest tests/test_validation.py
 
-A run is scored on `run.val_sequences` windows of the held-out split (bench/batches.py
+A run is scored on `run.val_sequences` windows of the held-out split (bench/data/batches.py
 `validation_set`), whatever its batch size, world size or pipeline depth; every strategy's
 `evaluate` returns the mean over all of their positions (a sum of batch loss x positions
 over the ranks, over the positions), never a mean of batch means, which would depend on
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from algorithms.base import mean_loss
-from bench.batches import validation_set
 from bench.config import load_config
 from bench.data import load_corpus
+from bench.data.batches import validation_set
 from bench.model import GPT, GPTConfig, build_model
 from bench.train import Trainer
 from tests.distributed import run_distributed

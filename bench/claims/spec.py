@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from bench.typed import NAME_RULE, is_name
+from bench.config.typed import NAME_RULE, is_name
 
 SCALES = ("tiny", "small", "paper")
 MIN_SEEDS = 3

@@ -23,9 +23,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.config import Config
+from bench.config.preflight import check_output_dir
 from bench.executors import Executor, Task, make_executor
 from bench.jobentry import Runner
-from bench.preflight import check_output_dir
 from bench.records import DONE_STATUSES, RunDir, read_jsonl
 from bench.sweep import store
 from bench.sweep.progress import Progress

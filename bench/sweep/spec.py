@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.config import Config, config_hash, from_dict, load_raw, set_value
-from bench.executors import ExecutorSpec
-from bench.typed import (
+from bench.config.typed import (
     check_name,
     from_mapping,
     load_yaml_mapping,
     parse_assignment,
     unknown_key,
 )
+from bench.executors import ExecutorSpec
 
 SPEC_KEYS = ("name", "description", "base", "set", "grid", "zip", "seeds", "variants",
              "target_loss", "output_dir", "report_dir", "executor")

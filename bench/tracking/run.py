@@ -10,9 +10,9 @@ from datetime import datetime
 from pathlib import Path
 
 from bench import records
+from bench.config.typed import check_name, flatten
 from bench.records import RunDir, status_of
 from bench.summary import nonfinite_loss_steps
-from bench.typed import check_name, flatten
 
 
 @dataclass

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from bench.typed import flatten
+from bench.config.typed import flatten
 
 if TYPE_CHECKING:
-    from bench.tracking import MlflowConfig, TensorBoardConfig, WandbConfig
+    from bench.config.schema import MlflowConfig, TensorBoardConfig, WandbConfig
     from bench.tracking.run import TrackedRun
 
 

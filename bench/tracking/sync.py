@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 
 from bench import records
+from bench.config.schema import SINK_CONFIGS, SINK_NAMES, TrackingConfig
+from bench.config.typed import flatten
 from bench.records import RunDir
-from bench.tracking import SINK_CONFIGS, SINK_NAMES, TrackingConfig
 from bench.tracking.run import TrackedRun, read_yaml
 from bench.tracking.sinks import make_sink, warn
-from bench.typed import flatten
 
 
 def row_series(row: dict) -> tuple[str, dict[str, float]]:
@@ -299,7 +299,7 @@ def follow(cfg: TrackingConfig, run_dir: str | os.PathLike):
 def sink_config(run_dir: Path, name: str, overrides: list[str] = ()):
     """The sink `name`'s config for a recorded run: the run's own tracking.NAME (if it had
     one), then `overrides` (FIELD=VALUE, e.g. dir=tb)."""
-    from bench.typed import from_mapping, set_override
+    from bench.config.typed import from_mapping, set_override
 
     data = {}
     run = RunDir(run_dir)

@@ -4,8 +4,8 @@
     commbench whatif configs/whatif/llama1b-8x8.yaml --set world.replicas=16
     commbench whatif --run results/quickstart/ddp-...        # a measured run's own what-if
 
-A scenario is a YAML file (or `--set` flags on the defaults) read by bench/typed.py; every
-field is documented by the string under it. Each method is a run config (bench/config.py)
+A scenario is a YAML file (or `--set` flags on the defaults) read by bench/config/typed.py; every
+field is documented by the string under it. Each method is a run config (bench/config/__init__.py)
 built from `base`, the method's own sections and the world, and validated as a run would
 be, so a method the harness would refuse is refused here with the same message.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Literal
 
 from algorithms.clocks import CONTENTION_FREE
+from bench.config.typed import check_name, fail, from_mapping, load_yaml_mapping, set_override
 from bench.network.profiles import Profile, Tier, get_profile, parse_bandwidth, parse_latency
 from bench.network.profiles import sites_profile as make_sites_profile
-from bench.typed import check_name, fail, from_mapping, load_yaml_mapping, set_override
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Scenario:
     base: dict = field(default_factory=lambda: {
         "model": {"arch": "llama", "preset": "1b", "seq_len": 2048, "precision": "bf16"},
         "data": {"tokenizer": "gpt2", "batch_size": 8}})
-    """Run-config sections every method shares (bench/config.py: model, data with
+    """Run-config sections every method shares (bench/config/__init__.py: model, data with
     batch_size = sequences per GPU per step, optim, parallel)."""
     model_size: ModelSize = field(default_factory=ModelSize)
     hardware: Hardware = field(default_factory=Hardware)

@@ -29,9 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 from algorithms.base import CriticalPath, StepStats, TrainSetup
 from algorithms.comm import CommLedger, CommRecord, Communicator
 from algorithms.ddp import DDP, DDPConfig
-from bench.batches import BatchStream
 from bench.config import load_config
-from bench.config_schema import NetworkConfig
+from bench.config.schema import NetworkConfig
+from bench.data.batches import BatchStream
 from bench.meter import StepClock
 from bench.model import GPT, gpt_config
 from bench.network import get_profile, project

@@ -28,8 +28,8 @@ import torch
 from algorithms.base import TrainSetup
 from algorithms.comm import CommLedger, Communicator
 from algorithms.pipedream import PipeDream2BW, PipeDreamConfig
-from bench.batches import BatchStream
-from bench.config_schema import OptimConfig
+from bench.config.schema import OptimConfig
+from bench.data.batches import BatchStream
 from bench.model import GPT, gpt_config, lm_loss
 from bench.network import delay_policy, get_profile
 from bench.optim import build_optimizer

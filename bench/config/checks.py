@@ -2,21 +2,21 @@
 
     pytest tests/test_config.py tests/test_bad_input.py
 
-`validate(cfg)` runs when a config is read (bench/config.py `from_dict`), before any
+`validate(cfg)` runs when a config is read (bench/config/__init__.py `from_dict`), before any
 process starts: ranges, tables, cross-section rules, ending with the strategy's own
 `cfg.strategy.check(cfg)`. Each failure names the key path, the value and what is valid.
 Checks against the machine that will train (device, GPUs, memory, corpus size) are
-bench/preflight.py.
+bench/config/preflight.py.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-from bench.config_schema import Config, LaunchConfig, StragglerConfig
-from bench.tracking import check_tracking
-from bench.typed import check_name
-from bench.typed import fail as _fail
+from bench.config.schema import Config, LaunchConfig, StragglerConfig, TrackingConfig
+from bench.config.typed import check_name
+from bench.config.typed import fail as _fail
 
 
 def check_straggler(straggler: StragglerConfig, world_size: int) -> None:
@@ -66,12 +66,52 @@ def check_rendezvous(launch: LaunchConfig, required: bool = False) -> None:
                     "[::1]:29500)")
 
 
+SET_BY_COMMBENCH = {
+    "--nproc-per-node": "parallel.world_size / launch.nnodes", "--nnodes": "launch.nnodes",
+    "--standalone": "launch.nnodes: 1 without launch.rdzv_endpoint",
+    "--rdzv": "launch.rdzv_endpoint, launch.rdzv_timeout_s", "--node-rank": "the rendezvous",
+    "--master-addr": "the rendezvous", "--master-port": "the rendezvous",
+    "--no-python": "commbench (it runs -m bench.train)",
+    "--run-path": "commbench (it runs -m bench.train)", "-m": "commbench (-m bench.train)",
+    "--module": "commbench (-m bench.train)",
+}
+"""torchrun options commbench sets itself (bench/torchrun.py `command`), and the config keys
+they come from: checked here, when the config is read, so config never imports launch."""
+
+
+def check_extra_args(args: Sequence[str], key: str = "launch.torchrun_args") -> None:
+    """ValueError naming `key`, the argument and the config key behind it when `args`
+    holds an option commbench sets (a contradicting --nproc-per-node would start another
+    number of ranks than parallel.world_size under the same config hash)."""
+    for i, arg in enumerate(args):
+        option = arg.split("=", 1)[0].replace("_", "-")
+        for reserved, source in SET_BY_COMMBENCH.items():
+            if option == reserved or (reserved == "--rdzv" and option.startswith("--rdzv")):
+                raise ValueError(
+                    f"{key}[{i}] {arg!r}: commbench sets {reserved} itself, from {source}; "
+                    "valid: other torchrun options (e.g. --max-restarts=0, --log-dir=DIR)")
+
+
+def check_tracking(cfg: TrackingConfig, path: str = "tracking") -> None:
+    """Ranges and names (ValueError naming the key); whether a package is installed is not
+    checked here: a missing one drops its sink with a warning when the run starts."""
+    for key in ("poll_s", "timeout_s"):
+        if getattr(cfg, key) <= 0:
+            raise _fail(f"{path}.{key}", getattr(cfg, key), "> 0 seconds")
+    if cfg.tensorboard is not None and not cfg.tensorboard.dir.strip():
+        raise _fail(f"{path}.tensorboard.dir", cfg.tensorboard.dir, "a directory path")
+    if cfg.wandb is not None and not cfg.wandb.project.strip():
+        raise _fail(f"{path}.wandb.project", cfg.wandb.project, "a W&B project name")
+    if cfg.mlflow is not None and not cfg.mlflow.experiment.strip():
+        raise _fail(f"{path}.mlflow.experiment", cfg.mlflow.experiment,
+                    "an MLflow experiment name")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need more than one field's type: ranges, tables, cross-section rules."""
     from bench.data import expand_path, resolve_corpus
     from bench.model import config_of
     from bench.network import PROFILES, get_profile, is_profile_path
-    from bench.torchrun import check_extra_args
 
     check_name("run.name", cfg.run.name, "the run directory")
     for key in ("run.steps", "run.log_every", "run.val_sequences", "model.seq_len",

@@ -1,7 +1,7 @@
 """Typed YAML: plain dataclasses read from YAML files and dotted `--set a.b=value` overrides.
 
 The engine behind `commbench config show configs/ddp-tiny.yaml` and sweep specs; it knows
-no commbench schema (that is bench/config.py). A dataclass field's type says what is
+no commbench schema (that is bench/config/__init__.py). A dataclass field's type says what is
 valid; the string literal under a field is its documentation. Every error is a
 ValueError naming the dotted key, the value and what is valid; an unknown key suggests
 the closest valid one. A field whose `metadata["parse"]` is set is read by that function

@@ -1,13 +1,20 @@
 """The commbench config: reading a run config, its overrides, and the run's identity.
 
+bench/config: a part the training loop is built from, at the bottom of bench with data,
+model, network, optim, memory and env. It owns the run config: its schema (schema.py),
+the checks across fields (checks.py), the checks against the machine (preflight.py) and
+the generic typed-YAML engine (typed.py); it imports algorithms and, inside its checks,
+the parts it checks against (data, model, network, memory), never run, launch, study,
+node or cli (tests/test_layers.py).
+
 `commbench config show configs/ddp-tiny.yaml` prints the resolved tree with each
 field's documentation. `load_config(path, overrides)` reads YAML, applies `--set
-a.b=value` overrides, parses the sections into their dataclasses (bench/config_schema.py)
-and validates them (bench/config_checks.py): everything fails here, before any process
+a.b=value` overrides, parses the sections into their dataclasses (bench/config/schema.py)
+and validates them (bench/config/checks.py): everything fails here, before any process
 starts, naming the key path, the value and what is valid. Reading YAML, overrides, types
-and did-you-mean are the generic engine in bench/typed.py. The resolved config (minus
+and did-you-mean are the generic engine in bench/config/typed.py. The resolved config (minus
 output paths) hashes to the run's identity (`config_hash`). Checks against the machine
-that will train the run: bench/preflight.py.
+that will train the run: bench/config/preflight.py.
 """
 
 from __future__ import annotations
@@ -18,10 +25,9 @@ import os
 
 import yaml
 
-from bench.config_checks import validate
-from bench.config_schema import Config, DataConfig
-from bench.preflight import preflight  # noqa: F401  (re-exported: the run's entry checks)
-from bench.typed import (  # noqa: F401  (re-exported: the public names of bench.config)
+from bench.config.checks import validate
+from bench.config.schema import Config, DataConfig
+from bench.config.typed import (  # noqa: F401  (re-exported: the public names of bench.config)
     NAME_RE,
     check_name,
     describe_sections,

@@ -6,8 +6,8 @@ Pure data: fields, defaults and the checks of one field (`__post_init__`). Every
 documented by the string literal under it; that text is the field's `--help` and the
 comment `commbench config show` prints. The `strategy:` section is parsed into the
 registered strategy's own config class (`StrategyConfig` subclasses, algorithms/).
-Reading, overrides and identity: bench/config.py; checks across fields:
-bench/config_checks.py; checks against the machine: bench/preflight.py.
+Reading, overrides and identity: bench/config/__init__.py; checks across fields:
+bench/config/checks.py; checks against the machine: bench/config/preflight.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any, Literal
 from algorithms.base import STRATEGIES, config_class
 from algorithms.contract import StrategyConfig
 from algorithms.delay import CORRECTIONS
-from bench.tracking import TrackingConfig
-from bench.typed import fail as _fail
-from bench.typed import from_mapping
+from bench.config.typed import fail as _fail
+from bench.config.typed import from_mapping
 
 
 @dataclass
@@ -56,7 +55,7 @@ class RunConfig:
     val_sequences: int = 64
     """Validation windows (model.seq_len + 1 tokens each) spread evenly over the held-out
     split, the same set for every layout, batch size, world size and pipeline depth on the
-    same data; scored as the exact mean over all their positions (bench/batches.py
+    same data; scored as the exact mean over all their positions (bench/data/batches.py
     `validation_set`). 64 x 128 tokens for the tiny configs: a tenth of a second to score
     on CPU; set more for real runs (e.g. 1024 x 1024 tokens)."""
     target_loss: float | None = None
@@ -287,6 +286,78 @@ class LaunchConfig:
     cuda_visible_devices: str | None = None
     """GPUs this run's ranks use on each node (CUDA_VISIBLE_DEVICES, e.g. "2,3"); null =
     the environment's. A local sweep running several runs at once gives each its own."""
+
+
+# ------------------------------------------------------- tracking: (its sinks: bench/tracking/)
+
+
+@dataclass
+class TensorBoardConfig:
+    dir: str = "tb"
+    """Directory of the event files: each run writes DIR/RUN (DIR/SWEEP/RUN in a sweep);
+    `tensorboard --logdir DIR` shows them."""
+
+
+@dataclass
+class WandbConfig:
+    project: str = "commbench"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); null = the logged-in user's default."""
+    mode: Literal["online", "offline"] = "online"
+    """online uploads as it goes (if W&B's server cannot be reached within 5 s, the run is
+    written offline instead, with a warning); offline writes local files to upload later
+    with `wandb sync DIR/wandb/offline-run-*`."""
+    group: str | None = None
+    """W&B group; null = the sweep's name (no group for a run outside a sweep)."""
+    tags: list[str] = field(default_factory=list)
+    """Tags added to each run (the strategy's name is always one)."""
+    dir: str | None = None
+    """Where W&B keeps its local files (DIR/wandb/); null = W&B's default (WANDB_DIR or the
+    working directory)."""
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None
+    """MLflow tracking URI (http://host:5000, sqlite:///mlflow.db, a directory); null =
+    MLFLOW_TRACKING_URI, else the local file store ./mlruns (allowed with
+    MLFLOW_ALLOW_FILE_STORE, which commbench sets for a file store)."""
+    experiment: str = "commbench"
+    """MLflow experiment (created when missing)."""
+
+
+@dataclass
+class TrackingConfig:
+    """Where the run is shown besides its records; none by default.
+
+    Not part of the run's identity (bench.config NON_IDENTITY_KEYS): a sink only reads the
+    records, from the launcher, after the rows are written; it never enters the training
+    processes, so it cannot change what is trained or measured, nor meet a strategy (no
+    combination with a strategy, optimizer or network option to refuse or to test). A run
+    resumed with other sinks is the same run."""
+
+    tensorboard: TensorBoardConfig | None = None
+    """Event files for TensorBoard, e.g. {dir: tb} (needs the tensorboard package)."""
+    wandb: WandbConfig | None = None
+    """A W&B run per run: {project, entity, mode: online|offline, group, tags, dir}
+    (needs wandb)."""
+    mlflow: MlflowConfig | None = None
+    """An MLflow run per run: {tracking_uri, experiment} (needs mlflow-skinny or mlflow)."""
+    poll_s: float = 5.0
+    """Seconds between the launcher's reads of new metrics rows (how live the curves are)."""
+    timeout_s: float = 60.0
+    """Seconds the sinks get to finish after the run (and its evaluation) ended; a sink
+    still busy then is left behind with a warning (the records are complete)."""
+
+    def sinks(self) -> dict[str, object]:
+        """The configured sinks' configs by sink name."""
+        return {name: spec for name in SINK_NAMES
+                if (spec := getattr(self, name)) is not None}
+
+
+SINK_NAMES = ("tensorboard", "wandb", "mlflow")
+SINK_CONFIGS = {"tensorboard": TensorBoardConfig, "wandb": WandbConfig, "mlflow": MlflowConfig}
 
 
 @dataclass

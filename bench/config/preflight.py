@@ -3,7 +3,7 @@
     commbench run configs/ddp-tiny.yaml   (preflight runs before anything is launched)
 
 `preflight(cfg)` runs on the node that starts the run, after validation
-(bench/config_checks.py) and before any process starts: the device and backend exist
+(bench/config/checks.py) and before any process starts: the device and backend exist
 here, a GPU per rank of the node (`check_gpus`, again where torchrun starts), the lazily
 imported engines are installed, each rank's memory plan fits (bench/memory.py) and the
 corpus has enough tokens. `check_output_dir`: the output directory is writable.
@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bench.config_checks import GLOO_ON_CUDA, check_rendezvous
-from bench.config_schema import Config
-from bench.typed import fail as _fail
+from bench.config.checks import GLOO_ON_CUDA, check_rendezvous
+from bench.config.schema import Config
+from bench.config.typed import fail as _fail
 
 
 def runs_on_cuda(cfg: Config) -> bool:

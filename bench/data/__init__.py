@@ -1,8 +1,13 @@
 """Corpora: text sources, tokenised once into shards, split into train and validation.
 
+bench/data: a part the training loop is built from. It owns the corpora (this module),
+the tokenizers (tokenizers.py) and the batches each rank draws (batches.py); it imports
+numpy and its own modules, never config, run, launch, study, node or cli
+(tests/test_layers.py).
+
 Exercised by `commbench data prepare NAME` (text -> `train.bin`, `val.bin`, `meta.json`)
 and by every training run, which calls `load_corpus` then draws batches from a
-`bench.batches.BatchStream` on each rank (tokenizers: bench/tokenizers.py).
+`bench.data.batches.BatchStream` on each rank (tokenizers: bench/data/tokenizers.py).
 
 A corpus (`data.corpus`) is one of:
 - `embedded`: the stdlib's `pydoc_data.topics` (~0.5 MB of English; needs nothing else;
@@ -22,7 +27,7 @@ byte, GPT-2), uint32 beyond (Llama 3's 128,256), written in `meta.json` as `dtyp
 (absent: uint16, shards prepared before). They are never loaded: `np.memmap` maps them
 and a batch reads only its windows' pages, so a corpus far larger than memory trains in
 the memory of its batches plus the sample order (4 bytes per window of `model.seq_len`
-tokens, bench/batches.py; e.g. 2 GB for 10^12 tokens at seq_len 2048). Touched pages
+tokens, bench/data/batches.py; e.g. 2 GB for 10^12 tokens at seq_len 2048). Touched pages
 count in the resident set as reclaimable page cache, not as allocations.
 
 Text corpora are tokenised once into `cache_dir/<name>-<tokenizer>-<sha256>/` (a prepared
@@ -49,7 +54,7 @@ from urllib.parse import urlparse
 import numpy as np
 from tqdm import tqdm
 
-from bench.tokenizers import get_tokenizer
+from bench.data.tokenizers import get_tokenizer
 
 NAMED_CORPORA = ["embedded", "shakespeare", "openwebtext"]
 OPENWEBTEXT_HUB_ID = "Skylion007/openwebtext"
@@ -210,7 +215,7 @@ def check_corpus_size(
     """Fail unless both splits of the corpus hold one window of seq_len + 1 tokens and the
     validation split `val_sequences` of them (tokenises the corpus into the cache, as the
     first run on it would)."""
-    from bench.batches import validation_set
+    from bench.data.batches import validation_set
 
     splits = load_corpus(corpus, tokenizer_name, cache_dir, val_fraction)
     for split, key in ((splits.train, "the training split"), (splits.val, "the val split")):

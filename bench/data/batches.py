@@ -62,7 +62,7 @@ class BatchStream:
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             # Generator.permutation(n)'s order, shuffled in place at 4 bytes a window (not
-            # int64's 8): the one array a corpus larger than memory costs (bench/data.py)
+            # int64's 8): the one array a corpus larger than memory costs (bench/data/__init__.py)
             order = np.arange(self.num_windows, dtype=np.uint32 if self.num_windows < 1 << 32
                               else np.int64)
             np.random.default_rng([self.seed, epoch]).shuffle(order)
