@@ -28,11 +28,11 @@ from pathlib import Path
 
 
 def run_and_evaluate(cfg, run_dir=None, progress: bool = True, resume: bool = False) -> dict:
-    """bench.launch.run_config, then lm-eval on the final model when `cfg.eval.suite` is set
+    """bench.launch.run.run_config, then lm-eval on the final model when `cfg.eval.suite` is set
     and the run ended ok, both followed by the `tracking:` sinks (bench/tracking/). The
     runner of `commbench run` and `commbench sweep`; here because only the command line
     imports `eval` (module level: Slurm jobs pickle it by name)."""
-    from bench.launch import new_run_dir, run_config
+    from bench.launch.run import new_run_dir, run_config
     from bench.tracking.sync import follow
 
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
@@ -55,10 +55,10 @@ def _check_eval_tasks(cfg) -> None:
 
 def _cmd_run(args) -> int:
     """`commbench run`: a new run, `--run-dir DIR`, or `--resume DIR` (what each promises:
-    bench/launch.py's docstring and the README's "Resume and run directories")."""
+    bench/launch/run.py's docstring and the README's "Resume and run directories")."""
     from bench.config import load_config
     from bench.config.preflight import check_output_dir, preflight
-    from bench.records import RunDir
+    from bench.run.records import RunDir
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -155,7 +155,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from bench.records import check_report_dir
+    from bench.run.records import check_report_dir
 
     check_report_dir(args.output, "report -o")
     from bench.report import build_report
@@ -165,7 +165,7 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from bench.records import check_report_dir
+    from bench.run.records import check_report_dir
 
     check_report_dir(args.output, "compare -o")
     from bench.compare import compare
@@ -184,7 +184,7 @@ def _cmd_whatif(args) -> int:
                   f"{'n/a' if recorded is None else f'{recorded:.6g} s'}, "
                   f"utilisation {row['utilisation']:.1%}")
         return 0
-    from bench.records import check_report_dir
+    from bench.run.records import check_report_dir
 
     check_report_dir(args.output, "whatif -o")
     scenario = load_scenario(args.scenario, args.set)
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as stop:  # recorded so far is on disk; no traceback
         # the conventional status of the signal: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
-        # (bench.stop.Stopped)
+        # (bench.run.stop.Stopped)
         return 128 + getattr(stop, "signum", 2)
 
 

@@ -41,12 +41,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench import records
 from bench.config import NON_IDENTITY_KEYS, load_raw, without_keys
 from bench.config.typed import flatten
 from bench.report import figures, render
 from bench.report.load import load_results
 from bench.report.stats import mean_interval, ratio_interval
+from bench.run import files, records
 
 SIDES = "ABCDEFGHIJ"
 LOSSES = (("loss", "train"), ("val_loss", "val"))
@@ -279,7 +279,7 @@ def compare(args: list[str], out_dir: str | os.PathLike | None = None,
     out.mkdir(parents=True, exist_ok=True)
     figures.save(overlay(sides), out / "compare.png")
     report["tolerance"], report["exceeded"] = tolerance, failures
-    records.write_json(out / "compare.json", report)
+    files.write_json(out / "compare.json", report)
     print(f"\nfigure: {out / 'compare.png'}")
     if tolerance is not None:
         for line in failures:

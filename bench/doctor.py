@@ -10,7 +10,7 @@ to `--out` so it can be attached to a bug report:
   run's backend (NCCL on GPUs, gloo on CPU), results checked, through torchrun;
 - timing: CUDA-event time of a matmul loop against host time after a synchronise;
 - bf16 autocast: a GPT forward under autocast gives bf16 activations;
-- short runs through the real launcher (`bench.launch.run_config`, 2 ranks, a few steps of
+- short runs through the real launcher (`bench.launch.run.run_config`, 2 ranks, a few steps of
   a tiny GPT): DDP, DiLoCo, GASLoC, a 2-stage pipeline (torch 1F1B), PipeDream-2BW,
   DeepSpeed ZeRO-1, compile with DDP, and a checkpoint then `--resume`.
 On a machine without a GPU the CPU subset runs (gloo; compile and the timing check need a
@@ -173,7 +173,7 @@ def _collectives_worker(out: str) -> int:
 
 
 def check_timing(ctx: Context) -> str:
-    """CUDA events against host time around the same queued work (bench/meter.py times
+    """CUDA events against host time around the same queued work (bench/run/meter.py times
     steps on the host after a synchronise; algorithms/ddp.py and the pipelines use events)."""
     import torch
 
@@ -238,7 +238,7 @@ def short_run(ctx: Context, name: str, config: str, overrides: list[str],
     """Train `config` briefly through the launcher; the summary's key numbers (raises with
     the run's error headline when it fails)."""
     from bench.config import load_config
-    from bench.launch import run_config
+    from bench.launch.run import run_config
 
     settings = [*RUN_SETTINGS, f"parallel.world_size={min(2, ctx.world_size)}", *overrides,
                 f"run.name={_slug(name)}",

@@ -1,6 +1,6 @@
 """A rank's environment: the machine and code it runs on, and what the launcher asks of it.
 
-Used by every rank of `commbench run` (bench/train.py):
+Used by every rank of `commbench run` (bench/run/train.py):
 - `capture_env` is env.json: the git commit and a hash of the uncommitted diff (the
   code's identity), package versions, host, CPU/GPU, world size and backend;
 - `resolve_device` turns parallel.device/backend `auto` into this rank's device and
@@ -89,7 +89,7 @@ def cores_available() -> int:
 def ranks_per_core(local_ranks: int, device: torch.device) -> float | None:
     """This node's ranks per CPU core they may use, on CPU devices (None on a GPU, where
     ranks compute on their own devices): above 1, ranks wait for cores, which wall
-    time counts (bench/meter.py, Compute clock)."""
+    time counts (bench/run/meter.py, Compute clock)."""
     return local_ranks / cores_available() if device.type == "cpu" else None
 
 
@@ -124,7 +124,7 @@ def fault_injection(rank: int) -> tuple[int, str] | None:
     nan (its parameters become NaN: its loss is the first non-finite one), exit (the run
     completes, then the rank aborts in teardown, as a library's exit path can; STEP is
     ignored), sigterm (SIGTERM to itself, as a scheduler's preemption reaching one rank
-    first: the ranks agree on a step boundary, checkpoint there and stop, bench/stop.py).
+    first: the ranks agree on a step boundary, checkpoint there and stop, bench/run/stop.py).
     Used by
     tests/test_crash_safety.py (and handy on a cluster) to check that the run ends with
     the right status and names the culprit rank, within the process-group timeout.
@@ -144,7 +144,7 @@ def inject_fault(mode: str, rank: int, step: int, model: torch.nn.Module) -> Non
     """Make this rank fail as `mode` says (see `fault_injection`; `exit` acts in teardown)."""
     if mode == "exit":
         return
-    if mode == "sigterm":  # its handler asks for a stop (bench/stop.py); the step goes on
+    if mode == "sigterm":  # its handler asks for a stop (bench/run/stop.py); the step goes on
         os.kill(os.getpid(), signal.SIGTERM)
         return
     if mode == "hang":

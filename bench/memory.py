@@ -41,7 +41,7 @@ measured figure subtracts the process's footprint before the model was built).
 `check_fits(cfg, plan)` refuses a run whose largest rank does not fit the device it will
 run on (CUDA total memory; on the CPU, physical RAM shared by the node's ranks), naming
 the largest term. After a run, summary.json holds `memory_estimate_bytes_per_rank` beside
-`peak_memory_bytes_per_rank` and `peak_memory_above_start_bytes_per_rank` (bench/train.py).
+`peak_memory_bytes_per_rank` and `peak_memory_above_start_bytes_per_rank` (bench/run/train.py).
 """
 
 from __future__ import annotations

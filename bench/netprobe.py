@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import torchrun
+from bench.launch import torchrun
 from bench.netprobe_fit import fit_profile, format_fit, write_profile
 from bench.netprobe_measure import (
     DEFAULT_EXCHANGE_GAP_S,
@@ -31,6 +31,7 @@ from bench.netprobe_measure import (
     probe_device,
 )
 from bench.network import costs
+from bench.run.stop import announce_start
 
 DEFAULT_SIZES = ("4KiB", "64KiB", "1MiB", "4MiB")
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 10**3, "KB": 10**3,
@@ -207,7 +208,7 @@ def _worker(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.netprobe")
     add_arguments(p)
     args = p.parse_args(argv)
-    torchrun.announce_start()
+    announce_start()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = probe_device(args.backend)  # before the group: NCCL binds the current GPU
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))

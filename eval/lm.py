@@ -24,15 +24,15 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
-from bench.checkpoint import load_payload
 from bench.data.tokenizers import get_tokenizer
 from bench.model import CausalLM, build_model, config_from_dict
-from bench.records import RunDir
+from bench.run.checkpoint import load_payload
+from bench.run.records import RunDir
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = RunDir.FINAL_CHECKPOINT
-"""The evaluation model inside a run directory (written by bench/checkpoint.py)."""
+"""The evaluation model inside a run directory (written by bench/run/checkpoint.py)."""
 
 # (input ids, target ids, number of trailing targets that are scored)
 Window = tuple[list[int], list[int], int]

@@ -29,7 +29,8 @@ from pathlib import Path
 import yaml
 
 from bench.config import Config
-from bench.records import RunDir, read_json, write_json
+from bench.run.files import read_json, write_json
+from bench.run.records import RunDir
 from eval.lm import CommbenchLM, checkpoint_path
 from eval.suites import get_suite, load_tasks, select_tasks
 

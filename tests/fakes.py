@@ -1,5 +1,5 @@
 """Fake run records for tests: a run directory as a finished (or killed) run leaves it,
-built with the record schema's own builders (bench/summary.py `train_row`, `val_row`).
+built with the record schema's own builders (bench/run/summary.py `train_row`, `val_row`).
 
     from tests.fakes import make_summary, write_fake_run
     run = write_fake_run(tmp_path / "run", config, [train_row(...)], make_summary(...))
@@ -12,8 +12,9 @@ from typing import Any
 
 import yaml
 
-from bench.records import RunDir, write_json, write_text
-from bench.summary import Projection, Summary
+from bench.run.files import write_json, write_text
+from bench.run.records import RunDir
+from bench.run.summary import Projection, Summary
 
 
 def make_summary(**fields: Any) -> dict[str, Any]:

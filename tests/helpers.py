@@ -44,7 +44,7 @@ def assert_bad_config(config: str | None, overrides: list[str] | str, *expected:
 def burn_cpu(seconds: float) -> None:
     """Compute for `seconds` of this thread's CPU time: what a test strategy's step does
     to stand for compute. A sleep would not do: a CPU rank's compute is its CPU time
-    (bench/meter.py, Compute clock), and a sleep, like a wait for a core, costs none."""
+    (bench/run/meter.py, Compute clock), and a sleep, like a wait for a core, costs none."""
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass

@@ -1,7 +1,7 @@
 """Shared pieces of the local-update strategies' tests (DiLoCo, Pier, GASLoC, resume).
 
 Not a test module: tests import from here, never from one another. Two kinds of helper:
-- the real training loop (bench.train.Trainer) on a tiny config: `make_trainer`, `train`,
+- the real training loop (bench.run.train.Trainer) on a tiny config: `make_trainer`, `train`,
   `train_many` (several runs in one launch: process start-up is the slow part);
 - a strategy driven directly on a 3 -> 2 linear regression, to compare it step by step
   with the same algorithm restated in tensor math: `Regression`, `regression_batch`, `flat`.
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from bench.config import load_config
-from bench.train import Trainer
+from bench.run.train import Trainer
 from tests.helpers import params_of
 
 SMALL = ["run.log_every=1", "run.val_every=0", "run.val_sequences=2", "model.seq_len=32",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.config import load_config
-from bench.train import Trainer
+from bench.run.train import Trainer
 from tests import strategies
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change

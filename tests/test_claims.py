@@ -24,7 +24,7 @@ from bench.claims.decide import (
 )
 from bench.claims.spec import Rule, find_claims, load_claim
 from bench.config import config_hash, to_yaml
-from bench.summary import val_row
+from bench.run.summary import val_row
 from tests.fakes import make_summary, write_fake_run
 
 REPO = Path(__file__).resolve().parent.parent

@@ -4,8 +4,8 @@ steps, the figure, and the exit status of `--tolerance`."""
 import json
 
 from bench.cli import main
-from bench.records import write_json
-from bench.summary import train_row
+from bench.run.files import write_json
+from bench.run.summary import train_row
 from tests.fakes import write_fake_run
 from tests.test_tracking import fake_run, fake_sweep
 

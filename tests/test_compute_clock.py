@@ -1,4 +1,4 @@
-"""A CPU rank's compute is its own CPU time (bench/meter.py, Compute clock; issue 50).
+"""A CPU rank's compute is its own CPU time (bench/run/meter.py, Compute clock; issue 50).
 
 Where ranks share cores, a rank's wall time holds its waits for a core, which land in its
 compute and, through the peers that wait for it in a collective, in their exposed

@@ -29,11 +29,11 @@ import pytest
 import torch
 
 from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
-from bench import checkpoint, records
 from bench.config import load_config
-from bench.failure import error_text
-from bench.records import RunDir, status_of
-from bench.train import Trainer
+from bench.launch.failure import error_text
+from bench.run import checkpoint, records
+from bench.run.records import RunDir, status_of
+from bench.run.train import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import IdleStrategy, burn_cpu
 
@@ -64,7 +64,7 @@ def steps_of(run: RunDir, key: str = "loss") -> list[int]:
 TORCHRUN_KILL_SUMMARY = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-bench.train FAILED
+bench.run.train FAILED
 ------------------------------------------------------------
 Failures:
 [1]:
@@ -397,7 +397,7 @@ def _summary(path: Path) -> dict | None:
 
 HOLD = """\
 import sys, time
-from bench.records import RunDir
+from bench.run.records import RunDir
 with RunDir(sys.argv[1]).lock(sys.argv[2], shared=sys.argv[3] or None):
     print("held", flush=True)
     time.sleep(60)
@@ -545,7 +545,7 @@ def test_a_full_disk_keeps_metrics_rows_whole_and_the_summary_says_why(tmp_path)
     """Issue 29: a full disk cut metrics.jsonl mid-row and left summary.json `running`.
     A row is appended whole or not at all; a summary that no longer fits beside the old
     one is rewritten in place, cut to its essentials if need be."""
-    from bench.summary import running_header
+    from bench.run.summary import running_header
 
     with tmpfs(tmp_path / "disk", "64k") as disk:
         run = RunDir(disk / "run")
@@ -571,7 +571,7 @@ def test_a_full_disk_keeps_metrics_rows_whole_and_the_summary_says_why(tmp_path)
 def test_the_launcher_survives_a_log_it_cannot_write(tmp_path):
     """A full disk under logs/torchrun.log stopped the launcher with a traceback before it
     recorded the run; now the log stops, the launcher goes on and says why."""
-    from bench import launch
+    from bench.launch import run as launch
 
     with tmpfs(tmp_path / "disk", "64k") as disk:
         run = RunDir(disk / "run")

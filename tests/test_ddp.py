@@ -1,7 +1,7 @@
 """DDP baseline: identity with a single large-batch process, ledger bytes, determinism,
 and where a slow all-reduce's time lands (exposed communication, not compute).
 
-Multi-process tests run the real training loop (bench.train.Trainer) on real gloo
+Multi-process tests run the real training loop (bench.run.train.Trainer) on real gloo
 process groups through tests/distributed.py, each with a timeout.
 """
 
@@ -16,8 +16,8 @@ from algorithms.base import TrainSetup
 from algorithms.comm import Communicator
 from algorithms.ddp import DDP, DDPConfig
 from bench.config import load_config
-from bench.records import read_jsonl
-from bench.train import Trainer
+from bench.run.files import read_jsonl
+from bench.run.train import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, max_change, params_of
 

@@ -2,7 +2,7 @@
 with a bf16 pseudo-gradient) against tensor math, ledger, config errors. Resume is in
 tests/test_resume.py; shared helpers in tests/local_updates.py.
 
-Multi-process tests run the real training loop (bench.train.Trainer) or the strategy on
+Multi-process tests run the real training loop (bench.run.train.Trainer) or the strategy on
 real gloo process groups through tests/distributed.py, each with a timeout. Several runs
 share one launch to keep process start-up (the slow part on 2 cores) down.
 """
@@ -18,7 +18,7 @@ from algorithms.base import TrainSetup
 from algorithms.comm import Communicator
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from bench.config import load_config
-from bench.train import lr_at, make_optimizer_factory
+from bench.run.train import lr_at, make_optimizer_factory
 from tests import helpers
 from tests.distributed import run_distributed
 from tests.helpers import assert_bad_config, max_change, params_of
@@ -185,7 +185,7 @@ def test_ledger_outer_bytes_per_round_and_inner_bytes_tagged_apart(tmp_path):
 
 
 def _read_metrics(run_dir):
-    from bench.records import read_jsonl
+    from bench.run.files import read_jsonl
 
     return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
 

@@ -13,7 +13,7 @@ from lm_eval.api.instance import Instance
 from bench.config import load_config
 from bench.data.tokenizers import get_tokenizer
 from bench.model import GPT, GPTConfig
-from bench.records import RunDir
+from bench.run.records import RunDir
 from eval.export import export_hf
 from eval.lm import CommbenchLM, score_windows
 from eval.runner import evaluate_run, self_evaluate
@@ -286,7 +286,7 @@ def _train_and_validate(rank, world_size, arch, root):
     """A short real run on one rank; its validation batches come back for the reference."""
     from pathlib import Path
 
-    from bench.train import Trainer
+    from bench.run.train import Trainer
 
     cfg = load_config("configs/ddp-tiny.yaml", [
         f"model.arch={arch}", "parallel.world_size=1", "run.steps=3", "run.log_every=3",

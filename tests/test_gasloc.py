@@ -1,7 +1,7 @@
 """GASLoC and plain gossip (algorithms/gasloc.py): identities, mixing (one round against a
 hand-built mixing matrix), ledger, bad input. Resume is in tests/test_resume.py.
 
-Identity tests run the real training loop (bench.train.Trainer) on 4 gloo ranks through
+Identity tests run the real training loop (bench.run.train.Trainer) on 4 gloo ranks through
 tests/distributed.py and compare parameters with a plain-torch DiLoCo reference written
 here (replicas of a group start from the group's weights, run their inner steps, and
 the group applies SGD(nesterov) to the mean pseudo-gradient). Every multi-process test
@@ -23,8 +23,9 @@ from bench.data import load_corpus
 from bench.data.batches import BatchStream
 from bench.data.tokenizers import get_tokenizer
 from bench.model import GPT, gpt_config
-from bench.records import RunDir, read_jsonl
-from bench.train import TRAIN_PHASES, Trainer, lr_at, make_optimizer_factory
+from bench.run.files import read_jsonl
+from bench.run.records import RunDir
+from bench.run.train import TRAIN_PHASES, Trainer, lr_at, make_optimizer_factory
 from tests.distributed import run_distributed
 from tests.helpers import assert_bad_config, assert_same_params, max_change
 from tests.local_updates import Regression, regression_batch

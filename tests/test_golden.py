@@ -5,7 +5,7 @@
 
 Each case is a ready config (configs/*-tiny.yaml) cut to STEPS steps (shorter rounds for
 the local-update methods, so that several outer rounds and gossip exchanges happen), run
-by the real loop (bench.train.Trainer) on 4 gloo ranks, one thread each. Every loss the
+by the real loop (bench.run.train.Trainer) on 4 gloo ranks, one thread each. Every loss the
 loop logs (the mean over ranks, one row per step) must equal the fixture's to REL_TOL
 (not bit for bit: the last float32 bits differ between x86-64 CPU generations), so any
 change to the math, intended or not, fails here. When a change is intended, regenerate
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from bench.config import load_config
-from bench.records import read_jsonl
-from bench.train import Trainer
+from bench.run.files import read_jsonl
+from bench.run.train import Trainer
 from tests import strategies
 from tests.distributed import run_distributed
 

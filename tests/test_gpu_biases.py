@@ -55,7 +55,7 @@ def test_topk_exchange_with_a_half_dtype_and_odd_k():
 # Rank 3 froze; ranks 0, 1, 2 timed out in subgroups where each is group rank 0, and the
 # bracket's `Rank N` is that group rank: only the `[rankN]:` prefix is the global rank.
 SUBGROUP_TIMEOUT_LOG = """\
-/usr/bin/python -m torch.distributed.run --nproc-per-node=4 --standalone -m bench.train run
+/usr/bin/python -m torch.distributed.run --nproc-per-node=4 --standalone -m bench.run.train run
 [rank1]:[E1128 10:02:00.1 ProcessGroupNCCL.cpp:632] [PG ID 2 PG GUID 2 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=4096, NumelOut=4096, Timeout(ms)=120000) ran for 120038 milliseconds before timing out.
 [rank0]:[E1128 10:02:05.1 ProcessGroupNCCL.cpp:632] [PG ID 3 PG GUID 3 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=40, OpType=ALLREDUCE, NumelIn=8192, NumelOut=8192, Timeout(ms)=120000) ran for 120012 milliseconds before timing out.
 [rank2]:[E1128 10:02:05.2 ProcessGroupNCCL.cpp:632] [PG ID 4 PG GUID 4 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=40, OpType=ALLREDUCE, NumelIn=8192, NumelOut=8192, Timeout(ms)=120000) ran for 120015 milliseconds before timing out.
@@ -65,7 +65,7 @@ W1128 10:02:07.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending p
 W1128 10:02:07.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 1237 closing signal SIGTERM
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-bench.train FAILED
+bench.run.train FAILED
 ------------------------------------------------------------
 Failures:
   <NO_OTHER_FAILURES>
@@ -85,8 +85,8 @@ def test_nccl_watchdog_on_a_subgroup_names_global_ranks(tmp_path):
     """The parser read the bracket's group rank as the global one: {0} timed out, ranks 1, 2,
     3 'stopped responding', and rank 1's SIGABRT was not recognised as a watchdog abort,
     so the headline blamed rank 1 ('killed by SIGABRT'). Rank 3 is the one that froze."""
-    from bench.failure import error_text, nccl_timeouts
-    from bench.records import RunDir
+    from bench.launch.failure import error_text, nccl_timeouts
+    from bench.run.records import RunDir
 
     lines = SUBGROUP_TIMEOUT_LOG.splitlines()
     assert nccl_timeouts(lines) == {0, 1, 2}
@@ -99,7 +99,7 @@ def test_nccl_watchdog_on_a_subgroup_names_global_ranks(tmp_path):
 
 
 def test_a_watchdog_line_without_the_global_prefix_counts_only_on_the_world():
-    from bench.failure import nccl_timeouts
+    from bench.launch.failure import nccl_timeouts
 
     line = ("[E1128 10:02:00.1 ProcessGroupNCCL.cpp:632] [PG ID {} PG GUID {} Rank 1] Watchdog "
             "caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)")

@@ -100,7 +100,7 @@ def test_strategies_compile_what_they_train_after_wrapping_it():
 
 def _trainer_hands_compile_to_the_strategy(rank, world, run_dir):
     from bench.config import load_config
-    from bench.train import Trainer
+    from bench.run.train import Trainer
 
     cfg = load_config("configs/ddp-tiny.yaml", ["parallel.world_size=2", "model.compile=true"])
     trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo")
@@ -440,7 +440,7 @@ def _warmup_runs(rank, world, run_dir):
 
     from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
     from bench.config import load_config
-    from bench.train import Trainer
+    from bench.run.train import Trainer
     from tests.helpers import IdleStrategy, burn_cpu
 
     @dataclass
@@ -782,8 +782,8 @@ class ExportOnly:
 def _final_export(rank, world, run_dir):
     import torch.distributed as dist
 
-    from bench import checkpoint
-    from bench.records import RunDir
+    from bench.run import checkpoint
+    from bench.run.records import RunDir
 
     def refuse(*args, **kwargs):
         raise AssertionError("all_gather_object: every rank would hold every part")
@@ -814,8 +814,8 @@ def _slow_checkpoint_write(rank, world, run_dir):
     import torch.distributed as dist
 
     from algorithms.comm import CommLedger
-    from bench import checkpoint
-    from bench.records import RunDir
+    from bench.run import checkpoint
+    from bench.run.records import RunDir
 
     # the training group times out after 2 s, as parallel.timeout_s would
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, is_master=False)
@@ -847,8 +847,8 @@ def _cuda_rng_round_trip(rank, world, run_dir):
     import os
 
     from algorithms.comm import CommLedger
-    from bench import checkpoint
-    from bench.records import RunDir
+    from bench.run import checkpoint
+    from bench.run.records import RunDir
 
     gpu = torch.device("cuda", 0)
     saved_state, restored = torch.arange(4, dtype=torch.uint8), []
@@ -919,7 +919,7 @@ def test_parallel_local_runs_get_disjoint_gpus(monkeypatch):
     import time
 
     from bench.config import load_config
-    from bench.executors import Task, _run_local, gpu_blocks
+    from bench.launch.executors import Task, _run_local, gpu_blocks
 
     fake_cuda(monkeypatch, 5)
     configs = [load_config("configs/ddp-tiny.yaml", ["parallel.world_size=2",
@@ -986,8 +986,8 @@ def test_data_prepare_without_output_fills_the_runs_cache(tmp_path, monkeypatch,
 def test_the_launcher_tokenises_before_the_ranks_start(tmp_path, monkeypatch):
     """Rank 0 tokenised a large corpus while the others waited in a barrier and timed out
     (parallel.timeout_s): sweeps and Slurm jobs reach the ranks without a preflight."""
-    from bench import launch
     from bench.config import load_config
+    from bench.launch import run as launch
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("to be or not to be, that is the question. " * 400)
@@ -1010,7 +1010,7 @@ def test_the_launcher_tokenises_before_the_ranks_start(tmp_path, monkeypatch):
 
 
 NCCL_TIMEOUT_LOG = """\
-/usr/bin/python -m torch.distributed.run --nproc-per-node=4 --standalone -m bench.train run
+/usr/bin/python -m torch.distributed.run --nproc-per-node=4 --standalone -m bench.run.train run
 [rank0]:[E1124 10:02:00.1 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=57, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=120000) ran for 120038 milliseconds before timing out.
 [rank0]:[E1124 10:02:00.2 ProcessGroupNCCL.cpp:2268] [PG ID 0 PG GUID 0(default_pg) Rank 0]  failure detected by watchdog at work sequence id: 57 PG status: last enqueued work: 57, last completed work: 56
 [rank1]:[E1124 10:02:00.3 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=57, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=120000) ran for 120041 milliseconds before timing out.
@@ -1022,7 +1022,7 @@ W1124 10:02:02.0 torch/distributed/elastic/multiprocessing/api.py:897] Sending p
 E1124 10:02:03.0 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -6) local_rank: 0 (pid: 1234) of binary: /usr/bin/python
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-bench.train FAILED
+bench.run.train FAILED
 ------------------------------------------------------------
 Failures:
   <NO_OTHER_FAILURES>
@@ -1041,8 +1041,8 @@ Root Cause (first observed failure):
 def test_nccl_watchdog_abort_names_the_hung_rank_not_the_first_victim(tmp_path):
     """Rank 2 never reached the all-reduce; the others' watchdogs aborted them (SIGABRT),
     and torchrun's root cause was rank 0, which the headline used to blame."""
-    from bench.failure import error_text
-    from bench.records import RunDir
+    from bench.launch.failure import error_text
+    from bench.run.records import RunDir
 
     run = RunDir(tmp_path)
     run.prepare()
@@ -1056,8 +1056,8 @@ def test_nccl_watchdog_abort_names_the_hung_rank_not_the_first_victim(tmp_path):
 
 
 def test_a_sigabrt_without_a_watchdog_timeout_is_still_the_culprit(tmp_path):
-    from bench.failure import error_text
-    from bench.records import RunDir
+    from bench.launch.failure import error_text
+    from bench.run.records import RunDir
 
     run = RunDir(tmp_path)
     run.prepare()
@@ -1132,8 +1132,8 @@ def _ledger_runs(rank, world, run_dir):
     import json
 
     from bench.config import load_config
-    from bench.records import RunDir
-    from bench.train import Trainer
+    from bench.run.records import RunDir
+    from bench.run.train import Trainer
 
     out = {}
     for name, config, extra in [("ddp", "configs/ddp-tiny.yaml", []),
@@ -1176,7 +1176,7 @@ def test_progress_line_shows_the_windows_rate_not_the_warm_ups():
     """A run whose warm-up (compile, NCCL's set-up) took seconds: the progress line's tok/s
     is the rate of the steps since the previous row (1,024 tokens a step at 8 ms), not the
     run's average so far (20,480 tokens over 1.77 s: 11,587), which read 70x low on a GPU."""
-    from bench.summary import progress_line, train_row
+    from bench.run.summary import progress_line, train_row
 
     row = train_row(step=20, tokens=20480, elapsed_s=1.7675, projected_elapsed_s={}, lr=0.0,
                     loss=3.5, step_s=0.008, compute_s=0.006, comm_s=0.002, comm_bytes=0.0)

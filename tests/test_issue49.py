@@ -176,7 +176,7 @@ def test_track_refuses_a_summary_that_is_a_list_before_sending_any(tmp_path, cap
 
 def test_track_warns_of_non_finite_rows_appended_to_an_ok_run(tmp_path, capsys):
     pytest.importorskip("tensorboard")
-    from bench.records import append_jsonl
+    from bench.run.files import append_jsonl
     from tests.test_tracking import fake_run
 
     run = fake_run(tmp_path / "results" / "a-000000000000", steps=6)
@@ -191,7 +191,7 @@ def test_track_warns_of_non_finite_rows_appended_to_an_ok_run(tmp_path, capsys):
 
 def test_a_sweep_name_read_by_track_follows_the_name_rule(tmp_path, capsys):
     pytest.importorskip("tensorboard")
-    from bench.records import write_json
+    from bench.run.files import write_json
     from tests.test_tracking import fake_sweep
 
     fake_sweep(tmp_path / "results")
@@ -272,8 +272,8 @@ def _state(step: int, identity: dict | None) -> bytes:
 
 
 def _identity(tmp_path: Path, rank: int, world: int = 2) -> dict:
-    from bench.checkpoint import state_identity
-    from bench.records import RunDir
+    from bench.run.checkpoint import state_identity
+    from bench.run.records import RunDir
 
     (tmp_path / "r").mkdir(exist_ok=True)
     (tmp_path / "r" / "config.yaml").write_text(matrix._fill(matrix.RECORDED, tmp_path))
@@ -301,8 +301,8 @@ def test_a_resume_refuses_another_runs_state(tmp_path, capsys):
 
 
 def test_state_files_of_this_run_and_older_ones_without_identity_are_accepted(tmp_path):
-    from bench.checkpoint import verify_states
-    from bench.records import RunDir
+    from bench.run.checkpoint import verify_states
+    from bench.run.records import RunDir
 
     for name, content in recorded_run(checkpoints={0: _state(2, _identity(tmp_path, 0)),
                                                    1: _state(2, None)}).items():
@@ -317,7 +317,7 @@ def test_an_exported_fault_is_recorded_and_an_exported_resume_is_not_passed_on(
         tmp_path, monkeypatch, capsys):
     """COMMBENCH_FAULT left in the environment: the run says so and records it;
     COMMBENCH_RESUME left there does not reach the ranks of a run that is not resumed."""
-    from bench import torchrun
+    from bench.launch import torchrun
 
     seen = {}
     real = torchrun.run

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.records import RunDir
 from bench.report import build_report, load_results
-from bench.summary import train_row, val_row
+from bench.run.records import RunDir
+from bench.run.summary import train_row, val_row
 from tests.test_report import DDP_VAL, STEPS, _save, _sweep, write_run
 
 # --------------------------------------------------------------- symlinked run directories

@@ -23,8 +23,8 @@ from algorithms.base import STRATEGIES, StepStats, Strategy, StrategyConfig
 from bench.config import load_config
 from bench.env import cores_available
 from bench.network import get_profile, project
-from bench.records import RunDir
-from bench.train import TRAIN_PHASES, Trainer
+from bench.run.records import RunDir
+from bench.run.train import TRAIN_PHASES, Trainer
 from tests.distributed import run_distributed
 from tests.helpers import IdleStrategy, burn_cpu
 
@@ -289,7 +289,7 @@ def test_robust_projection_record_is_bounded(monkeypatch):
     """Every step with measured overlap is a new stretch: the robust projection's record
     stops growing at ROBUST_RECORD_LIMIT numbers (dropped whole: no `projected_robust`
     for the run, rather than a record that is complete for some stretches only)."""
-    from bench import meter
+    from bench.run import meter
 
     monkeypatch.setattr(meter, "ROBUST_RECORD_LIMIT", 130)
 

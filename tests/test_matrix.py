@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from bench.config import from_dict
-from bench.records import RunDir
+from bench.run.records import RunDir
 from tests import strategies
 from tests.distributed import run_distributed
 
@@ -307,7 +307,7 @@ def _train(cfg, run_dir: Path):
     dynamo's eager backend: the tracing of each strategy's module in its wrapping order
     (compile(DDP(model)), stage modules, hooks) without inductor's CPU code generation,
     which would take minutes per combination."""
-    from bench.train import Trainer
+    from bench.run.train import Trainer
 
     if cfg.model.compile:
         torch.compile = functools.partial(COMPILE, backend="eager")
@@ -331,7 +331,7 @@ def traffic_verdict(cfg, records, trained: list[int]) -> str | None:
     ledger: None when they agree record for record (phase, op, bytes, group size) on
     the steps trained (in any order within a step: its pricing does not depend on it), "refused: ..." when the strategy has no description, else the
     first difference."""
-    from bench.train import TRAIN_PHASES
+    from bench.run.train import TRAIN_PHASES
     from bench.whatif.engine import as_records, traffic_facts
 
     try:

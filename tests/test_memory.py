@@ -21,7 +21,7 @@ from bench.config.schema import OptimConfig
 from bench.memory import optimizer_terms, plan, saved_activation_bytes
 from bench.model import build_model, lm_loss, model_config
 from bench.optim import make_optimizer_factory
-from bench.train import Trainer
+from bench.run.train import Trainer
 from tests import strategies
 from tests.distributed import run_distributed
 

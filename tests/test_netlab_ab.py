@@ -74,11 +74,11 @@ def _hooked(monkeypatch, rank: int) -> list:
     barrier; returns what they record."""
     import torch.distributed as dist
 
-    import bench.train
+    import bench.run.train
     import tests.netlab.lab
 
     calls = []
-    monkeypatch.setattr(bench.train, "train_row", lambda step, *a, **k: ("row", step))
+    monkeypatch.setattr(bench.run.train, "train_row", lambda step, *a, **k: ("row", step))
     monkeypatch.setattr(tests.netlab.lab, "switch", lambda lab, on: calls.append((lab, on)))
     monkeypatch.setattr(dist, "get_rank", lambda: rank)
     monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
@@ -89,10 +89,10 @@ def _hooked(monkeypatch, rank: int) -> list:
 def test_the_links_switch_at_the_rows_that_end_a_phase(monkeypatch):
     """Rank 0 switches at the row ending each phase (and the warm-up) and every rank waits
     at a barrier; the row itself is written as before."""
-    import bench.train
+    import bench.run.train
 
     calls = _hooked(monkeypatch, 0)
-    rows = [bench.train.train_row(s, 0, 0.0) for s in (10, 20, 25, 30, 40, 50, 60, 70)]
+    rows = [bench.run.train.train_row(s, 0, 0.0) for s in (10, 20, 25, 30, 40, 50, 60, 70)]
     assert rows == [("row", s) for s in (10, 20, 25, 30, 40, 50, 60, 70)]
     # after window 1 (warm-up) on, after 3 off, after 5 on; 25 is not a window's end, and
     # the last row (70, window 7's end) switches nothing: no window follows
@@ -100,9 +100,9 @@ def test_the_links_switch_at_the_rows_that_end_a_phase(monkeypatch):
 
 
 def test_other_ranks_wait_for_the_switch_without_making_it(monkeypatch):
-    import bench.train
+    import bench.run.train
 
     calls = _hooked(monkeypatch, 1)
     for s in (10, 20, 30):
-        bench.train.train_row(s, 0, 0.0)
+        bench.run.train.train_row(s, 0, 0.0)
     assert calls == ["barrier", "barrier"]

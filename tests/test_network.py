@@ -589,7 +589,7 @@ def test_step_clock_prices_idle_connections():
     for a modelled second (four RTOs) restarts from the initial window."""
     import torch
 
-    from bench.meter import StepClock
+    from bench.run.meter import StepClock
 
     tcp = Tier(10e-3, 1e6, tcp_initial_window_B=1000)
     clock = StepClock({"tcp": Profile("tcp", tcp, tcp)}, 0, 1, torch.device("cpu"))

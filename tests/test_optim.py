@@ -21,8 +21,8 @@ from bench.optim import (
     lr_at,
     make_optimizer_factory,
 )
-from bench.records import RunDir
-from bench.train import Trainer
+from bench.run.records import RunDir
+from bench.run.train import Trainer
 from tests.distributed import run_distributed
 from tests.helpers import assert_bad_config, assert_same_params, max_change, params_of
 
@@ -35,7 +35,7 @@ def tiny_gpt(seed: int = 0) -> GPT:
 
 
 def old_factory(cfg):
-    """The factory as bench/train.py had it before optimizers became a component."""
+    """The factory as bench/run/train.py had it before optimizers became a component."""
     o = cfg.optim
 
     def make(module):

@@ -1,7 +1,7 @@
 """Pipelines: partitioning, identities on real gloo ranks, ledger bytes, versions, errors.
 
 Run with `pytest tests/test_pipeline.py`. The strategies are driven directly (not through
-bench.train, which they join at integration): a small GPT (4 blocks) is built from the
+bench.run.train, which they join at integration): a small GPT (4 blocks) is built from the
 same seed on every rank, each step's global batch is drawn from a step-keyed generator,
 and replica r takes its rows, so every run sees the same tokens in the same order.
 Parameters are compared after >= 3 steps (CPU, fp32).

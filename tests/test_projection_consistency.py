@@ -1,5 +1,5 @@
 """One model per record: every projected figure of a run comes from one pricing of one
-timeline (issue 27, "One model per record"; bench/meter.py, Projected time).
+timeline (issue 27, "One model per record"; bench/run/meter.py, Projected time).
 
 Per stretch between coupled steps (as `coupled_max` cuts them), the rank whose compute +
 modelled comm ends the stretch last is the timeline: its compute is the projection's
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.meter import LoopState, StepClock
 from bench.network.timeline import OVERLAP_MODES
+from bench.run.meter import LoopState, StepClock
 from tests import strategies
 from tests.distributed import run_distributed
 from tests.local_updates import make_trainer
@@ -162,7 +162,7 @@ def test_every_projected_figure_prices_one_timeline(runs, family):
             at_target = summary["projected_time_to_target_s"][name]
             assert at_target == val["projected_elapsed_s"][name], where
             assert at_target <= p["total_s"], where
-    # the projection's own cost, recorded as harness time (bench/meter.py, Projection cost)
+    # the projection's own cost, recorded as harness time (bench/run/meter.py, Projection cost)
     assert summary["projection_s_total"] > 0
     assert summary["projection_s_per_step"] == pytest.approx(
         summary["projection_s_total"] / steps, rel=1e-12)

@@ -21,7 +21,7 @@ import yaml
 from bench.report import build_report, load_results
 from bench.report.analysis import compare, first_crossing, mean_ci, t_quantile_975
 from bench.report.render import md_text
-from bench.summary import Projection, train_row, val_row
+from bench.run.summary import Projection, train_row, val_row
 from tests.fakes import make_summary, write_fake_run
 
 STEPS = [10, 20, 30, 40]

@@ -13,9 +13,9 @@ import math
 import pandas as pd
 import pytest
 
-from bench.records import RunDir
 from bench.report import build_report, load_results
 from bench.report.verdict import loss_phrase, sentence, speed_phrase
+from bench.run.records import RunDir
 from tests.test_report import DDP_VAL, DILOCO_VAL, make_results, write_run
 
 

@@ -5,7 +5,7 @@ Each case checkpoints where a strategy has state to lose: DiLoCo mid-round (oute
 momentum, offloaded global θ, inner Adam state), Pier after its lazy start's momentum
 fill and mid-round, GASLoC mid-round with a worker idling part of each round (θ_i,
 y_prev, the round counter, the idle worker's last loss), DDP (optimizer state).
-Runs go through the real loop (bench.train.Trainer) on 2 gloo ranks, and on 4: with 3 or
+Runs go through the real loop (bench.run.train.Trainer) on 2 gloo ranks, and on 4: with 3 or
 more ranks a reduction's summation order depends on how DDP buckets the gradients (2 ranks
 sum commutatively), which caught DDP rebuilding its buckets after the first step of each
 process (algorithms/base.py `DataParallelStrategy.warm_up`). The 4-rank cases checkpoint
@@ -87,7 +87,7 @@ STOPS = {  # family -> (config, overrides): a stop asked on rank 1 in step 5 (te
 def straight_stopped_resumed(rank, world_size, config, overrides, base):
     """The run straight through; the same run stopped by a SIGTERM that only rank 1
     receives, at step 5; then resumed. Returns what the test compares."""
-    from bench.stop import handle_signals
+    from bench.run.stop import handle_signals
 
     overrides = [*overrides, "checkpoint.every=100"]  # the stop's checkpoint is the only one
     straight = make_trainer(world_size, config, overrides, f"{base}/straight")
@@ -121,11 +121,11 @@ def straight_stopped_resumed(rank, world_size, config, overrides, base):
     for family, (_, case) in strategies.cases("stop").items()])
 def test_a_stop_signal_checkpoints_where_all_ranks_agree_and_resumes_bit_exact(tmp_path,
                                                                              family):
-    """bench/stop.py: one rank's SIGTERM stops every rank at one step boundary (the first
+    """bench/run/stop.py: one rank's SIGTERM stops every rank at one step boundary (the first
     after it that all can reach), with a checkpoint there; the resumed run ends with the
     uninterrupted run's parameters, and its metrics rows (a stop between two rows: the
     open window is in the checkpoint) hold the same losses."""
-    from bench.records import RunDir
+    from bench.run.records import RunDir
 
     config, overrides = STOPS[family]
     results = run_distributed(straight_stopped_resumed, 2, config, overrides, str(tmp_path),

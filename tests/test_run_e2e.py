@@ -15,7 +15,7 @@ import torch
 
 from bench.data import load_corpus
 from bench.data.batches import validation_set
-from bench.records import RunDir
+from bench.run.records import RunDir
 
 SHORT = ["--set", "parallel.world_size=2", "--set", "run.steps=20", "--set", "run.log_every=5",
          "--set", "run.val_every=10", "--set", "run.val_sequences=16"]
@@ -127,7 +127,7 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path):
 
 FAKE_LAUNCH = """
 import os, signal, sys, time
-from bench import launch
+from bench.launch import run as launch
 from bench.config import load_config
 
 def fake_torchrun(cmd, env, run, progress, start_timeout_s):
@@ -181,7 +181,7 @@ def test_a_node_without_rank_0_succeeds_on_exit_code_0(tmp_path):
 
 
 def test_records_are_ordinary_readable_files(tmp_path):
-    from bench.records import write_json
+    from bench.run.files import write_json
 
     umask = os.umask(0o022)
     os.umask(umask)

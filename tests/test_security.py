@@ -6,7 +6,7 @@ commbench reads from one is untrusted. Nothing in it may execute or inject.
 - Markup: report.md and claims.md render record and claim-file text as text (no inline
   HTML survives, no `javascript:` link forms); the HTML pages escape everything.
 - Pickles: every checkpoint is loaded with `torch.load(weights_only=True)`
-  (bench/checkpoint.py `load_payload`): a crafted state-rank*.pt or final.pt whose pickle
+  (bench/run/checkpoint.py `load_payload`): a crafted state-rank*.pt or final.pt whose pickle
   would run code is refused, unread, by `run --resume`, `eval`, `export` and `report`.
 - Paths: a run directory whose files are symbolic links out of it, or records naming
   `..`, never make commbench write outside the directory it was asked to write.
@@ -271,7 +271,7 @@ def test_track_never_writes_outside_the_sinks_directory(tmp_path, record, capsys
     """A record naming `..`: the TensorBoard run tracking.json names (its handle), or the
     sweep's name, made TensorBoard write outside its directory."""
     pytest.importorskip("tensorboard")
-    from bench.records import write_json
+    from bench.run.files import write_json
     from bench.tracking.sync import track
     from tests.test_tracking import fake_sweep
 

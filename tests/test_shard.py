@@ -166,7 +166,7 @@ def test_resume_onto_another_world_size_is_refused(tmp_path):
     """A sharded run's checkpoint holds each rank's shards for its layout: `--resume` with
     another parallel.world_size is refused before launch (the run's identity changed)."""
     from bench.config import load_config, to_dict
-    from bench.launch import check_resume
+    from bench.launch.run import check_resume
     from tests.fakes import write_fake_run
 
     cfg = load_config("configs/ddp-tiny.yaml", ["parallel.shard=fsdp"])

@@ -231,7 +231,7 @@ def test_loop_records_coded_bytes_per_fragment_and_the_peak(tmp_path):
 
 
 def test_peak_leaves_out_the_closing_step_unless_it_is_the_only_sync():
-    from bench.meter import peak_sync_bytes
+    from bench.run.meter import peak_sync_bytes
 
     assert peak_sync_bytes([[1, 3, 0, 0], [4, 1, 10, 15], [5, 3, 0, 0], [8, 1, 30, 45]]) == (
         10, 15)

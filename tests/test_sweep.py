@@ -25,10 +25,11 @@ import pytest
 import yaml
 
 from algorithms.base import STRATEGIES, DataParallelStrategy, StrategyConfig
-from bench import launch, records
 from bench.config import config_hash, to_yaml
-from bench.records import RunDir
-from bench.summary import train_row, val_row
+from bench.launch import run as launch
+from bench.run import files, records
+from bench.run.records import RunDir
+from bench.run.summary import train_row, val_row
 from bench.sweep import load_spec, run_sweep
 from bench.sweep.store import record_state, retire
 from tests.fakes import make_summary, write_fake_run
@@ -89,8 +90,8 @@ def hanging_runner(cfg, run_dir, progress=True) -> dict:
     if log.exists() and len(log.read_text().splitlines()) == 2:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True)
-        records.write_text(run_dir / "config.yaml", to_yaml(cfg))
-        records.write_json(run_dir / "summary.json", {"status": "running"})
+        files.write_text(run_dir / "config.yaml", to_yaml(cfg))
+        files.write_json(run_dir / "summary.json", {"status": "running"})
         (run_dir / "metrics.jsonl").write_text('{"step": 10, "loss": 4.5}\n{"step": 2')
         time.sleep(600)
     return fake_runner(cfg, run_dir, progress)
@@ -436,7 +437,7 @@ def test_retry_failed_resumes_a_failed_run_from_its_checkpoint(tmp_path, env):
 
 def wait_for_ctrl_c(run_dir: Path, press=lambda: False) -> None:
     """Block like a training run (after a Ctrl-C to this process if `press()`); on Ctrl-C,
-    do what bench.launch.run_config does: record the run as interrupted, re-raise."""
+    do what bench.launch.run.run_config does: record the run as interrupted, re-raise."""
     try:
         if press():
             os.kill(os.getpid(), signal.SIGINT)  # reaches the main thread only
@@ -491,9 +492,9 @@ def test_ctrl_c_reaches_the_runs_in_flight_of_a_parallel_sweep(tmp_path, env):
 
 def test_a_second_ctrl_c_in_the_real_launcher_stops_torchrun_at_once(tmp_path, env,
                                                                       monkeypatch):
-    """The first Ctrl-C asks the ranks to checkpoint and stop (bench/stop.py); the second
+    """The first Ctrl-C asks the ranks to checkpoint and stop (bench/run/stop.py); the second
     kills torchrun (and its ranks) at once, and the run is recorded interrupted."""
-    # bench.launch.run_config, with torchrun replaced by a child that only waits
+    # bench.launch.run.run_config, with torchrun replaced by a child that only waits
     marker = tmp_path / "child.pid"
     child = [sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + '.tmp', 'w')"
              ".write(str(os.getpid())); os.rename(sys.argv[1] + '.tmp', sys.argv[1]); "
@@ -624,7 +625,7 @@ def test_slurm_path_with_submitits_local_executor(tmp_path, env, monkeypatch):
 
 
 def test_a_registered_executor_gets_the_runs_to_train(tmp_path, env, monkeypatch):
-    from bench import executors
+    from bench.launch import executors
 
     seen = {}
 

@@ -19,8 +19,9 @@ import pytest
 
 from bench.config import config_hash, load_config
 from bench.config.schema import TensorBoardConfig
-from bench.records import RunDir, write_json
-from bench.summary import train_row, val_row
+from bench.run.files import write_json
+from bench.run.records import RunDir
+from bench.run.summary import train_row, val_row
 from bench.tracking.sinks import make_sink
 from bench.tracking.sync import row_series, sync_run, track
 from tests.fakes import make_summary, write_fake_run
@@ -292,7 +293,7 @@ def test_a_resume_continues_the_sink_run_and_a_new_attempt_starts_another(tmp_pa
 
 
 def _fake_launcher(tmp_path, rows_seen_live: list, wait_for_live: bool = True):
-    """A stand-in for bench.launch.run_config: the records a run writes, over time (the
+    """A stand-in for bench.launch.run.run_config: the records a run writes, over time (the
     header, rank 0 replacing metrics.jsonl, rows, the summary), without torchrun."""
     def run_config(cfg, run_dir, progress=True, resume=False):
         run = RunDir(run_dir)
@@ -325,7 +326,7 @@ def test_a_run_is_followed_live_and_its_sinks_hold_all_its_records(tmp_path, mon
     from bench.cli import run_and_evaluate
 
     live: list = []
-    monkeypatch.setattr("bench.launch.run_config", _fake_launcher(tmp_path, live))
+    monkeypatch.setattr("bench.launch.run.run_config", _fake_launcher(tmp_path, live))
     cfg = load_config("configs/ddp-tiny.yaml", [f"tracking.tensorboard.dir={tmp_path / 'tb'}",
                                                 "tracking.poll_s=0.05"])
     summary = run_and_evaluate(cfg, tmp_path / "results" / "r")
@@ -341,7 +342,7 @@ def test_failing_sinks_warn_once_and_the_run_finishes_ok(tmp_path, monkeypatch, 
     from bench.cli import run_and_evaluate
 
     live: list = []
-    monkeypatch.setattr("bench.launch.run_config", _fake_launcher(tmp_path, live, False))
+    monkeypatch.setattr("bench.launch.run.run_config", _fake_launcher(tmp_path, live, False))
     for name in ["mlflow", *(m for m in sys.modules if m.startswith("mlflow."))]:
         monkeypatch.setitem(sys.modules, name, None)  # `import mlflow...` raises ImportError
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens
@@ -379,7 +380,7 @@ def test_a_hanging_sink_holds_back_neither_the_others_nor_the_run(tmp_path, monk
     release = threading.Event()
     monkeypatch.setattr(MlflowSink, "open", lambda self, run, handle: release.wait(120) or "x")
     live: list = []
-    monkeypatch.setattr("bench.launch.run_config", _fake_launcher(tmp_path, live))
+    monkeypatch.setattr("bench.launch.run.run_config", _fake_launcher(tmp_path, live))
     cfg = load_config("configs/ddp-tiny.yaml", [
         f"tracking.tensorboard.dir={tmp_path / 'tb'}", "tracking.poll_s=0.05",
         f"tracking.mlflow.tracking_uri={tmp_path / 'mlruns'}", "tracking.timeout_s=1"])

@@ -21,7 +21,7 @@ from bench.config import load_config
 from bench.data import load_corpus
 from bench.data.batches import validation_set
 from bench.model import GPT, GPTConfig, build_model
-from bench.train import Trainer
+from bench.run.train import Trainer
 from tests.distributed import run_distributed
 
 TOKENS = np.random.default_rng(0).integers(0, 64, 32 * 40 + 1).astype(np.uint16)

@@ -221,7 +221,7 @@ def settings(case: str) -> tuple[str, list[str]]:
 
 def train(rank, world_size, run_dir, case):
     from bench.config import load_config
-    from bench.train import TRAIN_PHASES, Trainer
+    from bench.run.train import TRAIN_PHASES, Trainer
 
     cfg = load_config(*settings(case))
     trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo", keep_records=True)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench import records
 from bench.claims.decide import NOT_RUNNABLE, ClaimResult, RuleResult
 from bench.report import figures, render
 from bench.report.analysis import mean_ci
+from bench.run import files
 
 
 def _num(value: float) -> str:
@@ -161,9 +161,9 @@ def write_page(results: list[ClaimResult], steps: dict[str, pd.DataFrame], scale
     out_dir = Path(out_dir)
     (out_dir / "figures").mkdir(parents=True, exist_ok=True)
     blocks = _blocks(results, steps, scale, out_dir)
-    records.write_text(out_dir / "claims.md", render.to_markdown(blocks, out_dir))
-    records.write_text(out_dir / "claims.json",
+    files.write_text(out_dir / "claims.md", render.to_markdown(blocks, out_dir))
+    files.write_text(out_dir / "claims.json",
                        json.dumps(_json(results, scale), indent=2, default=str) + "\n")
     html_path = out_dir / "claims.html"
-    records.write_text(html_path, render.to_html(blocks, f"commbench claims ({scale})"))
+    files.write_text(html_path, render.to_html(blocks, f"commbench claims ({scale})"))
     return html_path

@@ -49,7 +49,8 @@ non-negative one."""
 def check_rendezvous(launch: LaunchConfig, required: bool = False) -> None:
     """launch.rdzv_endpoint: host:port when given (refused here, not by torchrun on every
     node after the launch); `required` (a run started by hand, `preflight`): given when
-    launch.nnodes > 1 (a Slurm job fills a null one with its first node: bench/jobentry.py)."""
+    launch.nnodes > 1 (a Slurm job fills a null one with its first node:
+    bench/launch/jobentry.py)."""
     endpoint = launch.rdzv_endpoint
     if endpoint is None:
         if required and launch.nnodes > 1:
@@ -71,11 +72,11 @@ SET_BY_COMMBENCH = {
     "--standalone": "launch.nnodes: 1 without launch.rdzv_endpoint",
     "--rdzv": "launch.rdzv_endpoint, launch.rdzv_timeout_s", "--node-rank": "the rendezvous",
     "--master-addr": "the rendezvous", "--master-port": "the rendezvous",
-    "--no-python": "commbench (it runs -m bench.train)",
-    "--run-path": "commbench (it runs -m bench.train)", "-m": "commbench (-m bench.train)",
-    "--module": "commbench (-m bench.train)",
+    "--no-python": "commbench (it runs -m bench.run.train)",
+    "--run-path": "commbench (it runs -m bench.run.train)", "-m": "commbench (-m bench.run.train)",
+    "--module": "commbench (-m bench.run.train)",
 }
-"""torchrun options commbench sets itself (bench/torchrun.py `command`), and the config keys
+"""torchrun options commbench sets itself (bench/launch/torchrun.py `command`), and the config keys
 they come from: checked here, when the config is read, so config never imports launch."""
 
 

@@ -66,7 +66,7 @@ class RunConfig:
     out of throughput and MFU (summary warmup_s); 0 = none. Accounting only: not part of
     the run's identity."""
     compute_clock: Literal["auto", "wall"] = "auto"
-    """What a rank's compute is measured on (bench/meter.py, Compute clock). auto: its own
+    """What a rank's compute is measured on (bench/run/meter.py, Compute clock). auto: its own
     CPU time on a CPU device (ranks sharing cores do not count their waits for a core),
     step seconds minus exposed communication on CUDA. wall: step seconds minus exposed
     communication everywhere (the shaped-link lab, which holds projections against wall
@@ -262,7 +262,7 @@ class EvalConfig:
 class CheckpointConfig:
     every: int | None = None
     """Checkpoint every this many steps (for --resume); null = run.steps // 4; a stop
-    signal saves one more where it stops (bench/stop.py); 0 = never, not even then."""
+    signal saves one more where it stops (bench/run/stop.py); 0 = never, not even then."""
     final: bool = True
     """Save the evaluation model at the end (needed by `commbench eval`)."""
     timeout_s: float = 1800.0
@@ -279,7 +279,7 @@ class LaunchConfig:
     """host:port of the c10d rendezvous for multi-node runs."""
     rdzv_timeout_s: float = 600.0
     """Seconds to wait for the rendezvous (every node joined; one node: torchrun's ranks
-    started) before the run fails saying so (bench/torchrun.py)."""
+    started) before the run fails saying so (bench/launch/torchrun.py)."""
     torchrun_args: list[str] = field(default_factory=list)
     """Extra arguments passed through to torchrun (not those commbench sets from the
     config: --nproc-per-node, --nnodes, --standalone, --rdzv-*, --node-rank)."""

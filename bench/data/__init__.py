@@ -177,7 +177,7 @@ def corpus_identity(shard_dir: Path) -> dict:
     """What the run's data are, from the shard directory it reads (`cached_corpus`):
     the source, the sha256 of its text (meta.json), the tokenizer and the split sizes.
     Recorded in summary.json `data` from the start; a resume whose data differ is refused
-    (bench/launch.py)."""
+    (bench/launch/run.py)."""
     meta = json.loads((shard_dir / "meta.json").read_text())
     return {key: meta.get(key) for key in DATA_IDENTITY}
 

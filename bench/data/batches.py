@@ -1,6 +1,6 @@
 """Deterministic per-replica training batches and the shared validation set.
 
-Exercised by every training run: bench/train.py draws `BatchStream(...).batch(step)` on each
+Exercised by every training run: bench/run/train.py draws `BatchStream(...).batch(step)` on each
 rank and evaluates on its shard of `validation_set(...)`, the same windows for every
 layout, batch size, world size and pipeline depth of the same data (run.val_sequences).
 """
@@ -107,7 +107,7 @@ class ValidationSet:
         return len(self.windows)
 
     def record(self) -> dict:
-        """summary.json `val_set` (bench/summary.py): tokens = positions scored."""
+        """summary.json `val_set` (bench/run/summary.py): tokens = positions scored."""
         return {"id": self.id, "sequences": self.sequences, "seq_len": self.seq_len,
                 "tokens": self.sequences * self.seq_len}
 

@@ -1,6 +1,6 @@
 """CommRecords -> modelled seconds: per record, summed, on the backward timeline, emulated.
 
-Exercised by `pytest tests/test_network.py`. bench/train.py calls `project` for the
+Exercised by `pytest tests/test_network.py`. bench/run/train.py calls `project` for the
 projected step times in summary.json and `delay_policy` for `network.emulate=PROFILE`.
 `backend=` (None = "naive", "gloo", "nccl-ring", "nccl-tree", "nccl") picks the collective
 algorithm's formulas (bench/network/costs.py, docs/network-model.md).

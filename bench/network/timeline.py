@@ -5,7 +5,7 @@ projection (`robust_projection`).
 
     pytest tests/test_loop_measures.py tests/test_projection_consistency.py
 
-Used by the loop's clock (bench/meter.py `StepClock`) on a run's ledger records and by
+Used by the loop's clock (bench/run/meter.py `StepClock`) on a run's ledger records and by
 the what-if (bench/whatif/engine.py) on a strategy's traffic description: one model.
 
 Projected time: for every step, each rank's measured compute plus its modelled
@@ -34,7 +34,7 @@ the compute its own rank measured in that step, gathered at the settle point
 (`pipeline_values`); every rank of a replica then holds the replica's seconds, so the
 timeline's compute is its first stage's.
 
-Cost (harness time, bench/meter.py Projection cost). A step's pricing depends on its
+Cost (harness time, bench/run/meter.py Projection cost). A step's pricing depends on its
 records' content and, on a profile with TCP slow start, on how long each connection had
 been idle; a step identical in both to an earlier one is priced once (`StepPricer`:
 DDP's buckets are the same every step). A pipeline's replay runs as straight-line code

@@ -55,7 +55,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench import records
 from bench.report import (
     algoperf,
     analysis,
@@ -68,6 +67,7 @@ from bench.report import (
     verdict,
 )
 from bench.report.load import Results, load_results
+from bench.run import files
 
 __all__ = ["build_report", "load_results", "Results"]
 
@@ -165,9 +165,9 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
     profile_text = algoperf.summary_text(profile, cases)
     blocks = _blocks(results_dir, res, sets, comm, evals, drawn, profiles, profile_text)
     title = f"commbench report: {results_dir.resolve().name}"
-    records.write_text(out_dir / "report.md", render.to_markdown(blocks, out_dir))
+    files.write_text(out_dir / "report.md", render.to_markdown(blocks, out_dir))
     html_path = out_dir / "report.html"
-    records.write_text(html_path, render.to_html(blocks, title))
+    files.write_text(html_path, render.to_html(blocks, title))
     return html_path
 
 

@@ -337,7 +337,7 @@ def communication(runs: pd.DataFrame, profiles: list[str]) -> pd.DataFrame:
     bytes handed to each collective or send) and modelled wire bytes
     (`comm_wire_bytes_per_rank`, e.g. 2(n-1)/n x S per rank for a ring all-reduce; NaN in
     records that predate it). Peak bytes per sync (`comm_peak_sync_bytes`, and wire): the
-    most one rank sent in one step (bench/meter.py, Bytes per step; NaN in older records)."""
+    most one rank sent in one step (bench/run/meter.py, Bytes per step; NaN in older records)."""
     ok = runs[runs["status"] == "ok"].copy()
     world = ok["world_size"].where(ok["world_size"] > 0)
     ok["comm_bytes_per_rank"] = ok["comm_bytes_per_rank"].fillna(ok["comm_bytes_total"] / world)

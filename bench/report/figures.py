@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, NullFormatter, PercentFormatter
 
-from bench import records
+from bench.run import files
 
 _COLORS = ["#222222", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
            "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
@@ -30,17 +30,17 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def save(fig: Figure, path: Path) -> Path:
-    """Write `fig` as a PNG at `path`, atomically (bench.records.write_bytes: a link at
+    """Write `fig` as a PNG at `path`, atomically (bench.run.files.write_bytes: a link at
     `path` is replaced, never followed); returns `path`."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    records.write_bytes(path, buffer.getvalue())
+    files.write_bytes(path, buffer.getvalue())
     return path
 
 
 def write_csv(table: pd.DataFrame, path: Path) -> None:
     """A table as CSV at `path`, atomically, like `save`."""
-    records.write_text(path, table.to_csv(index=False))
+    files.write_text(path, table.to_csv(index=False))
 
 
 LEGEND_INSIDE_MAX = 12

@@ -30,7 +30,7 @@ Validation sets (`val_set` column; `implied_val_set`: what the run's config asks
 words). Validation losses compare only between runs scored on the same validation set,
 so every run carries the name of its set and the report splits the runs by it
 (`by_validation_set`) before anything compares them:
-- a record with summary.json `val_set` (bench/summary.py): "ID (N x L tokens)", ID the
+- a record with summary.json `val_set` (bench/run/summary.py): "ID (N x L tokens)", ID the
   hash of the tokens scored;
 - a run of this code that ended before writing one (killed, failed at start-up; its
   config has run.val_sequences): its group's recorded set, else the set recorded by the
@@ -59,7 +59,6 @@ from typing import Any
 
 import pandas as pd
 
-from bench import records
 from bench.config import NON_IDENTITY_KEYS, without_keys
 from bench.report import contention
 from bench.report.read import (
@@ -73,10 +72,11 @@ from bench.report.read import (
     read_metrics,
     rows_of_ok_run,
 )
+from bench.run import files, records
 
 IDENTITY = ["run_id", "sweep", "variant", "label", "group", "seed", "strategy", "status"]
 STEP_COLUMNS = ["step", "tokens", "elapsed_s", "loss", "val_loss"]
-"""A metrics row's columns every run's rows have (bench/summary.py train_row, val_row)."""
+"""A metrics row's columns every run's rows have (bench/run/summary.py train_row, val_row)."""
 SUMMARY_NUMBERS = [
     "num_params", "world_size", "steps", "total_tokens", "wall_s", "throughput_tokens_per_s",
     "compute_s_total", "comm_s_total", "comm_bytes_total", "comm_bytes_per_rank",
@@ -150,7 +150,7 @@ def _skipped(name: str) -> bool:
 def _summary_alone(run: records.RunDir, warnings: list[str] | None) -> bool:
     """Whether a summary.json without config.yaml beside it is a run's (a JSON object)."""
     try:
-        summary = records.read_json(run.summary)
+        summary = files.read_json(run.summary)
     except (ValueError, OSError) as err:
         summary, why = None, str(err).removeprefix(f"{run.summary}: ")
     else:

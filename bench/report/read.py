@@ -18,15 +18,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench import records
 from bench.config import load_raw
-from bench.summary import nonfinite_loss_steps
+from bench.run import files
+from bench.run.summary import nonfinite_loss_steps
 
 
 def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
     """metrics.jsonl rows; a torn last line (killed run) or a corrupt one is skipped with a
     warning."""
-    return [row for row in records.read_jsonl(path, skipped=warnings) if isinstance(row, dict)]
+    return [row for row in files.read_jsonl(path, skipped=warnings) if isinstance(row, dict)]
 
 
 def read_json_or_none(path: Path, warnings: list[str]) -> Any:
@@ -34,7 +34,7 @@ def read_json_or_none(path: Path, warnings: list[str]) -> Any:
     if not path.exists():
         return None
     try:
-        return records.read_json(path)
+        return files.read_json(path)
     except (ValueError, OSError) as err:
         reason = str(err).removeprefix(f"{path}: ")  # read_json's message names the file
         warnings.append(f"{path}: unreadable ({reason}); treated as missing")

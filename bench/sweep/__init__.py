@@ -49,7 +49,7 @@ the spec's `set`, which it overrides; a key the spec varies cannot be --set).
 
 Modules: spec.py (the spec and its runs), store.py (records, retire, lock, sweep.json),
 orchestrate.py (run_sweep), progress.py (the bars). Executors (`local`, or `slurm` through
-submitit) train the runs: see bench/executors.py.
+submitit) train the runs: see bench/launch/executors.py.
 """
 
 from bench.sweep.orchestrate import RunOutcome, SweepResult, run_sweep, sweep_status

@@ -4,7 +4,7 @@
     commbench sweep configs/quickstart.yaml --status     # where each run stands; starts nothing
 
 Reads the spec (bench/sweep/spec.py), looks up each run's record (bench/sweep/store.py),
-hands the runs to train to the spec's executor (bench/executors.py) and builds the report.
+hands the runs to train to the spec's executor (bench/launch/executors.py) and builds the report.
 A stopped run (interrupted, timed out, preempted; failed, with --retry-failed) continues
 from its checkpoint in its own directory, as `commbench run --resume` does; only a run
 without a usable checkpoint is retrained from step 0 (its old record moved aside), and the
@@ -24,9 +24,10 @@ from tqdm import tqdm
 
 from bench.config import Config
 from bench.config.preflight import check_output_dir
-from bench.executors import Executor, Task, make_executor
-from bench.jobentry import Runner
-from bench.records import DONE_STATUSES, RunDir, read_jsonl
+from bench.launch.executors import Executor, Task, make_executor
+from bench.launch.jobentry import Runner
+from bench.run.files import read_jsonl
+from bench.run.records import DONE_STATUSES, RunDir
 from bench.sweep import store
 from bench.sweep.progress import Progress
 from bench.sweep.spec import SweepRun, SweepSpec, format_value, load_spec
@@ -140,7 +141,7 @@ def run_sweep(spec_path: str | os.PathLike, *, dry_run: bool = False, retry_fail
     `executor` ('local' or 'slurm'), `max_parallel` and `output_dir` override the spec;
     `overrides` (KEY=VALUE) are set on every run. `check_run(config)` is called on every
     run before anything is written (the command line checks eval tasks with it). `runner`
-    replaces bench.launch.run_config (tests pass a fake). Prints the report path.
+    replaces bench.launch.run.run_config (tests pass a fake). Prints the report path.
     """
     spec = _load(spec_path, executor, max_parallel, output_dir, overrides)
     for run in spec.runs if check_run else ():

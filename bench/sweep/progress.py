@@ -2,7 +2,7 @@
 
     commbench sweep configs/quickstart.yaml    # on a terminal: the bars; in logs: one line a run
 
-Executors (bench/executors.py) call `start(task)` and `finish(task, summary)`.
+Executors (bench/launch/executors.py) call `start(task)` and `finish(task, summary)`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 
 from tqdm import tqdm
 
-from bench.executors import Task
-from bench.records import RunDir
+from bench.launch.executors import Task
+from bench.run.records import RunDir
 
 
 class _RunLine:

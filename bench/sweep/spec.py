@@ -27,7 +27,7 @@ from bench.config.typed import (
     parse_assignment,
     unknown_key,
 )
-from bench.executors import ExecutorSpec
+from bench.launch.executors import ExecutorSpec
 
 SPEC_KEYS = ("name", "description", "base", "set", "grid", "zip", "seeds", "variants",
              "target_loss", "output_dir", "report_dir", "executor")

@@ -15,8 +15,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench import checkpoint, records
-from bench.records import RunDir
+from bench.run import checkpoint, files, records
+from bench.run.records import RunDir
 
 if TYPE_CHECKING:
     from bench.sweep.spec import SweepRun, SweepSpec
@@ -40,7 +40,7 @@ def read_summary(run_dir: Path) -> dict | None:
 
 def resumable(run_dir: Path, world_size: int) -> tuple[int | None, str]:
     """(the step a stopped run continues from, or None; why not, in words): the run's
-    checkpoints, every rank's, loaded and at one step (bench/checkpoint.py)."""
+    checkpoints, every rank's, loaded and at one step (bench/run/checkpoint.py)."""
     try:
         step = checkpoint.verify_states(RunDir(run_dir), world_size)
     except ValueError as err:
@@ -101,7 +101,7 @@ def lock_holder(sweep_dir: Path) -> dict | None:
 
 def write_sweep_json(spec: SweepSpec, run_dirs: dict[str, Path]) -> None:
     path = spec.sweep_dir / "sweep.json"
-    old = records.read_json(path) if path.exists() else {}
+    old = files.read_json(path) if path.exists() else {}
     entries = dict(old.get("runs", {}))
     for run in spec.runs:
         entries[run.run_id] = {
@@ -109,7 +109,7 @@ def write_sweep_json(spec: SweepSpec, run_dirs: dict[str, Path]) -> None:
             "label": run.label, "point": run.point, "overrides": run.overrides,
             "strategy": run.config.strategy.name,
         }
-    records.write_json(path, {
+    files.write_json(path, {
         "name": spec.name,
         "spec": str(spec.path),
         "description": spec.description,

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from bench import records
 from bench.config.typed import check_name, flatten
-from bench.records import RunDir, status_of
-from bench.summary import nonfinite_loss_steps
+from bench.run import files
+from bench.run.records import RunDir, status_of
+from bench.run.summary import nonfinite_loss_steps
 
 
 @dataclass
@@ -40,19 +40,19 @@ class TrackedRun:
         run = RunDir(run_dir)
         config_yaml = run.config.read_text() if run.config.exists() else ""
         config = read_yaml(config_yaml)
-        env = records.read_json(run.env) if run.env.exists() else {}
+        env = files.read_json(run.env) if run.env.exists() else {}
         summary = run.read_summary() or {}
         if not isinstance(summary, dict):  # a crafted or garbage record: refused, not sent
             raise ValueError(f"{run.summary} is not a run's summary (a JSON object), got a "
                              f"JSON {type(summary).__name__}; nothing of this run is sent")
         sweep = run.path.parent / "sweep.json"
-        sweep_record = records.read_json(sweep) if sweep.exists() else {}
+        sweep_record = files.read_json(sweep) if sweep.exists() else {}
         group = sweep_record.get("name") if isinstance(sweep_record, dict) else None
         if group is not None:  # a folder of the TensorBoard sink, a W&B/MLflow group
             check_name(f"{sweep}: name", group, "the tracker's group of the sweep's runs")
         evals = flatten_eval(summary.get("eval"))
         if not evals and run.eval.exists():
-            evals = flatten_eval(records.read_json(run.eval))
+            evals = flatten_eval(files.read_json(run.eval))
         return cls(path=run.path.absolute(), name=run.path.name, group=group, config=config,
                    config_yaml=config_yaml, config_hash=summary.get("config_hash"),
                    strategy=str(summary.get("strategy") or _strategy_name(config)),
@@ -105,7 +105,7 @@ class TrackedRun:
 
     def walltime(self, elapsed_s: float | None) -> float | None:
         """The attempt's start plus the run's clock: a sink's time axis shows the run's own
-        measured seconds (validation and logging excluded, bench/meter.py)."""
+        measured seconds (validation and logging excluded, bench/run/meter.py)."""
         try:
             start = datetime.strptime(self.attempt, "%Y-%m-%dT%H:%M:%S%z").timestamp()
         except (TypeError, ValueError):

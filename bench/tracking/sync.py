@@ -27,10 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-from bench import records
 from bench.config.schema import SINK_CONFIGS, SINK_NAMES, TrackingConfig
 from bench.config.typed import flatten
-from bench.records import RunDir
+from bench.run import files
+from bench.run.records import RunDir
 from bench.tracking.run import TrackedRun, read_yaml
 from bench.tracking.sinks import make_sink, warn
 
@@ -119,7 +119,7 @@ class RunSync:
     def _entry(self, key: str) -> dict:
         path = self.records.tracking
         try:
-            return (records.read_json(path) if path.exists() else {}).get(key) or {}
+            return (files.read_json(path) if path.exists() else {}).get(key) or {}
         except ValueError:
             return {}
 
@@ -129,11 +129,11 @@ class RunSync:
         with _LEDGER:
             path = self.records.tracking
             try:
-                ledger = records.read_json(path) if path.exists() else {}
+                ledger = files.read_json(path) if path.exists() else {}
             except ValueError:
                 ledger = {}
             ledger[key] = entry
-            records.write_json(path, ledger)
+            files.write_json(path, ledger)
 
     def _push(self, sink, run: TrackedRun) -> str | None:
         key = sink.key()
@@ -201,7 +201,7 @@ class Follower:
     run's new records every `poll_s` seconds.
 
     They wait for this attempt's metrics.jsonl: rank 0 replaces the file (atomically, a new
-    inode) before its first step (bench/checkpoint.py `load_state`), so rows of an earlier
+    inode) before its first step (bench/run/checkpoint.py `load_state`), so rows of an earlier
     attempt are never sent as this one's. On a multi-node run only the launcher on rank
     0's node (env.json's host) sends anything."""
 
@@ -249,7 +249,7 @@ class Follower:
 
     def _env(self) -> dict:
         try:
-            env = records.read_json(self.records.env) if self.records.env.exists() else {}
+            env = files.read_json(self.records.env) if self.records.env.exists() else {}
         except ValueError:
             return {}
         return env if isinstance(env, dict) else {}

@@ -271,10 +271,10 @@ def run_whatif(run_dir: str | Path) -> dict[str, dict]:
 
 
 def settles(cfg) -> frozenset[int]:
-    """Step counts at which the loop settles its clocks (bench/train.py: warm-up end,
+    """Step counts at which the loop settles its clocks (bench/run/train.py: warm-up end,
     metrics and validation rows, periodic checkpoints, the end): the projections close
     their stretches there, so a measured run's what-if does too."""
-    from bench.checkpoint import interval
+    from bench.run.checkpoint import interval
 
     r, every = cfg.run, interval(cfg)
     out = {r.steps, min(r.warmup_steps, r.steps)} - {0}

@@ -270,7 +270,7 @@ def base_profile(s: Scenario) -> tuple[Profile, Tier]:
 def run_summary(run_dir: str | Path) -> tuple[dict, dict]:
     """(config.yaml, summary.json) of a measured run."""
     from bench.config import load_raw
-    from bench.records import RunDir
+    from bench.run.records import RunDir
 
     run = RunDir(run_dir)
     if not Path(run.config).is_file():

@@ -16,7 +16,7 @@ import torch
 
 from bench.config import load_config
 from bench.env import cores_available
-from bench.train import Trainer
+from bench.run.train import Trainer
 from tests.benchmarks.replay import CLOCK, replay
 from tests.distributed import run_distributed
 

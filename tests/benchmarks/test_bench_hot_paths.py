@@ -4,7 +4,7 @@
   ranks: a ratio measured in one run, saved and gated like a time (replay.py);
 - the ledger, the projection of a 10^5-record ledger, the loop's projection of one step
   (`StepClock.add`: 10^3 and 10^5 records on the default profiles, both overlap modes;
-  bench/meter.py, Projection cost), a pipeline's step and its replay at settle, the batch
+  bench/run/meter.py, Projection cost), a pipeline's step and its replay at settle, the batch
   stream, and the report built from 200 run records, each on its own.
 
 Harness-time targets (issue 44): a DDP step's projection (10^3 buckets) 16 ms -> 0.5 ms,
@@ -13,7 +13,7 @@ a pipeline's (8 stages x 32 microbatches) 11 ms (1F1B) + 61 ms of settle replay 
 run (machines and their load differ; the gate compares minima, so do these): the DDP
 step against the same step priced for the first time (every record on every profile,
 what every step cost before), >= 32x; the pipeline step with its settle share against
-the replays bench/meter.py ran a step, on the interpreter (`simulate`: one per profile
+the replays bench/run/meter.py ran a step, on the interpreter (`simulate`: one per profile
 at `add`, one per profile and replica at settle), >= 36x.
 The outer step, a gossip round and torchft's outer step are in test_bench_outer.py.
 """
@@ -32,12 +32,12 @@ from algorithms.ddp import DDP, DDPConfig
 from bench.config import load_config
 from bench.config.schema import NetworkConfig
 from bench.data.batches import BatchStream
-from bench.meter import StepClock
 from bench.model import GPT, gpt_config
 from bench.network import get_profile, project
 from bench.network.timeline import pipeline_values
 from bench.report import build_report
-from bench.train import make_optimizer_factory
+from bench.run.meter import StepClock
+from bench.run.train import make_optimizer_factory
 from tests.benchmarks.replay import CLOCK, replay
 from tests.distributed import run_distributed
 
@@ -134,7 +134,7 @@ def test_projection_of_a_long_run(benchmark):
 
 @pytest.mark.parametrize("records", [10**3, 10**5])
 def test_projection_of_one_step(benchmark, records):
-    """What the loop adds to each step on the host to project it (bench/meter.py,
+    """What the loop adds to each step on the host to project it (bench/run/meter.py,
     Projection cost): one step of `records` DDP buckets (4 MB, ready 1 ms before the end
     of backward) priced by `StepClock.add` on the profiles every run projects onto by
     default, overlap-aware and not. A StepClock needs no process group for `add`."""
@@ -243,7 +243,7 @@ def test_pipeline_step_with_its_settle(benchmark, schedule):
 
 
 def _interpreted_replay_s(path: CriticalPath) -> float:
-    """One replay of a step on the interpreter (`simulate`), as bench/meter.py ran each."""
+    """One replay of a step on the interpreter (`simulate`), as bench/run/meter.py ran each."""
     from bench.network.pipeline import programs, replayed_steps, simulate
 
     stages = programs(path.schedule, path.num_stages, path.passes, replayed_steps(path))

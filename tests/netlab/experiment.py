@@ -216,7 +216,7 @@ def train(lab: Lab, strategy: str, run_dir: Path, port: int, profiles: list[str]
             "run.val_sequences=8", "checkpoint.every=0", "checkpoint.final=false",
             "network.model=gloo", f"network.profiles=[{','.join(profiles)}]",
             # the lab holds the model against wall steps on its own shared cores (and the
-            # delayers' CPU): the compute beside them must be wall too (bench/meter.py)
+            # delayers' CPU): the compute beside them must be wall too (bench/run/meter.py)
             "run.compute_clock=wall"]
     cfg = load_config(ROOT / CONFIGS[strategy], sets)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -326,8 +326,8 @@ def naive_comm_per_step(rows: list[dict], profile, steps: int, world: int) -> fl
     peers in the aggregate and are priced to the rank's slowest peers (exact on
     homogeneous links)."""
     from algorithms.comm import CommRecord
-    from bench.meter import TRAIN_PHASES
     from bench.network import project
+    from bench.run.meter import TRAIN_PHASES
 
     per_rank: dict[int, float] = {}
     for row in rows:

@@ -6,7 +6,7 @@ choices (no sch_netem in this kernel, delay on the receive side, tbf burst and q
 sizes): docs/network-model.md, "Validation on shaped links".
 
     with Lab(rates_mbit=[100] * 4, delays_ms=[10] * 4) as lab:
-        lab.popen(i, ["python", "-m", "bench.train", run_dir], rank_env)   # rank i
+        lab.popen(i, ["python", "-m", "bench.run.train", run_dir], rank_env)   # rank i
 
 Topology: namespace `cbl-sw` holds bridge `br0`; namespace `cbl-I` holds `lab0`
 (10.77.0.I+1/24), a veth whose peer `p I` sits on the bridge. Rank I's upload is shaped by

@@ -1,4 +1,4 @@
-"""`python -m tests.netlab.traced RUN_DIR`: bench.train, each ledger record also written to
+"""`python -m tests.netlab.traced RUN_DIR`: bench.run.train, each ledger record also written to
 RUN_DIR/trace-rank{RANK}.jsonl with `end`, the host's monotonic clock when it was added
 (right after the op: algorithms/comm.py `_timed`), the same clock in every namespace.
 
@@ -14,7 +14,7 @@ at metrics rows, as `shaped_window` lays out, so that the compute measured on th
 links and the step measured on the slow ones come from the same run, minutes of this
 machine's drift apart no more (tests/netlab/experiment.py `read_phases`). The switch happens after the row's
 clock is settled and before the next timed step (outside the run's clock:
-bench/train.py), by rank 0, and every rank waits for it at a barrier.
+bench/run/train.py), by rank 0, and every rank waits for it at a barrier.
 
 The delay stays on in both phases: it costs the ranks no CPU, so the compute the fast
 phase measures is what it would be on a link without it, and a connection's round trip
@@ -63,10 +63,10 @@ def counted_window(window: int) -> bool:
 def _switch_at_rows(ab: dict) -> None:
     import torch.distributed as dist
 
-    import bench.train
+    import bench.run.train
     from tests.netlab.lab import switch
 
-    row, every, last = bench.train.train_row, ab["log_every"], ab["steps"]
+    row, every, last = bench.run.train.train_row, ab["log_every"], ab["steps"]
 
     def train_row(step, *args, **kw):
         done = step // every  # windows finished with this row
@@ -77,11 +77,11 @@ def _switch_at_rows(ab: dict) -> None:
             dist.barrier()
         return row(step, *args, **kw)
 
-    bench.train.train_row = train_row
+    bench.run.train.train_row = train_row
 
 
 def main(run_dir: str) -> int:
-    from bench import train
+    from bench.run import train
 
     ab = os.environ.get(AB_ENV)
     if ab:

@@ -1,8 +1,8 @@
-"""Runners for Slurm jobs in tests/slurm, imported by name inside the jobs (bench.jobentry),
+"""Runners for Slurm jobs in tests/slurm, imported by name inside the jobs (bench.launch.jobentry),
 and the tests' helpers to watch jobs.
 
 `instant_runner` writes a finished record in milliseconds. `hanging_runner` is the real
-launcher (bench.launch.run_config), except that runs whose name is listed in
+launcher (bench.launch.run.run_config), except that runs whose name is listed in
 COMMBENCH_TEST_HANG (comma-separated; the variable reaches the jobs through sbatch's
 environment export) start, record status running, and hang until Slurm ends them.
 """
@@ -16,10 +16,10 @@ import threading
 import time
 from pathlib import Path
 
-from bench import records
 from bench.config import config_hash, to_yaml
-from bench.launch import run_config
-from bench.records import RunDir
+from bench.launch.run import run_config
+from bench.run import files, records
+from bench.run.records import RunDir
 from bench.sweep import expand, load_spec
 
 
@@ -31,9 +31,9 @@ def _head(cfg) -> dict:
 def instant_runner(cfg, run_dir, progress=True) -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    records.write_text(run_dir / "config.yaml", to_yaml(cfg))
+    files.write_text(run_dir / "config.yaml", to_yaml(cfg))
     summary = {**_head(cfg), "status": "ok", "steps": cfg.run.steps}
-    records.write_json(run_dir / "summary.json", summary)
+    files.write_json(run_dir / "summary.json", summary)
     return summary
 
 
@@ -41,8 +41,8 @@ def hanging_runner(cfg, run_dir, progress=True, resume=False) -> dict:
     if cfg.run.name in os.environ.get("COMMBENCH_TEST_HANG", "").split(","):
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        records.write_text(run_dir / "config.yaml", to_yaml(cfg))
-        records.write_json(run_dir / "summary.json", {**_head(cfg), "status": "running"})
+        files.write_text(run_dir / "config.yaml", to_yaml(cfg))
+        files.write_json(run_dir / "summary.json", {**_head(cfg), "status": "running"})
         time.sleep(3600)
     return run_config(cfg, run_dir, progress=progress, resume=resume)
 

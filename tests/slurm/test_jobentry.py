@@ -1,4 +1,4 @@
-"""A Slurm job holds plain data and one stable import path (bench.jobentry.run_job).
+"""A Slurm job holds plain data and one stable import path (bench.launch.jobentry.run_job).
 
     pytest tests/slurm/test_jobentry.py
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench import jobentry, records
+from bench.launch import jobentry
+from bench.run import records
 from bench.sweep import run_sweep
 from tests.slurm.runners import instant_runner
 
@@ -59,7 +60,7 @@ def test_a_queued_job_references_only_the_stable_entry_point(tmp_path, monkeypat
         recorder = _ImportRecorder(f)
         delayed = recorder.load()
     ours = {name for name in recorder.imports if not name.startswith(("submitit.", "builtins."))}
-    assert ours == {"bench.jobentry.run_job"}
+    assert ours == {"bench.launch.jobentry.run_job"}
     config_data, run_dir, runner, resume, max_requeues, warning_signal = delayed.args
     assert isinstance(config_data, dict) and isinstance(run_dir, str)
     assert runner == "tests.slurm.runners.instant_runner"
@@ -71,8 +72,21 @@ def test_runner_names_round_trip_and_bad_ones_are_refused():
     assert jobentry.resolve(jobentry.runner_name(instant_runner)) is instant_runner
     with pytest.raises(ValueError, match="module-level function"):
         jobentry.runner_name(lambda cfg, run_dir, progress=True: {})
-    with pytest.raises(ValueError, match="'bench.launch.no_such_runner' cannot be imported"):
-        jobentry.resolve("bench.launch.no_such_runner")
+    with pytest.raises(ValueError, match="'bench.launch.run.no_such_runner' cannot be imported"):
+        jobentry.resolve("bench.launch.run.no_such_runner")
+
+
+def test_jobs_queued_before_the_floors_moved_still_find_their_names():
+    """Issue 44 moved bench/jobentry.py to bench/launch/ and bench/launch.py to
+    bench/launch/run.py: a job queued before holds the old names of run_job and of the
+    default runner, and must still start."""
+    import bench.jobentry
+    from bench.launch.run import run_config
+
+    assert bench.jobentry.run_job is jobentry.run_job
+    assert pickle.loads(b"cbench.jobentry\nrun_job\n.") is jobentry.run_job  # GLOBAL by name
+    assert jobentry.resolve("bench.launch.run_config") is run_config
+    assert jobentry.resolve(jobentry.DEFAULT_RUNNER) is run_config
 
 
 def _held_elsewhere(cfg, run_dir, progress=False):

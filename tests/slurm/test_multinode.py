@@ -5,8 +5,8 @@ tools/slurm/start-cluster.sh (cbnode1, cbnode2: partition `pair`).
 
 A run with launch.nnodes 2 is one job of two nodes: a task on each starts torchrun, the
 rendezvous is on the job's first node, gloo binds each namespace's eth0, and the run is
-recorded once (bench/jobentry.py). A node killed mid-run (its job step's processes) fails
-the run with that node named (bench/failure.py); --retry-failed continues it from its
+recorded once (bench/launch/jobentry.py). A node killed mid-run (its job step's processes) fails
+the run with that node named (bench/launch/failure.py); --retry-failed continues it from its
 checkpoint, bit-exactly.
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.records import RunDir, read_json
+from bench.run.files import read_json
+from bench.run.records import RunDir
 from bench.sweep import run_sweep
 from tests.slurm.runners import in_thread, job_id, run_dir_of, wait_step
 from tests.slurm.test_requeue import base, reference_rows, rows_of

@@ -8,8 +8,8 @@ each step waits about a second for its all-reduce, whatever the machine's load),
 must end with the losses of the same run made in one go here (the emulation only waits:
 the numbers are those of the run without it). A stop from Slurm (the warning before the
 time limit, the SIGTERM of a requeue or a preemption, a cancel) checkpoints at the next
-step boundary (bench/stop.py); the job requeues itself, or Slurm does, or the next sweep
-resumes the run (bench/jobentry.py).
+step boundary (bench/run/stop.py); the job requeues itself, or Slurm does, or the next sweep
+resumes the run (bench/launch/jobentry.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from bench.config import from_dict
-from bench.launch import run_config
-from bench.records import RunDir, status_of
+from bench.launch.run import run_config
+from bench.run.records import RunDir, status_of
 from bench.sweep import run_sweep, sweep_status
 from tests.slurm.runners import in_thread, job_id, run_dir_of, squeue_state, wait_step
 

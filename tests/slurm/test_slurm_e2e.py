@@ -4,7 +4,7 @@
     sudo tools/slurm/start-cluster.sh && pytest tests/slurm -m slurm
 
 Without a cluster these tests skip, except under COMMBENCH_SLURM=1, where they fail. The
-jobs train real tiny runs (bench.launch.run_config through tests.slurm.runners); runs named
+jobs train real tiny runs (bench.launch.run.run_config through tests.slurm.runners); runs named
 in COMMBENCH_TEST_HANG hang instead, to be cancelled or to outlive their time limit.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench import records
+from bench.run import records
 from bench.sweep import run_sweep
 from tests.slurm.runners import hanging_runner, in_thread, job_id, wait_running
 

@@ -1,21 +1,22 @@
 """Starting torchrun: its command line, whether this machine can host it, and waiting for
-its ranks with bounded patience. What `commbench run` (bench/launch.py) and `commbench
+its ranks with bounded patience. What `commbench run` (bench/launch/run.py) and `commbench
 netprobe` (bench/netprobe.py) start.
 
-`python -m bench.torchrun ARGS` (what `commbench run` starts, never torchrun itself) is
+`python -m bench.launch.torchrun ARGS` (what `commbench run` starts, never torchrun itself) is
 `torchrun ARGS`, except that it ignores the stop signals and dies with the launcher.
 torchrun's own handling of SIGINT, SIGTERM and SIGHUP sends them to the ranks and kills
 them 30 s later, which can cut a checkpoint short; the launcher relays the stop signals to
-the ranks itself (bench/stop.py), so torchrun ignores them, and so do the ranks until
-bench/train.py installs their handlers. SIGUSR1/2 (Slurm's warning before a time limit)
-would kill torchrun. It dies with the launcher (and the ranks with it, bench/train.py):
+the ranks itself (bench/run/stop.py), so torchrun ignores them, and so do the ranks until
+bench/run/train.py installs their handlers. SIGUSR1/2 (Slurm's warning before a time limit)
+would kill torchrun. It dies with the launcher (and the ranks with it, bench/run/train.py):
 a killed sweep leaves nothing training into a record that the next sweep resumes.
 
 torchrun's own timeouts do not bound every wait before its ranks start: a rendezvous
 endpoint that accepts connections but never answers, or a machine whose loopback is down
 (`--standalone` rendezvous on localhost), keeps it retrying for many minutes without a
 word. So the caller says what it waits for at once, each rank prints `STARTED` first
-thing (torchrun starts the ranks once the rendezvous is complete), and a torchrun whose
+thing (torchrun starts the ranks once the rendezvous is complete; the rank's half,
+`announce_start`, is bench/run/stop.py), and a torchrun whose
 ranks have not started within `start_timeout_s` is stopped: the caller reports a
 rendezvous that did not complete, naming the endpoint and the setting that bounds it.
 
@@ -33,17 +34,14 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from bench.stop import STOP_SIGNALS, die_with_parent
-
-STARTED = "COMMBENCH_RANK_STARTED"
-"""The first line of every rank's output (`announce_start`)."""
+from bench.run.stop import STARTED, STOP_SIGNALS, die_with_parent
 
 
 def command(module: str, module_args: Sequence[str], nproc_per_node: int, nnodes: int = 1,
             rdzv_endpoint: str | None = None, rdzv_id: str = "commbench",
             rdzv_timeout_s: float = 600.0, extra: Sequence[str] = (),
             launcher: str = "torch.distributed.run") -> list[str]:
-    """`python -m LAUNCHER ... -m MODULE ARGS` (torchrun, or `bench.torchrun`: torchrun
+    """`python -m LAUNCHER ... -m MODULE ARGS` (torchrun, or `bench.launch.torchrun`: torchrun
     without its signal handling): standalone on one node without an endpoint, else a c10d
     rendezvous at `rdzv_endpoint` that every node joins within `rdzv_timeout_s`."""
     cmd = [sys.executable, "-m", launcher, f"--nproc-per-node={nproc_per_node}"]
@@ -73,11 +71,6 @@ def check_loopback() -> None:
             "bring the loopback interface up (ip link set lo up)") from None
 
 
-def announce_start() -> None:
-    """What each rank prints first: its rendezvous is complete (`run`)."""
-    print(STARTED, flush=True)
-
-
 NOT_STARTED, TIMED_OUT = "not started", "timed out"
 """Why `run` stopped torchrun."""
 
@@ -90,8 +83,8 @@ def run(cmd: list[str], env: dict, on_line: Callable[[str], None], start_timeout
     Returns (exit code, None), or (exit code, NOT_STARTED) when it was stopped because no
     rank started within `start_timeout_s`, (exit code, TIMED_OUT) when it ran past
     `timeout_s` in all. KeyboardInterrupt stops torchrun and is re-raised. With `relay`
-    (the launcher's stop relay, bench/stop.py: entered with the process while it runs)
-    `cmd` is `bench.torchrun`, which ignores the stop signals: stopping it kills it (its
+    (the launcher's stop relay, bench/run/stop.py: entered with the process while it runs)
+    `cmd` is `bench.launch.torchrun`, which ignores the stop signals: stopping it kills it (its
     ranks die with it)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             text=True, bufsize=1)
@@ -128,7 +121,7 @@ def run(cmd: list[str], env: dict, on_line: Callable[[str], None], start_timeout
 
 def stop(proc: subprocess.Popen, at_once: bool = False, grace_s: float = 30.0) -> None:
     """SIGTERM (torchrun stops its ranks), then SIGKILL after `grace_s`; SIGKILL at once
-    when `at_once` (`bench.torchrun` ignores SIGTERM; its ranks die with it)."""
+    when `at_once` (`bench.launch.torchrun` ignores SIGTERM; its ranks die with it)."""
     if not at_once:
         proc.terminate()
         try:
@@ -141,7 +134,7 @@ def stop(proc: subprocess.Popen, at_once: bool = False, grace_s: float = 30.0) -
 
 
 def main(argv: list[str]) -> None:
-    """`python -m bench.torchrun ARGS`: torchrun ARGS, ignoring the stop signals and dying
+    """`python -m bench.launch.torchrun ARGS`: torchrun ARGS, ignoring the stop signals and dying
     with its parent (module docstring)."""
     for signum in STOP_SIGNALS:  # inherited by the ranks, which install their own handlers
         signal.signal(signum, signal.SIG_IGN)

@@ -1,4 +1,4 @@
-"""Why a run failed, in one headline that names the culprit rank (bench/launch.py uses it).
+"""Why a run failed, in one headline that names the culprit rank (bench/launch/run.py uses it).
 
     COMMBENCH_FAULT=2:5:kill commbench run configs/ddp-tiny.yaml    # "rank 2: killed by SIGKILL"
 
@@ -8,14 +8,14 @@ longer traceback; the headline must name the first. The evidence, in order of tr
    a rank that exited on a signal (kill -9, the OOM killer) left no traceback, and the
    others' errors are consequences of it. SIGTERM is what torchrun itself sends the
    survivors, so it counts only as torchrun's root cause and when no other signal shows;
-2. the ranks' error files (logs/error-rankN.txt, bench/train.py writes them): an error
+2. the ranks' error files (logs/error-rankN.txt, bench/run/train.py writes them): an error
    that is not about a lost peer or a timeout is a cause; the first written wins;
 3. only timeouts: the ranks that timed out waited in a collective for `parallel.timeout_s`
    for a rank that never arrived; the ranks with no error file are the frozen ones (with
    many ranks, a healthy rank that torchrun stopped before it timed out is listed too);
 4. only lost peers: the ranks with no error file are gone without a word (their node
    died, or its processes were killed: another node's torchrun cannot see them).
-Where the ranks' node records say (logs/nodeN.json, bench/train.py), a rank is named with
+Where the ranks' node records say (logs/nodeN.json, bench/run/train.py), a rank is named with
 its host, so a lost node is named.
 On NCCL a timeout leaves no error file: each waiting rank's watchdog logs "Watchdog
 caught collective operation timeout" and aborts the process (SIGABRT), so torchrun's
@@ -31,7 +31,8 @@ import contextlib
 import re
 import signal
 
-from bench.records import RunDir, read_json
+from bench.run.files import read_json
+from bench.run.records import RunDir
 
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "ProcessGroupNCCL is aborted", "NCCL communicator was aborted",

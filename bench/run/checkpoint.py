@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from algorithms.base import Strategy
 from algorithms.ledger import CommLedger
-from bench.records import RunDir
+from bench.run.records import RunDir
 
 if TYPE_CHECKING:
     from bench.config import Config
@@ -247,7 +247,7 @@ def save_periodic(run: RunDir, rank: int, step: int, strategy: Strategy, ledger:
 
 def save_at_stop(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
                  loop_state: dict, group=None) -> None:
-    """`save_state` at the step a stop request agreed on (bench/stop.py), off the
+    """`save_state` at the step a stop request agreed on (bench/run/stop.py), off the
     `checkpoint.every` grid; a strategy that cannot save stops without one (a resume then
     restarts at step 0, and says so)."""
     try:

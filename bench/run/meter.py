@@ -1,6 +1,6 @@
 """What the training loop measures: the step-synchronised clock and the metrics window.
 
-Exercised by every `commbench run`: bench/train.py keeps a `LoopState`, calls the
+Exercised by every `commbench run`: bench/run/train.py keeps a `LoopState`, calls the
 clock's and the window's `add` after each timed step, and `settle`/`flush` at its
 metrics rows, validations and checkpoints.
 
@@ -476,7 +476,7 @@ class MetricsWindow:
 
 @dataclass
 class RunTotals:
-    """End-of-run communication totals (bench/meter.py `run_totals`)."""
+    """End-of-run communication totals (bench/run/meter.py `run_totals`)."""
 
     logical_bytes: int
     """Logical payload bytes of training traffic, summed over ranks."""

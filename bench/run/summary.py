@@ -1,12 +1,12 @@
 """The record schema: summary.json and the metrics.jsonl rows, defined once.
 
-`commbench run` writes them through these builders (bench/train.py at the end of the
-loop, bench/launch.py for the launcher's fields); tests build fixtures with the same
+`commbench run` writes them through these builders (bench/run/train.py at the end of the
+loop, bench/launch/run.py for the launcher's fields); tests build fixtures with the same
 builders: `train_row(...)`, `val_row(...)` and tests/fakes.py's `make_summary(...)`, then
 `write_fake_run(path, config, rows, summary)`.
 
 How the times are measured (max over ranks, real tokens, step-by-step projection) is in
-bench/meter.py.
+bench/run/meter.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Projection:
     """Steady state: tokens consumed / total_s, both without the warm-up steps' (None
     when every step was warm-up)."""
     warmup_s: float = 0.0
-    """The warm-up steps' share of total_s (bench/meter.py, Warm-up)."""
+    """The warm-up steps' share of total_s (bench/run/meter.py, Warm-up)."""
 
     @classmethod
     def of(cls, total_s: float, compute_s: float, steps: int, tokens: int,
@@ -67,7 +67,7 @@ class Summary:
     """
 
     status: str
-    """ok | diverged | failed (running while training; see bench.records.status_of)."""
+    """ok | diverged | failed (running while training; see bench.run.records.status_of)."""
     run_name: str
     strategy: str
     world_size: int
@@ -76,12 +76,12 @@ class Summary:
     total_tokens: int = 0
     """Tokens consumed, summed over ranks (StepStats.tokens)."""
     wall_s: float = 0.0
-    """Step-synchronised wall clock: max over ranks between settle points (bench/meter.py);
+    """Step-synchronised wall clock: max over ranks between settle points (bench/run/meter.py);
     includes the one-off costs in warmup_s."""
     warmup_s: float = 0.0
     """One-off seconds in wall_s: each process's first run.warmup_steps steps (compile,
     communicator creation, autotuning) and the eager creation of its groups' communicators
-    (bench/meter.py, Warm-up). Throughput and MFU leave them out."""
+    (bench/run/meter.py, Warm-up). Throughput and MFU leave them out."""
     warmup_steps: int = 0
     """Steps measured as warm-up (per process: a resumed run warms up again)."""
     warmup_tokens: int = 0
@@ -99,7 +99,7 @@ class Summary:
     """The largest logical payload of training traffic any rank sent in one step: one
     synchronisation's bytes (DDP: a step's gradients; DiLoCo: a round's pseudo-gradient;
     Streaming DiLoCo: a fragment's, in the step that waited for it), the last step's
-    closing sync left out (bench/meter.py, Bytes per step). Peak bandwidth is this over
+    closing sync left out (bench/run/meter.py, Bytes per step). Peak bandwidth is this over
     the time a sync may take."""
     comm_peak_sync_wire_bytes: int | None = None
     """The same in modelled wire bytes (bench.network.wire_bytes)."""
@@ -140,7 +140,7 @@ class Summary:
     p10_s, p90_s, mean_s}}, each a list over ranks (None where a rank had no such
     step). The spread behind `projected` (mean) and `projected_robust` (median)."""
     projection_s_total: float | None = None
-    """Harness seconds spent projecting (bench/meter.py, Projection cost): per rank, its
+    """Harness seconds spent projecting (bench/run/meter.py, Projection cost): per rank, its
     seconds in `StepClock.add` (every step's records priced on every profile and overlap
     mode) and in `settle`'s own work (its reductions left out), summed over the run; the
     maximum over ranks. Outside the timed steps and off the clock (wall_s)."""
@@ -150,7 +150,7 @@ class Summary:
     """Ranks per node the projections tiered the links with (`network.ranks_per_node`, or
     the launcher's local size)."""
     compute_clock: str | None = None
-    """What every compute figure of the run was measured on (bench/meter.py, Compute clock):
+    """What every compute figure of the run was measured on (bench/run/meter.py, Compute clock):
     `thread_cpu` (a CPU rank's own thread's CPU time: torch on one thread) or `wall` (step
     seconds minus exposed communication: CUDA, and CPU ranks with cores of their own).
     None in records made before it was recorded (they are `wall`)."""
@@ -261,7 +261,7 @@ def val_row(step: int, tokens: int, elapsed_s: float, projected_elapsed_s: dict[
 
 
 def progress_line(row: dict, steps: int) -> str:
-    """The PROGRESS line a rank prints for a training row (bench/launch.py shows it). Its
+    """The PROGRESS line a rank prints for a training row (bench/launch/run.py shows it). Its
     tok/s is the rate of the steps since the previous row, not of the whole run so far,
     which carries the warm-up (on an H100, a compiled tiny GPT's line read 2,052 tok/s at
     step 40 of 40 against 139,862 steady: docs/gpu.md)."""

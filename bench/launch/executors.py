@@ -8,16 +8,16 @@ checkpoint; an `Executor` trains them (`Task`s): `prepare(tasks)` checks it can 
 any record changes) and `run(tasks, runner, progress)` trains and returns each run's
 summary. Executors know nothing of sweep specs. A run that raises is recorded as failed,
 with its error, and never stops the sweep; a stop signal does (the runs in flight
-checkpoint at their next step boundary and are recorded interrupted, bench/launch.py).
+checkpoint at their next step boundary and are recorded interrupted, bench/launch/run.py).
 
 `local` runs one run at a time, or `max_parallel` at once (CUDA runs: each on its own
 GPUs, `gpu_blocks`, never two runs on GPUs 0..n-1). `slurm` submits one job per run, or
 one job array (`array: true`, throttled by `max_parallel`), through submitit, and waits
 for them, polling every `poll_s` seconds; each job trains its run with torchrun inside the
-allocation, one task per node (a run's `launch.nnodes` nodes; bench/jobentry.py). Jobs
+allocation, one task per node (a run's `launch.nnodes` nodes; bench/launch/jobentry.py). Jobs
 ask Slurm for `signal` `signal_delay_s` seconds before their time limit; on it, or on
 Slurm's SIGTERM (preemption), the run checkpoints at the next step boundary and the job
-requeues itself, up to `max_requeues` times (bench/jobentry.py). A cluster example (also
+requeues itself, up to `max_requeues` times (bench/launch/jobentry.py). A cluster example (also
 configs/sweeps/slurm-example.yaml):
 
     executor:
@@ -56,11 +56,12 @@ from typing import Any, Literal, Protocol
 
 from tqdm import tqdm
 
-from bench import jobentry, records
 from bench.config import Config, to_dict
-from bench.jobentry import Runner, execute_run, record_failure
-from bench.records import RunDir
-from bench.stop import stop_signals
+from bench.launch import jobentry
+from bench.launch.jobentry import Runner, execute_run, record_failure
+from bench.run import files, records
+from bench.run.records import RunDir
+from bench.run.stop import stop_signals
 
 
 @dataclass
@@ -225,7 +226,7 @@ def _run_local(tasks: list[Task], runner: Runner | None, max_parallel: int,
 
     A stop signal stops the sweep: the runs in flight stop at their next step boundary,
     with a checkpoint, and are recorded interrupted (partial: a re-run continues them,
-    bench/launch.py), then `Stopped` propagates; runs not started yet are not started."""
+    bench/launch/run.py), then `Stopped` propagates; runs not started yet are not started."""
     summaries: dict[str, dict] = {}
     free = None
     if gpu_blocks is not None:
@@ -325,7 +326,7 @@ class SlurmExecutor(Executor):
                                   self.nodes), strict=True))
         ids = _load_jobs(self.folder)
         ids.update({run_id: job.job_id for run_id, job in pending.items()})
-        records.write_json(self.folder / "jobs.json", ids)
+        files.write_json(self.folder / "jobs.json", ids)
         for run_id, job in pending.items():
             progress.start(by_id[run_id], f"job {job.job_id}")
         return _wait(pending, by_id, progress, self.spec.poll_s)
@@ -359,7 +360,7 @@ def _submitit_executor(ex: ExecutorSpec, name: str, folder: Path):
         "cpus_per_task": ex.cpus_per_task, "mem_gb": ex.mem_gb,
         "slurm_partition": ex.partition, "slurm_setup": ex.setup or None,
         "local_setup": ex.setup or None, "slurm_signal_delay_s": ex.signal_delay_s,
-        # the warning signal before the time limit (bench/jobentry.py requeues on it)
+        # the warning signal before the time limit (bench/launch/jobentry.py requeues on it)
         "slurm_additional_parameters": {"signal": f"{ex.signal}@{ex.signal_delay_s}",
                                         **ex.sbatch},
     }
@@ -376,7 +377,7 @@ def submit(executor, ex: ExecutorSpec, name: str, tasks: list[Task], runner: Run
     """Submit one job per run (arrays when `ex.array`, one per node count); the submitit
     jobs, in the order of `tasks`."""
     # Plain data and a runner NAME: a job queued before an upgrade still starts after it
-    # (bench/jobentry.py imports the runner by name when the job starts).
+    # (bench/launch/jobentry.py imports the runner by name when the job starts).
     def args(task: Task) -> tuple:
         return (to_dict(task.config), str(task.run_dir), jobentry.runner_name(runner),
                 task.resume, ex.max_requeues, ex.signal)
@@ -401,7 +402,7 @@ def submit(executor, ex: ExecutorSpec, name: str, tasks: list[Task], runner: Run
 
 def _load_jobs(folder: Path) -> dict[str, str]:
     path = folder / "jobs.json"
-    return records.read_json(path) if path.exists() else {}
+    return files.read_json(path) if path.exists() else {}
 
 
 def _still_active_jobs(ex: ExecutorSpec, folder: Path, run_ids: set[str]) -> dict:

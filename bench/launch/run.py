@@ -1,24 +1,24 @@
 """Launch one training run: torchrun on this machine, or one node of a multi-node run.
 
 `commbench run configs/ddp-tiny.yaml` validates the config, creates the run directory,
-writes config.yaml, starts `torchrun ... -m bench.train RUN_DIR`, shows a live progress
+writes config.yaml, starts `torchrun ... -m bench.run.train RUN_DIR`, shows a live progress
 line, and leaves summary.json with status ok, diverged or failed (with the error text).
 A rank that crashes makes torchrun stop the others; a rank stuck in a collective fails
 after `parallel.timeout_s`; either way the run ends with status failed, never a hang, and
-the error's headline names the culprit rank (bench/failure.py). Self-evaluation
+the error's headline names the culprit rank (bench/launch/failure.py). Self-evaluation
 (`eval.suite`) is the command line's job (bench/cli.py), after `run_config` returns: the
 harness does not import `eval`. Before torchrun starts, this process checks the node has a
 GPU per rank (CUDA runs) and tokenises the corpus into the cache, so no rank waits in a
 barrier, past `parallel.timeout_s`, for another to tokenise.
 
-Stopping (bench/stop.py holds both sides). While torchrun runs, the first stop signal
+Stopping (bench/run/stop.py holds both sides). While torchrun runs, the first stop signal
 (Ctrl-C, SIGTERM from Slurm or `kill`, SIGHUP from a closed terminal, SIGUSR1/2 from
 Slurm's `--signal` before a time limit) is relayed to the ranks, which checkpoint at the
 next step boundary and stop; a second SIGINT, SIGTERM or SIGHUP stops them at once
 (losing the steps since the last checkpoint). Either way the run is recorded failed with
 `interrupted: true` (partial: `--resume` and the next sweep continue it) and `run_config`
 raises `Stopped` (`Terminated` for SIGTERM), a KeyboardInterrupt. torchrun itself ignores
-these signals and dies with this process (bench/torchrun.py), and the ranks with torchrun:
+these signals and dies with this process (bench/launch/torchrun.py), and the ranks with torchrun:
 a killed launcher leaves no rank training into a record that a later sweep resumes.
 
 Each launch is one attempt, appended to summary.json `attempts` ({job_id, host, start,
@@ -40,7 +40,7 @@ writer of a run's records honours): a second `--resume` of it, a sweep moving it
 
 Multi-node (Slurm or by hand): set `launch.nnodes` and `launch.rdzv_endpoint` and start
 `commbench run CONFIG --run-dir SHARED_DIR` once per node (a Slurm sweep does it for you,
-bench/jobentry.py); torchrun's c10d rendezvous assigns node ranks. The run directory must
+bench/launch/jobentry.py); torchrun's c10d rendezvous assigns node ranks. The run directory must
 be on a shared filesystem. The first node (Slurm's node 0, else the host named in
 `launch.rdzv_endpoint`) writes config.yaml, the header and the attempts; rank 0's node
 writes summary.json; on the other nodes success is torchrun's exit code 0.
@@ -61,15 +61,17 @@ import time
 from collections import deque
 from pathlib import Path
 
-from bench import checkpoint, torchrun
 from bench.config import Config, config_hash, identity_dict, load_config, to_yaml
 from bench.config.preflight import check_gpus, check_output_dir
 from bench.config.typed import flatten
 from bench.data import cached_corpus, corpus_identity, same_data
-from bench.failure import error_text
-from bench.records import DONE_STATUSES, NO_SPACE, RunDir, status_of, write_text
-from bench.stop import Stopped, Terminated, relaying, stop_received, stop_signals
-from bench.summary import running_header
+from bench.launch import torchrun
+from bench.launch.failure import error_text
+from bench.run import checkpoint
+from bench.run.files import NO_SPACE, write_text
+from bench.run.records import DONE_STATUSES, RunDir, status_of
+from bench.run.stop import Stopped, Terminated, relaying, stop_received, stop_signals
+from bench.run.summary import running_header
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -87,11 +89,11 @@ def torchrun_command(cfg: Config, run_dir: Path) -> list[str]:
     nnodes = cfg.launch.nnodes
     if nnodes > 1 and cfg.launch.rdzv_endpoint is None:
         raise ValueError("launch.rdzv_endpoint (host:port) is required when launch.nnodes > 1")
-    return torchrun.command("bench.train", [str(run_dir)],
+    return torchrun.command("bench.run.train", [str(run_dir)],
                             cfg.parallel.world_size // nnodes, nnodes,
                             cfg.launch.rdzv_endpoint, config_hash(cfg),
                             cfg.launch.rdzv_timeout_s, cfg.launch.torchrun_args,
-                            launcher="bench.torchrun")  # torchrun, minus its signal handling
+                            launcher="bench.launch.torchrun")  # torchrun, minus its signal handling
 
 
 def run_config(cfg: Config, run_dir: Path | None = None, progress: bool = True,
@@ -189,7 +191,7 @@ def _train(cfg: Config, run: RunDir, header: dict, progress: bool) -> dict:
 def _record_outcome(cfg: Config, run: RunDir, rc: int, tail: list[str] | None,
                     log_error: OSError | None, wall: float) -> dict:
     """summary.json once torchrun has exited: rank 0's record, or a failure naming the
-    culprit (bench/failure.py) or the rendezvous that never completed (tail None), with
+    culprit (bench/launch/failure.py) or the rendezvous that never completed (tail None), with
     what to do on a full disk, or this node's success on a multi-node run."""
     summary = run.read_summary() or {}
     if rc == 0 and cfg.launch.nnodes > 1 and summary.get("status") == "running":
@@ -371,7 +373,7 @@ def _run_torchrun(cmd: list[str], env: dict, run: RunDir, progress: bool,
     """(torchrun's exit code, the last lines of its output or None when its ranks never
     started within `start_timeout_s`, the OSError that stopped the log file, if any: a
     full disk must not stop the launcher, which records the run). Stop signals go to its
-    ranks meanwhile (bench/stop.py)."""
+    ranks meanwhile (bench/run/stop.py)."""
     tail: deque[str] = deque(maxlen=400)  # torchrun's failure summary is at the end
     interactive = progress and sys.stderr.isatty()
     log = _Log(run.torchrun_log)

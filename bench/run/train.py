@@ -1,14 +1,14 @@
 """THE training loop: one per rank, the same for every strategy.
 
-Started by `commbench run CONFIG` through torchrun (`python -m bench.train RUN_DIR`), it
+Started by `commbench run CONFIG` through torchrun (`python -m bench.run.train RUN_DIR`), it
 reads RUN_DIR/config.yaml, trains, and writes metrics.jsonl, comm.jsonl, summary.json and
-checkpoints (paths: bench.records.RunDir; schema: bench/summary.py; checkpoints:
-bench/checkpoint.py). It never mentions an algorithm by name: the strategy is built from
+checkpoints (paths: bench.run.records.RunDir; schema: bench/run/summary.py; checkpoints:
+bench/run/checkpoint.py). It never mentions an algorithm by name: the strategy is built from
 the registry and called through the Strategy interface (algorithms/base.py). A stop signal
-(bench/stop.py) ends the run at the next step boundary that every rank agrees on, after a
+(bench/run/stop.py) ends the run at the next step boundary that every rank agrees on, after a
 checkpoint there: the run is recorded `interrupted`, to be resumed bit-exactly.
 
-Timing (bench/meter.py says how and why). Each step is timed on the host with the device
+Timing (bench/run/meter.py says how and why). Each step is timed on the host with the device
 synchronised before and after: `step_s` is the whole step, `comm_s` the strategy's
 exposed communication, `compute_s` the rest (a `run.straggler` rank's extra sleep is
 inside its timed step, like a slow GPU's time). The run's clock (`elapsed_s`, `wall_s`)
@@ -17,7 +17,7 @@ seconds since the previous one; tokens are those consumed, summed over ranks; pr
 times accumulate step by step. Validation, logging and checkpointing are outside the
 clock; each process's first `run.warmup_steps` steps and its communicator creation are on
 it but measured apart (`warmup_s`), so throughput = steady tokens / steady wall_s (the
-warm-up left out, bench/meter.py). The harness's own reductions go straight to
+warm-up left out, bench/run/meter.py). The harness's own reductions go straight to
 torch.distributed, never into the ledger, which holds only algorithm traffic.
 """
 
@@ -42,7 +42,6 @@ from algorithms.clocks import WALL, work_clock
 from algorithms.comm import Communicator
 from algorithms.contract import StepStats, TrainSetup
 from algorithms.ledger import CommLedger
-from bench import checkpoint
 from bench.config import Config, from_dict, load_raw
 from bench.data import load_corpus
 from bench.data.batches import BatchStream, validation_set
@@ -60,7 +59,13 @@ from bench.env import (
 )
 from bench.memory import plan as memory_plan
 from bench.memory import reset_peak
-from bench.meter import (
+from bench.model import autocast_context, build_model, config_of, lm_loss
+from bench.network import delay_policy, get_profile
+from bench.network.timeline import compute_stats, robust_projection
+from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
+from bench.run import checkpoint
+from bench.run.files import write_json, write_jsonl, write_text
+from bench.run.meter import (
     TRAIN_PHASES,
     LoopState,
     MetricsWindow,
@@ -69,14 +74,9 @@ from bench.meter import (
     peak_sync_bytes,
     run_totals,
 )
-from bench.model import autocast_context, build_model, config_of, lm_loss
-from bench.network import delay_policy, get_profile
-from bench.network.timeline import compute_stats, robust_projection
-from bench.optim import describe_optimizer, lr_at, make_optimizer_factory
-from bench.records import RunDir, write_json, write_jsonl, write_text
-from bench.stop import StopRequest, die_with_parent, handle_signals
-from bench.summary import Projection, Summary, progress_line, train_row, val_row
-from bench.torchrun import announce_start
+from bench.run.records import RunDir
+from bench.run.stop import StopRequest, announce_start, die_with_parent, handle_signals
+from bench.run.summary import Projection, Summary, progress_line, train_row, val_row
 
 __all__ = ["TRAIN_PHASES", "Trainer", "lr_at", "make_optimizer_factory", "main"]
 
@@ -88,7 +88,7 @@ class Trainer:
                  keep_records: bool = False, stop: StopRequest | None = None):
         """`keep_records`: the ledger keeps every record (tests, debugging; memory grows
         with the run), else only the current step's besides its bounded aggregates.
-        `stop`: this rank's stop requests (bench/stop.py; None: a new one)."""
+        `stop`: this rank's stop requests (bench/run/stop.py; None: a new one)."""
         self.cfg, self.run_dir, self.device, self.backend = cfg, Path(run_dir), device, backend
         self.records = RunDir(run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -250,7 +250,7 @@ class Trainer:
                                            vars(self.model_config), cfg.data.tokenizer,
                                            cfg.run.steps, self.checkpoint_group)
         summary = self.summarise(state)
-        if stopped:  # partial (bench/records.py status_of): resumed, not kept as a failure
+        if stopped:  # partial (bench/run/records.py status_of): resumed, not kept as a failure
             summary.update(interrupted=True, stopped_by=self.stop.reason,
                            error=f"stopped by {self.stop.reason} at step {state.step}")
         return summary
@@ -264,7 +264,7 @@ class Trainer:
         """One-off work before this process's first step `step`, outside the timed steps:
         every group's communicator created (`Communicator.warm_up`; NCCL makes them lazily)
         and the strategy's own (`Strategy.warm_up`: DDP's bucket rebuild). The slowest
-        rank's seconds (a one-off cost, bench/meter.py Warm-up)."""
+        rank's seconds (a one-off cost, bench/run/meter.py Warm-up)."""
         synchronize(self.device)
         start = time.perf_counter()
         self.comm.warm_up()
@@ -278,7 +278,7 @@ class Trainer:
     def timed_step(self, step: int) -> tuple[StepStats, float, float, list]:
         """One training step: (its stats, its seconds, its compute seconds on the work clock,
         its training-traffic ledger records). Compute: on CPU this rank's CPU time in the
-        step plus a straggler's sleep; on CUDA step_s - comm_s (bench/meter.py, Compute
+        step plus a straggler's sleep; on CUDA step_s - comm_s (bench/run/meter.py, Compute
         clock)."""
         self.comm.step = step
         self.strategy.set_lr(lr_at(step, self.cfg))
@@ -410,7 +410,7 @@ class Trainer:
 
 
 def main(run_dir: str) -> int:
-    die_with_parent()  # never outlive torchrun (bench/torchrun.py)
+    die_with_parent()  # never outlive torchrun (bench/launch/torchrun.py)
     announce_start()  # the launcher's bound on torchrun's rendezvous ends here
     run = RunDir(run_dir)
     cfg = from_dict(load_raw(run.config))

@@ -1,4 +1,4 @@
-"""Run records: the run directory (`RunDir`, the one owner of its paths) and atomic writes.
+"""Run records: the run directory (`RunDir`, the one owner of its paths), its lock, its status.
 
 A run directory (`commbench run` prints its path) holds:
 
@@ -7,18 +7,19 @@ A run directory (`commbench run` prints its path) holds:
     metrics.jsonl   one object per logged step; validation rows carry val_loss
     comm.jsonl      CommLedger aggregates by (phase, op, tier, group size)
     summary.json    status ok|failed|diverged|running, totals, projections, eval numbers
-                    (its schema: bench/summary.py)
+                    (its schema: bench/run/summary.py)
     eval.json       lm-eval results (after `commbench eval`)
     tracking.json   what each tracking sink already holds (bench/tracking/sync.py)
     .lock           held by the process writing the run (`RunDir.lock`); names it
     checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
                     state at the last `checkpoint.every` step; .pt.next while saving)
     logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log,
-                    node{N}.json (a node's host and ranks), stop-request (bench/stop.py)
+                    node{N}.json (a node's host and ranks), stop-request (bench/run/stop.py)
 
 Every file is replaced atomically (temp file + rename; `torch.save` too), so a reader
 never sees half a file; metrics.jsonl is appended line by line and readers skip a torn
-last line. Nothing outside this module spells a file name of the run directory.
+last line (the writes and JSON readers: bench/run/files.py). Nothing outside this module
+spells a file name of the run directory; who may write it now is its lock (`hold`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,24 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from bench.run.files import (
+    NO_SPACE,
+    UMASK,
+    append_jsonl,
+    atomic,
+    jsonable,
+    overwrite,
+    read_json,
+    read_jsonl,
+    write_json,
+    write_jsonl,
+)
 
 ENDED_STATUSES = ("ok", "failed", "diverged")
 """How a run ended, as summary.json records it."""
@@ -55,90 +68,6 @@ def status_of(summary: dict | None) -> str:
     if not summary or summary.get("status") not in ENDED_STATUSES or summary.get("interrupted"):
         return "partial"
     return summary["status"]
-
-
-_UMASK = os.umask(0o022)  # read the process umask (setting it back at once)
-os.umask(_UMASK)
-
-
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a file atomically: a reader sees the old content or the new, never a part."""
-    write_bytes(path, text.encode())
-
-
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """`write_text` for bytes. The new file replaces `path` itself: a symbolic link there
-    is replaced, never followed. A full disk raises OSError naming `path` and leaves the
-    old file as it was."""
-    path = Path(path)
-    with _atomic(path) as f:
-        f.write(data)
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-"""A full filesystem, or the user's quota on it."""
-
-
-class _Writes:
-    """A binary file that remembers the first OSError of its writes (torch.save's zip
-    writer reports a failed write as a RuntimeError about a position, not as the disk
-    being full)."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data) -> int:
-        try:
-            return self.f.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-@contextlib.contextmanager
-def _atomic(path: Path) -> Iterator[_Writes]:
-    """A temporary file beside `path`, renamed over it when the block ends (fsync'd first);
-    on any failure removed, the write's OSError raised naming `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    f = os.fdopen(fd, "wb")
-    try:
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are ordinary files
-        writes = _Writes(f)
-        try:
-            yield writes
-            f.flush()
-            os.fsync(f.fileno())
-        except Exception as err:
-            cause = writes.error or (err if isinstance(err, OSError) else None)
-            if cause is None:
-                raise
-            raise OSError(cause.errno, cause.strerror, str(path)) from err
-        finally:
-            with contextlib.suppress(OSError):  # flushed above, or failing: the file goes
-                f.close()
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def overwrite(path: Path, data: bytes) -> None:
-    """Rewrite `path` in place (truncate, then write): not atomic, but it frees the old
-    content's blocks first, so on a full disk it stores what fits in them. The last resort
-    of a record that must say why the run failed (`RunDir.update_summary`)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~_UMASK)
-    try:
-        os.ftruncate(fd, 0)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_report_dir(path: str | os.PathLike, flag: str) -> Path:
@@ -182,26 +111,6 @@ def linked_dirs(root: str | os.PathLike) -> list[Path]:
     return found
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_jsonable) + "\n")
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):  # numpy / torch scalars
-        return value.item()
-    if isinstance(value, Path | tuple | set):
-        return str(value) if isinstance(value, Path) else list(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: corrupt JSON ({err})") from None
-
-
 def read_summary(run_dir: str | os.PathLike) -> dict | None:
     """The run's summary.json, or None when it has none yet."""
     return RunDir(run_dir).read_summary()
@@ -210,56 +119,6 @@ def read_summary(run_dir: str | os.PathLike) -> dict | None:
 def update_summary(run_dir: str | os.PathLike, updates: dict) -> dict:
     """Merge `updates` into summary.json atomically; returns the new summary."""
     return RunDir(run_dir).update_summary(updates)
-
-
-def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
-    """Replace a JSON-lines file atomically."""
-    write_text(path, "".join(json.dumps(row, default=_jsonable) + "\n" for row in rows))
-
-
-def append_jsonl(path: str | os.PathLike, row: dict) -> None:
-    """Append one row, whole or not at all: a write cut short (a full disk) is truncated
-    away and raises OSError naming `path`, so the file never holds a torn row."""
-    data = (json.dumps(row, default=_jsonable) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                 0o666 & ~_UMASK)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            written = os.write(fd, data)
-            if written != len(data):  # the rest would fail: a full disk
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        except OSError as err:
-            os.ftruncate(fd, size)
-            raise OSError(err.errno, err.strerror, str(path)) from None
-    finally:
-        os.close(fd)
-
-
-def read_jsonl(path: str | os.PathLike, skipped: list[str] | None = None) -> list[dict]:
-    """Rows of a JSON-lines file; a torn (partially written) last line is skipped.
-
-    A corrupt line elsewhere raises ValueError, unless `skipped` is given: then every
-    unreadable line, the torn last one included, is skipped and described in `skipped`
-    ("PATH: skipped a truncated last line", "PATH: skipped corrupt line N")."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = []
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            last = i == len(lines) - 1  # a run killed mid-write
-            if skipped is not None:
-                what = "a truncated last line" if last else f"corrupt line {i + 1}"
-                skipped.append(f"{path}: skipped {what}")
-            elif not last:
-                raise ValueError(f"{path}:{i + 1}: corrupt JSON line") from None
-    return rows
 
 
 # ------------------------------------------------------------------------------ locks
@@ -362,7 +221,7 @@ def holder_of(path: str | os.PathLike) -> dict | None:
 
 def _open_lock(path: Path, what: str) -> int:
     try:  # never through a symlink: a received directory's lock may point anywhere
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~_UMASK)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~UMASK)
     except IsADirectoryError:
         raise ValueError(f"{what}: its lock {path} is a directory; remove it (a lock is a "
                          "file that commbench creates)") from None
@@ -439,7 +298,7 @@ class RunDir:
 
     def pending_state_checkpoint(self, rank: int) -> Path:
         """Rank `rank`'s state being saved; it replaces state_checkpoint once every rank has
-        saved (bench/checkpoint.py: a stop mid-save never leaves the ranks mismatched)."""
+        saved (bench/run/checkpoint.py: a stop mid-save never leaves the ranks mismatched)."""
         return self.checkpoints / f"state-rank{rank}.pt.next"
 
     def state_files(self) -> list[Path]:
@@ -460,15 +319,15 @@ class RunDir:
 
     def node_record(self, node: int) -> Path:
         """Node `node`'s host and global ranks ({host, ranks}; its local rank 0 writes it):
-        a failure names the node of a rank that left no trace (bench/failure.py)."""
+        a failure names the node of a rank that left no trace (bench/launch/failure.py)."""
         return self.logs / f"node{node}.json"
 
     def node_records(self) -> list[Path]:
         return sorted(self.logs.glob("node*.json"))
 
     stop_request = property(lambda self: self.logs / "stop-request")
-    """The launcher's stop, relayed to the ranks (bench/launch.py): a rank that starts
-    after the signal reads it (bench/train.py)."""
+    """The launcher's stop, relayed to the ranks (bench/launch/run.py): a rank that starts
+    after the signal reads it (bench/run/train.py)."""
 
     def error_logs(self) -> list[Path]:
         """Every rank's error text, first written first (the first is usually the cause)."""
@@ -544,7 +403,7 @@ class RunDir:
         return summary
 
     def _summary_in_place(self, summary: dict) -> None:
-        text = json.dumps(summary, indent=2, default=_jsonable) + "\n"
+        text = json.dumps(summary, indent=2, default=jsonable) + "\n"
         try:
             overwrite(self.summary, text.encode())
             return
@@ -570,5 +429,5 @@ class RunDir:
         """`torch.save` atomically: a crash mid-write leaves the previous file intact."""
         import torch
 
-        with _atomic(path) as f:
+        with atomic(path) as f:
             torch.save(obj, f)

@@ -3,19 +3,20 @@
     commbench run configs/ddp-tiny.yaml        # Ctrl-C, kill -TERM, a closed ssh session...
     commbench run --resume RUN_DIR             # ...then this continues from that step
 
-Two sides. The launcher's (`stop_signals`, `relaying`, `Stopped`: bench/launch.py and the
-sweep executors use them) and the ranks' (`StopRequest`, `handle_signals`: bench/train.py).
+Two sides. The launcher's (`stop_signals`, `relaying`, `Stopped`: bench/launch/run.py and the
+sweep executors use them) and the ranks' (`StopRequest`, `handle_signals`: bench/run/train.py).
 
 `STOP_SIGNALS` (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) all mean "stop soon, losing
 nothing": every rank finishes its step, the ranks agree on one step, save their state there
-(bench/checkpoint.py) and the run ends recorded `interrupted` (partial: `--resume` or the
+(bench/run/checkpoint.py) and the run ends recorded `interrupted` (partial: `--resume` or the
 next sweep continues it bit-exactly). Who receives them: a Slurm job's processes all do
 (the time limit's warning, sbatch `--signal`, and the scheduler's SIGTERM on preemption
 or requeue); a terminal's Ctrl-C or a closed ssh session reaches the launcher, which relays
-its first signal to its ranks (bench/launch.py; torchrun ignores them, bench/torchrun.py).
+its first signal to its ranks (bench/launch/run.py; torchrun ignores them,
+bench/launch/torchrun.py).
 
 How the ranks agree, adding nothing to a step or between steps (a collective per step
-would align the ranks and move their waits out of the measured steps, bench/meter.py):
+would align the ranks and move their waits out of the measured steps, bench/run/meter.py):
 a rank that receives a signal asks every rank to stop through the process group's store
 (`request`) and goes on. Each rank's watcher thread, woken by that request, publishes the
 step boundary its rank reaches next; the stop step is the largest, so that every rank can
@@ -38,15 +39,26 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from bench.records import RunDir, write_text
+from bench.run.files import write_text
+from bench.run.records import RunDir
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 """Signals that stop a run at the next step boundary, with a checkpoint."""
 
+STARTED = "COMMBENCH_RANK_STARTED"
+"""The first line of every rank's output (`announce_start`): the launcher's bound on
+torchrun's rendezvous ends when it reads one (bench/launch/torchrun.py `run`)."""
+
+
+def announce_start() -> None:
+    """What each rank prints first: its rendezvous is complete (the rank's half of
+    bench/launch/torchrun.py's start protocol; `die_with_parent` is the other)."""
+    print(STARTED, flush=True)
+
 
 
 class Stopped(KeyboardInterrupt):
-    """A stop signal ended the run; `signum` is the launcher's first (bench/launch.py)."""
+    """A stop signal ended the run; `signum` is the launcher's first (bench/launch/run.py)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -118,7 +130,7 @@ def _on_stop_signal(signum, frame):
 
 def _ask_ranks_to_stop(proc: subprocess.Popen, run: RunDir, signum: int) -> None:
     """Relay a stop to a torchrun's ranks: the mark first (a rank that starts later reads
-    it, bench/train.py), then the signal to each rank already started."""
+    it, bench/run/train.py), then the signal to each rank already started."""
     write_text(run.stop_request, signal.Signals(signum).name)
     for pid in _children(proc.pid):
         with contextlib.suppress(ProcessLookupError):
