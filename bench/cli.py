@@ -29,11 +29,11 @@ from pathlib import Path
 
 def run_and_evaluate(cfg, run_dir=None, progress: bool = True, resume: bool = False) -> dict:
     """bench.launch.run.run_config, then lm-eval on the final model when `cfg.eval.suite` is set
-    and the run ended ok, both followed by the `tracking:` sinks (bench/tracking/). The
+    and the run ended ok, both followed by the `tracking:` sinks (bench/study/tracking/). The
     runner of `commbench run` and `commbench sweep`; here because only the command line
     imports `eval` (module level: Slurm jobs pickle it by name)."""
     from bench.launch.run import new_run_dir, run_config
-    from bench.tracking.sync import follow
+    from bench.study.tracking.sync import follow
 
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
     with follow(cfg.tracking, run_dir):
@@ -110,7 +110,7 @@ def _cmd_config_show(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from bench.sweep import run_sweep, sweep_status
+    from bench.study.sweep import run_sweep, sweep_status
 
     if args.status:
         sweep_status(args.spec, executor=args.executor, output_dir=args.output_dir,
@@ -125,8 +125,8 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_claims(args) -> int:
-    from bench.claims import run_claims
-    from bench.claims.spec import MAX_SEEDS
+    from bench.study.claims import run_claims
+    from bench.study.claims.spec import MAX_SEEDS
 
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         raise ValueError(f"--seeds must be from 1 to {MAX_SEEDS}, got {args.seeds}")
@@ -158,7 +158,7 @@ def _cmd_report(args) -> int:
     from bench.run.records import check_report_dir
 
     check_report_dir(args.output, "report -o")
-    from bench.report import build_report
+    from bench.study.report import build_report
 
     print(build_report(args.results_dir, args.output, target_loss=args.target_loss))
     return 0
@@ -168,14 +168,14 @@ def _cmd_compare(args) -> int:
     from bench.run.records import check_report_dir
 
     check_report_dir(args.output, "compare -o")
-    from bench.compare import compare
+    from bench.study.compare import compare
 
     return compare(args.runs, args.output, tolerance=args.tolerance)
 
 
 def _cmd_whatif(args) -> int:
-    from bench.whatif.report import evaluate, run_whatif, table, write
-    from bench.whatif.scenario import load_scenario
+    from bench.study.whatif.report import evaluate, run_whatif, table, write
+    from bench.study.whatif.scenario import load_scenario
 
     if args.run:
         for name, row in run_whatif(args.run).items():
@@ -197,7 +197,7 @@ def _cmd_whatif(args) -> int:
 
 
 def _cmd_track(args) -> int:
-    from bench.tracking.sync import track
+    from bench.study.tracking.sync import track
 
     return 1 if track(args.results_dir, args.to, args.set) else 0
 
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare runs, groups (DIR:LABEL) or whole sweeps with the first: the "
         "config and validation-set differences first, then per group the matched steps' max "
         "|Δloss| and final Δ (training and validation), throughput and bytes ratios; writes "
-        "compare.png (curves) and compare.json (bench/compare.py).")
+        "compare.png (curves) and compare.json (bench/study/compare.py).")
     compare.add_argument("runs", nargs="+", metavar="RUN_OR_DIR",
                          help="a run directory, a results directory, or DIR:LABEL")
     compare.add_argument("-o", "--output", default="reports/compare",
@@ -322,9 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         "its strategy's own traffic description on the network model, over a bandwidth "
         "range: step time, exposed communication, compute utilisation, time for the token "
         "budget, the bandwidth needed for each target utilisation, and a figure "
-        "(bench/whatif/; docs/network-model.md).")
+        "(bench/study/whatif/; docs/network-model.md).")
     whatif.add_argument("scenario", nargs="?", help="a what-if scenario YAML (default: the "
-                        "defaults of bench/whatif/scenario.py)")
+                        "defaults of bench/study/whatif/scenario.py)")
     whatif.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a scenario field (repeatable)")
     whatif.add_argument("-o", "--output", default="results/whatif",
@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     track = sub.add_parser(
         "track", help="send recorded runs to TensorBoard, W&B or MLflow (idempotent)",
         description="Backfill: send every run under RESULTS_DIR to a tracking sink; what it "
-        "already holds is not sent again (bench/tracking/). The sink's settings are the "
+        "already holds is not sent again (bench/study/tracking/). The sink's settings are the "
         "run's own tracking.SINK section, then --set.")
     track.add_argument("results_dir")
     track.add_argument("--to", required=True, choices=["tensorboard", "wandb", "mlflow"])
@@ -356,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", default="gpt2", choices=["byte", "gpt2"])
     prep.set_defaults(func=_cmd_data_prepare)
 
-    # doctor: the first command on a new GPU node (bench/doctor.py)
-    from bench import doctor
+    # doctor: the first command on a new GPU node (bench/node/doctor.py)
+    from bench.node import doctor
 
     check = sub.add_parser("doctor", help="check this node: GPUs, NCCL, timing, bf16, short "
                            "runs of each strategy; a pass/fail report to attach to a bug",
@@ -365,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_arguments(check)
     check.set_defaults(func=doctor.run_cli)
 
-    # netprobe: measure this machine's / cluster's links, fit a profile (bench/netprobe.py)
-    from bench import netprobe
+    # netprobe: measure this machine's / cluster's links, fit a profile (bench/node/netprobe.py)
+    from bench.node import netprobe
 
     probe = sub.add_parser("netprobe", help="measure the network, write a profile YAML",
                            description=netprobe.__doc__.split("\n\n")[0])

@@ -10,8 +10,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from bench.claims import run_claims
-from bench.claims.decide import (
+from bench.config import config_hash, to_yaml
+from bench.run.summary import val_row
+from bench.study.claims import run_claims
+from bench.study.claims.decide import (
     FAILS,
     HOLDS,
     INCONCLUSIVE,
@@ -22,9 +24,7 @@ from bench.claims.decide import (
     decide_rule,
     t_interval,
 )
-from bench.claims.spec import Rule, find_claims, load_claim
-from bench.config import config_hash, to_yaml
-from bench.run.summary import val_row
+from bench.study.claims.spec import Rule, find_claims, load_claim
 from tests.fakes import make_summary, write_fake_run
 
 REPO = Path(__file__).resolve().parent.parent

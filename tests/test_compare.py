@@ -1,4 +1,4 @@
-"""`commbench compare` (bench/compare.py): differences listed first, the table at matched
+"""`commbench compare` (bench/study/compare.py): differences listed first, the table at matched
 steps, the figure, and the exit status of `--tolerance`."""
 
 import json

@@ -20,7 +20,7 @@ from bench.data import load_corpus
 from bench.data.batches import validation_set
 from bench.model import build_model
 from bench.model.presets import LLAMA_PRESETS, PRESETS, model_config
-from bench.sweep.spec import load_spec
+from bench.study.sweep.spec import load_spec
 
 REPO = Path(__file__).parents[1]
 CPU_CONFIGS = sorted((REPO / "configs").glob("*-cpu.yaml"))

@@ -823,7 +823,7 @@ def test_a_stray_summary_above_the_runs_hides_none_of_them(tmp_path, garbage, ca
     """Issue 29: a garbage summary.json at the top of a results tree made the tree one
     (broken) run, hiding every run below it from report, compare and track."""
     from bench.cli import main
-    from bench.report.load import load_results
+    from bench.study.report.load import load_results
     from tests.test_report import DDP_VAL, _save, _sweep, write_run
 
     sweep_dir, sweep = _sweep(tmp_path / "results", "s")

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import doctor
-from bench.doctor import FAIL, PASS, SKIP, Check, Context, Skip
+from bench.node import doctor
+from bench.node.doctor import FAIL, PASS, SKIP, Check, Context, Skip
 
 
 def passes(ctx):

@@ -737,7 +737,7 @@ def test_pipedream_executor_uses_one_op_kind_per_message(microbatches, delay):
 def test_netprobe_nccl_sets_the_local_gpu_and_puts_tensors_on_it(monkeypatch):
     """`netprobe --backend nccl` probed with CPU tensors and never called set_device
     (NCCL moves CUDA tensors only; every rank would share GPU 0)."""
-    from bench import netprobe
+    from bench.node import netprobe
 
     assert netprobe.probe_device("gloo") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -95,8 +95,8 @@ def test_a_whatif_of_10_5_gpus_answers_within_10_s(tmp_path, capsys):
 
 
 def test_the_plan_refuses_more_rank_steps_than_its_bound():
-    from bench.whatif.report import method_plan
-    from bench.whatif.scenario import base_profile, load_scenario
+    from bench.study.whatif.report import method_plan
+    from bench.study.whatif.scenario import base_profile, load_scenario
 
     s = load_scenario(str(REPO / "configs/whatif/llama1b-8x8.yaml"),
                       ["methods={d: {strategy: {name: diloco, inner_steps: 100000}}}"])
@@ -216,8 +216,8 @@ def _raw_markup(page: str) -> list[str]:
 
 
 def test_every_text_field_of_the_whatif_page_is_escaped(monkeypatch):
-    from bench.whatif import report
-    from bench.whatif.scenario import load_scenario
+    from bench.study.whatif import report
+    from bench.study.whatif.scenario import load_scenario
 
     s = load_scenario(None, ["hardware.gpu=H100 SXM"])
     s.network.profile, s.hardware.run = MARKUP, MARKUP  # texts the page repeats
@@ -236,7 +236,7 @@ def test_every_text_field_of_the_whatif_page_is_escaped(monkeypatch):
 
 
 def test_every_text_field_of_the_doctor_report_is_escaped(monkeypatch, tmp_path):
-    from bench import doctor
+    from bench.node import doctor
 
     monkeypatch.setattr(doctor.platform, "node", lambda: MARKUP)
     results = [doctor.Result(MARKUP, doctor.FAIL, MARKUP),
@@ -248,7 +248,7 @@ def test_every_text_field_of_the_doctor_report_is_escaped(monkeypatch, tmp_path)
 
 
 def test_tensorboard_text_cannot_leave_its_code_block():
-    from bench.tracking.sinks import _code
+    from bench.study.tracking.sinks import _code
 
     text = f"name: x\n```\n{MARKUP}\n````\n"
     block = _code(text, "yaml")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.report import build_report, load_results
 from bench.run.records import RunDir
 from bench.run.summary import train_row, val_row
+from bench.study.report import build_report, load_results
 from tests.test_report import DDP_VAL, STEPS, _save, _sweep, write_run
 
 # --------------------------------------------------------------- symlinked run directories
@@ -158,7 +158,7 @@ def test_whatif_refuses_wall_clock_compute_on_shared_cores(tmp_path, capsys, clo
     assert f"compute_clock {repr(clock['compute_clock']) if clock else 'not recorded'}" in err
     assert "no more ranks than cores" in err and "run.compute_clock: auto" in err
 
-    from bench.whatif.report import measured_flops_per_s
+    from bench.study.whatif.report import measured_flops_per_s
     with pytest.raises(ValueError, match="shared cores"):  # hardware.run reads it too
         measured_flops_per_s(str(run_dir))
 
@@ -176,5 +176,5 @@ def test_whatif_reads_runs_whose_compute_holds_no_wait_for_a_core(tmp_path, caps
     out = capsys.readouterr().out
     assert "what-if" in out
 
-    from bench.whatif.report import measured_flops_per_s
+    from bench.study.whatif.report import measured_flops_per_s
     assert measured_flops_per_s(str(run_dir)) == pytest.approx(2e6 * 8 * 128 / 0.5)

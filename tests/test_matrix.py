@@ -332,7 +332,7 @@ def traffic_verdict(cfg, records, trained: list[int]) -> str | None:
     the steps trained (in any order within a step: its pricing does not depend on it), "refused: ..." when the strategy has no description, else the
     first difference."""
     from bench.run.train import TRAIN_PHASES
-    from bench.whatif.engine import as_records, traffic_facts
+    from bench.study.whatif.engine import as_records, traffic_facts
 
     try:
         traffic = cfg.strategy.traffic(cfg, traffic_facts(cfg))

@@ -6,9 +6,6 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from bench.netprobe import parse_size
-from bench.netprobe_fit import coefficients, exchange_scale, fit_profile, format_fit, write_profile
-from bench.netprobe_measure import flow_plan, probe, standing_queue
 from bench.network import (
     Tier,
     all_gather_s,
@@ -19,6 +16,15 @@ from bench.network import (
     p2p_s,
     slow_start_extra_s,
 )
+from bench.node.netprobe import parse_size
+from bench.node.netprobe_fit import (
+    coefficients,
+    exchange_scale,
+    fit_profile,
+    format_fit,
+    write_profile,
+)
+from bench.node.netprobe_measure import flow_plan, probe, standing_queue
 from tests.distributed import run_distributed
 
 
@@ -189,7 +195,7 @@ def test_commbench_netprobe_cli(tmp_path):
 
 
 def test_caveats_name_loopback_and_cpu_oversubscription():
-    from bench.netprobe import caveats
+    from bench.node.netprobe import caveats
 
     assert caveats(local_ranks=1, cores=8, nodes=4) == []  # one rank per node: links
     one_host = caveats(local_ranks=4, cores=2, nodes=1)

@@ -18,10 +18,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from bench.report import build_report, load_results
-from bench.report.analysis import compare, first_crossing, mean_ci, t_quantile_975
-from bench.report.render import md_text
 from bench.run.summary import Projection, train_row, val_row
+from bench.study.report import build_report, load_results
+from bench.study.report.analysis import compare, first_crossing, mean_ci, t_quantile_975
+from bench.study.report.render import md_text
 from tests.fakes import make_summary, write_fake_run
 
 STEPS = [10, 20, 30, 40]
@@ -429,7 +429,7 @@ def test_unpaired_speedup_counts_the_baselines_spread(tmp_path):
 
 
 def test_stats_known_intervals():
-    from bench.report import stats
+    from bench.study.report import stats
     # paired log-ratios ln 4, ln 2, 0: geometric mean 2, half-width t(2) ln2 / sqrt(3)
     ci = stats.ratio_interval({0: 40, 1: 40, 2: 40}, {0: 10, 1: 20, 2: 40})
     half = 4.302653 * math.log(2) / math.sqrt(3)
@@ -460,7 +460,7 @@ def test_stats_known_intervals():
 def test_welch_interval_matches_scipy_on_random_samples():
     import scipy.stats as sp
 
-    from bench.report import stats
+    from bench.study.report import stats
     rng = np.random.default_rng(0)
     for n_a, n_b in ((2, 3), (3, 3), (5, 2), (7, 11)):
         a, b = rng.normal(1, 2, n_a), rng.normal(0, 0.5, n_b)
@@ -521,7 +521,7 @@ def test_bytes_per_step_figure_of_a_49_group_study_keeps_its_axes(tmp_path):
     entries go beside the axes in columns."""
     import warnings
 
-    from bench.report.figures import bytes_per_step, colors, save
+    from bench.study.report.figures import bytes_per_step, colors, save
 
     labels = [f"v{i}" for i in range(49)]
     runs = pd.DataFrame({"status": "ok", "group": labels, "label": labels,
@@ -631,7 +631,7 @@ def test_records_without_delay_settings_count_as_adamw_sync(tmp_path):
     assert set(res.runs["optim.name"]) == {"adamw"}
     assert set(res.runs["optim.delay"]) == {0}
     assert set(res.runs["optim.delay_correction"]) == {"none"}
-    from bench.report.studies import delay_study
+    from bench.study.report.studies import delay_study
     assert delay_study(res.runs) is None  # nothing differs by delay: no section
 
 
@@ -788,7 +788,7 @@ def test_a_run_killed_before_recording_its_set_counts_with_its_group(tmp_path):
 
 
 def _one_set(res, set_id: str):
-    from bench.report.load import by_validation_set
+    from bench.study.report.load import by_validation_set
     ((_, part),) = [(n, p) for n, p in by_validation_set(res) if n.startswith(set_id)]
     return part.runs, part.steps
 

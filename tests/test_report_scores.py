@@ -14,11 +14,11 @@ import math
 import pandas as pd
 import pytest
 
-from bench.report import build_report, load_results
-from bench.report.algoperf import cases, median_time, performance_profile
-from bench.report.analysis import compare
-from bench.report.chance import label
 from bench.run.records import RunDir
+from bench.study.report import build_report, load_results
+from bench.study.report.algoperf import cases, median_time, performance_profile
+from bench.study.report.analysis import compare
+from bench.study.report.chance import label
 from tests.test_report import DDP_VAL, DILOCO_VAL, write_run
 
 MISS = [3.8, 2.8, 2.4, 2.3]

@@ -13,9 +13,9 @@ import math
 import pandas as pd
 import pytest
 
-from bench.report import build_report, load_results
-from bench.report.verdict import loss_phrase, sentence, speed_phrase
 from bench.run.records import RunDir
+from bench.study.report import build_report, load_results
+from bench.study.report.verdict import loss_phrase, sentence, speed_phrase
 from tests.test_report import DDP_VAL, DILOCO_VAL, make_results, write_run
 
 

@@ -24,11 +24,11 @@ import pytest
 import torch
 import yaml
 
-from bench.claims import run_claims
 from bench.cli import main
 from bench.model import GPT, GPTConfig
-from bench.report import build_report
-from bench.report.render import md_text, to_markdown
+from bench.study.claims import run_claims
+from bench.study.report import build_report
+from bench.study.report.render import md_text, to_markdown
 from tests.test_bad_input import _snapshot, recorded_run
 from tests.test_claims import claim_data, fake_runner
 from tests.test_report import DDP_VAL, _save, _sweep, write_run
@@ -114,7 +114,7 @@ def test_claims_page_of_a_crafted_claim_file_is_inert(tmp_path, monkeypatch):
 def test_table_cells_cannot_break_out_of_the_table(text):
     import pandas as pd
 
-    from bench.report.render import markdown_table
+    from bench.study.report.render import markdown_table
 
     table = markdown_table(pd.DataFrame({"a": [text + "|\nnext"]}))
     assert table.count("\n") == 2  # header, rule, one row
@@ -272,7 +272,7 @@ def test_track_never_writes_outside_the_sinks_directory(tmp_path, record, capsys
     sweep's name, made TensorBoard write outside its directory."""
     pytest.importorskip("tensorboard")
     from bench.run.files import write_json
-    from bench.tracking.sync import track
+    from bench.study.tracking.sync import track
     from tests.test_tracking import fake_sweep
 
     (run, _) = fake_sweep(tmp_path / "results")
@@ -293,7 +293,7 @@ def test_track_never_writes_outside_the_sinks_directory(tmp_path, record, capsys
 
 
 def test_track_takes_no_destination_outside_from_a_record(tmp_path, capsys):
-    from bench.tracking.sync import track
+    from bench.study.tracking.sync import track
     from tests.test_tracking import fake_run
 
     run = fake_run(tmp_path / "results" / "r")
@@ -310,7 +310,7 @@ def test_track_takes_no_destination_outside_from_a_record(tmp_path, capsys):
 
 def test_track_skips_a_run_another_process_holds(tmp_path, capsys):
     pytest.importorskip("tensorboard")
-    from bench.tracking.sync import track
+    from bench.study.tracking.sync import track
     from tests.test_crash_safety import held_by_another_process
     from tests.test_tracking import fake_run
 

@@ -30,8 +30,8 @@ from bench.launch import run as launch
 from bench.run import files, records
 from bench.run.records import RunDir
 from bench.run.summary import train_row, val_row
-from bench.sweep import load_spec, run_sweep
-from bench.sweep.store import record_state, retire
+from bench.study.sweep import load_spec, run_sweep
+from bench.study.sweep.store import record_state, retire
 from tests.fakes import make_summary, write_fake_run
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -199,7 +199,7 @@ def test_run_ids_are_stable_across_processes(tmp_path, env):
                                  "variants": {"a": {"optim.weight_decay": 0.0},
                                               "b": {"optim.weight_decay": 0.1}}})
     here = [(r.run_id, r.variant, r.seed) for r in load_spec(path).runs]
-    code = ("import json, sys; from bench.sweep import load_spec; "
+    code = ("import json, sys; from bench.study.sweep import load_spec; "
             "print(json.dumps([(r.run_id, r.variant, r.seed) "
             "for r in load_spec(sys.argv[1]).runs]))")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
@@ -347,7 +347,7 @@ def test_resume_after_a_killed_sweep_completes_only_the_missing_runs(tmp_path, e
         import sys
         sys.path[:0] = [{str(TESTS_DIR)!r}, {str(REPO)!r}]
         import test_sweep
-        from bench.sweep import run_sweep
+        from bench.study.sweep import run_sweep
         run_sweep({str(path)!r}, runner=test_sweep.hanging_runner, report=False)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
@@ -396,7 +396,7 @@ def test_a_stopped_run_continues_from_its_checkpoint_in_its_own_directory(tmp_pa
     """Issue 25: a stopped run with every rank's checkpoint is resumed in place (the
     runner gets resume=True, as `commbench run --resume`); one without is trained from step
     0 after its record is moved aside, and the sweep says why; --status shows both."""
-    from bench.sweep import sweep_status
+    from bench.study.sweep import sweep_status
 
     path = write_spec(tmp_path, {"name": "s", "variants": {"a": {"optim.lr": 1e-3},
                                                            "b": {"optim.lr": 2e-3},
@@ -527,7 +527,7 @@ def test_a_second_ctrl_c_in_the_real_launcher_stops_torchrun_at_once(tmp_path, e
 
 HOLD_SWEEP = """\
 import sys, time
-from bench.sweep.store import sweep_lock
+from bench.study.sweep.store import sweep_lock
 from pathlib import Path
 with sweep_lock(Path(sys.argv[1])):
     print("held", flush=True)

@@ -1,4 +1,4 @@
-"""Tracking sinks (bench/tracking/): what TensorBoard, MLflow and W&B hold, read back with
+"""Tracking sinks (bench/study/tracking/): what TensorBoard, MLflow and W&B hold, read back with
 each library's own reader and compared with metrics.jsonl; backfill is idempotent; a
 failing sink warns once and never fails the run; `tensorboard --logdir` serves the runs."""
 
@@ -22,8 +22,8 @@ from bench.config.schema import TensorBoardConfig
 from bench.run.files import write_json
 from bench.run.records import RunDir
 from bench.run.summary import train_row, val_row
-from bench.tracking.sinks import make_sink
-from bench.tracking.sync import row_series, sync_run, track
+from bench.study.tracking.sinks import make_sink
+from bench.study.tracking.sync import row_series, sync_run, track
 from tests.fakes import make_summary, write_fake_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -375,7 +375,7 @@ def test_a_hanging_sink_holds_back_neither_the_others_nor_the_run(tmp_path, monk
     live, and the run returns after tracking.timeout_s with one warning."""
     pytest.importorskip("tensorboard")
     from bench.cli import run_and_evaluate
-    from bench.tracking.sinks import MlflowSink
+    from bench.study.tracking.sinks import MlflowSink
 
     release = threading.Event()
     monkeypatch.setattr(MlflowSink, "open", lambda self, run, handle: release.wait(120) or "x")

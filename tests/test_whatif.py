@@ -1,4 +1,4 @@
-"""`commbench whatif` (bench/whatif/): hand-computed projections, the bandwidth inverse,
+"""`commbench whatif` (bench/study/whatif/): hand-computed projections, the bandwidth inverse,
 method-neutral compute, and each strategy's traffic description against a real run.
 
 The hand-computed cases use the naive alpha-beta formulas (docs/network-model.md) on a
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from bench.network.profiles import Profile, Tier
-from bench.whatif.engine import Compute, plan, price
-from bench.whatif.report import evaluate, measured_whatif, method_plan
-from bench.whatif.scenario import load_scenario
+from bench.study.whatif.engine import Compute, plan, price
+from bench.study.whatif.report import evaluate, measured_whatif, method_plan
+from bench.study.whatif.scenario import load_scenario
 from tests import strategies
 from tests.distributed import run_distributed
 
@@ -149,8 +149,8 @@ def test_bandwidth_for_a_target_matches_a_direct_evaluation():
                  "network.profile=eth-10g", "network.model=naive", "network.points=9",
                  "network.bandwidth=[1e4, 1e11]", "targets=[0.5, 0.95]")
     results = evaluate(s)
-    from bench.whatif.engine import with_tier
-    from bench.whatif.scenario import base_profile
+    from bench.study.whatif.engine import with_tier
+    from bench.study.whatif.scenario import base_profile
 
     profile, swept = base_profile(s)
     for result in results:
@@ -170,7 +170,7 @@ def test_bandwidth_for_a_target_matches_a_direct_evaluation():
 def test_a_set_latency_moves_the_profiles_measured_round_trip():
     """netprobe's TCP round trip moves with a latency the scenario sets (twice the change:
     both ways); where that would leave nothing, slow start runs on twice the latency."""
-    from bench.whatif.scenario import base_profile
+    from bench.study.whatif.scenario import base_profile
 
     path = str(Path(__file__).parent / "profiles" / "netprobe-tcp.yaml")
     methods = {"ddp": {"strategy": {"name": "ddp"}}}
@@ -199,7 +199,7 @@ def test_plans_price_one_period_of_a_long_phase():
 
 
 def p_facts(s):
-    from bench.whatif.engine import synthetic_facts
+    from bench.study.whatif.engine import synthetic_facts
 
     return synthetic_facts(int(s.model_size.num_params), s.model_size.n_layer)
 
@@ -233,7 +233,7 @@ def train(rank, world_size, run_dir, case):
 
 def check_run(case, tmp_path):
     from bench.config import load_config
-    from bench.whatif.engine import as_records, traffic_facts
+    from bench.study.whatif.engine import as_records, traffic_facts
 
     results = run_distributed(train, 4, str(tmp_path), case, timeout=240)
     cfg = load_config(*settings(case))
@@ -283,7 +283,7 @@ def test_a_measured_runs_flops_rate_scales_to_the_scenario(tmp_path):
 @pytest.mark.parametrize("path", sorted(Path("configs/whatif").glob("*.yaml")))
 def test_shipped_scenarios_validate(path):
     """Every shipped scenario loads and each of its methods is a valid run config."""
-    from bench.whatif.scenario import method_config
+    from bench.study.whatif.scenario import method_config
 
     s = load_scenario(str(path))
     for name in s.methods:

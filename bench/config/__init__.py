@@ -42,7 +42,7 @@ from bench.config.typed import (  # noqa: F401  (re-exported: the public names o
 )
 
 # Not the run's identity: where things go, the checkpoint cadence (resume is bit-exact),
-# and the tracking sinks (views of the records, written by the launcher: bench/tracking/).
+# and the tracking sinks (views of the records, written by the launcher: bench/study/tracking/).
 NON_IDENTITY_KEYS = ("run.output_dir", "run.warmup_steps", "run.compute_clock",
                      "data.cache_dir", "launch",
                      "checkpoint", "tracking")

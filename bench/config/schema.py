@@ -288,7 +288,7 @@ class LaunchConfig:
     the environment's. A local sweep running several runs at once gives each its own."""
 
 
-# ------------------------------------------------------- tracking: (its sinks: bench/tracking/)
+# ------------------------------------------------- tracking: (its sinks: bench/study/tracking/)
 
 
 @dataclass

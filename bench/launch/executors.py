@@ -3,7 +3,7 @@
     commbench sweep configs/quickstart.yaml               # the local executor
     commbench sweep configs/sweeps/slurm-example.yaml     # the slurm executor (a login node)
 
-bench.sweep decides which runs to train, where their records go and which continue from a
+bench.study.sweep decides which runs to train, where their records go and which continue from a
 checkpoint; an `Executor` trains them (`Task`s): `prepare(tasks)` checks it can (before
 any record changes) and `run(tasks, runner, progress)` trains and returns each run's
 summary. Executors know nothing of sweep specs. A run that raises is recorded as failed,
@@ -134,7 +134,7 @@ class Task:
 
 
 class Progress(Protocol):
-    """What executors report to (bench/sweep/progress.py draws it)."""
+    """What executors report to (bench/study/sweep/progress.py draws it)."""
 
     live: bool
     """Bars are drawn: runs should not print their own progress."""

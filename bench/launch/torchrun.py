@@ -1,6 +1,6 @@
 """Starting torchrun: its command line, whether this machine can host it, and waiting for
 its ranks with bounded patience. What `commbench run` (bench/launch/run.py) and `commbench
-netprobe` (bench/netprobe.py) start.
+netprobe` (bench/node/netprobe.py) start.
 
 `python -m bench.launch.torchrun ARGS` (what `commbench run` starts, never torchrun itself) is
 `torchrun ARGS`, except that it ignores the stop signals and dies with the launcher.

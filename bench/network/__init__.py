@@ -2,7 +2,7 @@
 
 Exercised by `pytest tests/test_network.py`. bench/run/train.py uses `project` for the
 projected step times in summary.json and `delay_policy` for `network.emulate=PROFILE`;
-`commbench netprobe` (bench/netprobe.py) fits a profile of the user's own network.
+`commbench netprobe` (bench/node/netprobe.py) fits a profile of the user's own network.
 The model and every formula: docs/network-model.md.
 
 - profiles.py: `Tier`, `Profile`, the shipped bench/profiles.yaml, users' YAML files
@@ -14,7 +14,7 @@ The model and every formula: docs/network-model.md.
 - pipeline.py: a pipeline step priced by replaying its schedule on the modelled link
   (`critical_path_time`, `critical_path_times` for many at once).
 - timeline.py: the pricing engine of a timeline of steps, used by the loop's clock
-  (bench/run/meter.py `StepClock`) and the what-if (bench/whatif/engine.py) alike:
+  (bench/run/meter.py `StepClock`) and the what-if (bench/study/whatif/engine.py) alike:
   `StepPricer`, `LinkClock`, `coupled_max`, `stretches`, `pipeline_values`,
   `robust_projection` (it imports torch; this package's `__init__` does not).
 """

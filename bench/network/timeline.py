@@ -6,7 +6,7 @@ projection (`robust_projection`).
     pytest tests/test_loop_measures.py tests/test_projection_consistency.py
 
 Used by the loop's clock (bench/run/meter.py `StepClock`) on a run's ledger records and by
-the what-if (bench/whatif/engine.py) on a strategy's traffic description: one model.
+the what-if (bench/study/whatif/engine.py) on a strategy's traffic description: one model.
 
 Projected time: for every step, each rank's measured compute plus its modelled
 communication on a profile (that step's ledger records priced by
@@ -75,7 +75,7 @@ def step_kind(phase_ops: Iterable[tuple[str, str]], reads_batch: bool = True) ->
     """The kind of a step, for the robust compute estimate: its training traffic's
     phase:op pairs (a DiLoCo round's last step differs from its inner steps), and whether
     the rank consumed a batch (an idle GASLoC worker, a pipeline's later stages do not).
-    bench/whatif names its modelled steps with the same words."""
+    bench/study/whatif names its modelled steps with the same words."""
     pairs = "+".join(sorted({f"{phase}:{op}" for phase, op in phase_ops})) or "no traffic"
     return pairs if reads_batch else f"no batch, {pairs}"
 

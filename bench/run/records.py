@@ -9,7 +9,7 @@ A run directory (`commbench run` prints its path) holds:
     summary.json    status ok|failed|diverged|running, totals, projections, eval numbers
                     (its schema: bench/run/summary.py)
     eval.json       lm-eval results (after `commbench eval`)
-    tracking.json   what each tracking sink already holds (bench/tracking/sync.py)
+    tracking.json   what each tracking sink already holds (bench/study/tracking/sync.py)
     .lock           held by the process writing the run (`RunDir.lock`); names it
     checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
                     state at the last `checkpoint.every` step; .pt.next while saving)

@@ -35,9 +35,9 @@ from bench.data.batches import BatchStream
 from bench.model import GPT, gpt_config
 from bench.network import get_profile, project
 from bench.network.timeline import pipeline_values
-from bench.report import build_report
 from bench.run.meter import StepClock
 from bench.run.train import make_optimizer_factory
+from bench.study.report import build_report
 from tests.benchmarks.replay import CLOCK, replay
 from tests.distributed import run_distributed
 

@@ -22,7 +22,7 @@ Why one run and not two: the same unshaped run repeated minutes apart moved its 
 by -29% to +32% on this machine (the control of runs t and u, docs/network-model.md),
 more than the network costs being checked; two runs compared that drift with the model.
 
-`netprobe_in_lab` runs `python -m bench.netprobe` one rank per namespace on a shaped lab,
+`netprobe_in_lab` runs `python -m bench.node.netprobe` one rank per namespace on a shaped lab,
 so a profile fitted on the links themselves can be projected onto the same way.
 """
 
@@ -238,7 +238,7 @@ def netprobe_in_lab(lab: Lab, out: Path, port: int,
     """Fit a profile on the lab's links with `commbench netprobe`'s worker, one rank per
     namespace (how a user runs it multi-node); `step_compute_s` about the tiny runs'
     compute per step (the exchange keeps netprobe's default gap, under the RTO)."""
-    launch(lab, ["bench.netprobe", "--out", str(out), "--iters", "5", "--step-compute",
+    launch(lab, ["bench.node.netprobe", "--out", str(out), "--iters", "5", "--step-compute",
                  str(step_compute_s), "--sizes", *sizes], out.parent / f"{out.stem}-logs", port)
     return out
 

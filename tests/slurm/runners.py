@@ -20,7 +20,7 @@ from bench.config import config_hash, to_yaml
 from bench.launch.run import run_config
 from bench.run import files, records
 from bench.run.records import RunDir
-from bench.sweep import expand, load_spec
+from bench.study.sweep import expand, load_spec
 
 
 def _head(cfg) -> dict:

@@ -19,7 +19,7 @@ import yaml
 
 from bench.launch import jobentry
 from bench.run import records
-from bench.sweep import run_sweep
+from bench.study.sweep import run_sweep
 from tests.slurm.runners import instant_runner
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ import yaml
 
 from bench.run.files import read_json
 from bench.run.records import RunDir
-from bench.sweep import run_sweep
+from bench.study.sweep import run_sweep
 from tests.slurm.runners import in_thread, job_id, run_dir_of, wait_step
 from tests.slurm.test_requeue import base, reference_rows, rows_of
 

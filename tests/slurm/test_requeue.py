@@ -25,7 +25,7 @@ import yaml
 from bench.config import from_dict
 from bench.launch.run import run_config
 from bench.run.records import RunDir, status_of
-from bench.sweep import run_sweep, sweep_status
+from bench.study.sweep import run_sweep, sweep_status
 from tests.slurm.runners import in_thread, job_id, run_dir_of, squeue_state, wait_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500),

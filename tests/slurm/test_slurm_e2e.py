@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from bench.run import records
-from bench.sweep import run_sweep
+from bench.study.sweep import run_sweep
 from tests.slurm.runners import hanging_runner, in_thread, job_id, wait_running
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900),

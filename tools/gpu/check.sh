@@ -31,7 +31,7 @@ echo "== doctor's one-GPU checks"
 python3 - "$runs/doctor" <<'PY'
 import sys
 from pathlib import Path
-from bench import doctor
+from bench.node import doctor
 ctx = doctor.Context(world_size=1, gpus=1, work_dir=Path(sys.argv[1]))
 wanted = {"environment", "CUDA events vs host timing", "bf16 autocast"}
 doctor.run_checks([c for c in doctor.CHECKS if c.name in wanted], ctx, echo=print)

@@ -1,0 +1,309 @@
+"""`commbench whatif`: price each method of a scenario over a bandwidth range.
+
+Per method (bench/study/whatif/scenario.py builds its run config): the model's facts
+(bench/study/whatif/engine.py `traffic_facts`, or `synthetic_facts` for a size-only model), the
+strategy's own traffic description (`StrategyConfig.traffic`), one `plan`, priced at every
+bandwidth of the sweep (`price` on the profile with the swept tier replaced). Reported:
+step time, exposed communication, compute utilisation and time for the token budget at
+`network.at`; the bandwidth needed for each target utilisation (bisection,
+`bandwidth_for`); utilisation against bandwidth as a figure. Every assumption is listed
+with the result (`assumptions`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.network.profiles import parse_bandwidth
+from bench.study.whatif.engine import (
+    Compute,
+    Plan,
+    bandwidth_for,
+    plan,
+    price,
+    synthetic_facts,
+    traffic_facts,
+    with_tier,
+)
+from bench.study.whatif.scenario import (
+    Scenario,
+    bandwidth_range,
+    base_profile,
+    method_config,
+)
+
+
+@dataclass
+class MethodResult:
+    name: str
+    strategy: str
+    world: int
+    steps: int
+    compute_step_s: float
+    at: dict
+    """step_s, comm_s, utilisation, total_s at `network.at`."""
+    needed: dict[float, float]
+    """target utilisation -> bandwidth (bytes/s); inf: not reached in the range."""
+    curve: list[tuple[float, float]]
+    """(bandwidth bytes/s, utilisation)."""
+    notes: list[str]
+
+
+def step_compute_s(s: Scenario, cfg, flops: float) -> float:
+    """One GPU's compute seconds for a full data-parallel step of `data.batch_size`
+    sequences: given, or FLOPs / (peak x MFU), or FLOPs / a measured run's FLOP/s."""
+    h = s.hardware
+    if h.compute_s_per_step is not None:
+        return h.compute_s_per_step
+    step_flops = flops * cfg.data.batch_size * cfg.model.seq_len
+    if h.run is not None:
+        return step_flops / measured_flops_per_s(h.run)
+    peak = h.peak_flops
+    if peak is None and h.gpu is not None:
+        from bench.env import PEAK_FLOPS
+
+        if h.gpu not in PEAK_FLOPS:
+            raise ValueError(f"hardware.gpu must be one of {sorted(PEAK_FLOPS)}, got {h.gpu!r}")
+        peak = PEAK_FLOPS[h.gpu]["bf16" if cfg.model.precision == "bf16" else "fp32"]
+    if peak is None:
+        raise ValueError("hardware: give gpu, peak_flops, compute_s_per_step or run")
+    return step_flops / (peak * h.mfu)
+
+
+def measured_flops_per_s(run_dir: str) -> float:
+    """A run's achieved FLOP/s per rank: its FLOPs per step over the median compute of
+    its most frequent step kind that reads a batch (rank 0's)."""
+    from bench.study.whatif.scenario import run_summary
+
+    config, summary = run_summary(run_dir)
+    kinds = {k: v for k, v in summary["compute_per_step"].items()
+             if not k.startswith("no batch") and v["median_s"][0]}
+    if not kinds or not summary.get("flops_per_token"):
+        raise ValueError(f"hardware.run={run_dir!r}: no measured step that reads a batch, or "
+                         "no flops_per_token in its summary.json")
+    kind = max(kinds, key=lambda k: kinds[k]["steps"][0])
+    tokens = config["data"]["batch_size"] * config["model"]["seq_len"]
+    return summary["flops_per_token"] * tokens / kinds[kind]["median_s"][0]
+
+
+def model_facts(cfg, cache: dict | None = None) -> tuple:
+    """(TrafficFacts, FLOPs per token) of `cfg`'s model from one meta-device build, kept in
+    `cache` for methods that share the model, batch and microbatches."""
+    from bench.memory import _meta_model
+
+    key = (repr(cfg.model), cfg.data.batch_size, cfg.parallel.num_microbatches)
+    if cache is not None and key in cache:
+        return cache[key]
+    model = _meta_model(cfg)
+    out = traffic_facts(cfg, model), model.flops_per_token()
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def method_plan(s: Scenario, name: str, profile, models: dict | None = None) -> tuple:
+    """(run config, Plan, compute seconds per step, FLOPs per token) of method `name`
+    (`models`: `model_facts`' cache)."""
+    cfg = method_config(s, name)
+    size = s.model_size
+    if size.num_params is not None:
+        if cfg.parallel.num_stages > 1:
+            raise ValueError(f"methods.{name}: a size-only model (model_size.num_params) has "
+                             "no layers or hidden size to cut into pipeline stages; give "
+                             "base.model instead")
+        facts = synthetic_facts(int(size.num_params), size.n_layer)
+        flops = size.flops_per_token or 6 * size.num_params
+    else:
+        facts, flops = model_facts(cfg, models)
+    compute_s = step_compute_s(s, cfg, flops)
+    traffic = cfg.strategy.traffic(cfg, facts)
+    try:
+        p = plan(traffic, Compute(step_s=compute_s, backward_share=s.hardware.backward_share),
+                 cfg.parallel.world_size, s.world.gpus_per_node, profile)
+    except ValueError as err:
+        raise ValueError(f"methods.{name}: {err}") from None
+    return cfg, p, compute_s, flops
+
+
+def evaluate(s: Scenario) -> list[MethodResult]:
+    """Every method of the scenario over the bandwidth sweep."""
+    profile, swept = base_profile(s)
+    low, high = bandwidth_range(s)
+    at = high if s.network.at is None else parse_bandwidth(s.network.at, "network.at")
+    n = s.network.points
+    grid = [low * (high / low) ** (i / (n - 1)) for i in range(n)] if n > 1 else [high]
+    results, models = [], {}
+    for name in s.methods:
+        cfg, p, compute_s, flops = method_plan(s, name, profile, models)
+        cache: dict[float, object] = {}
+
+        def priced(bandwidth: float, p: Plan = p, cache: dict = cache):
+            if bandwidth not in cache:
+                tier = replace(swept, bandwidth_Bps=bandwidth)
+                cache[bandwidth] = price(p, with_tier(profile, swept, tier), s.network.model)
+            return cache[bandwidth]
+
+        curve = [(b, priced(b).utilisation) for b in grid]
+        needed = {}
+        for target in s.targets:  # bracket by the curve, then bisect
+            above = [b for b, u in curve if u >= target]
+            hi = min(above) if above else high
+            below = [b for b, u in curve if u < target and b < hi]
+            lo = max(below) if below else low
+            needed[target] = bandwidth_for(target, lambda b: priced(b).utilisation, lo, hi)
+        r = priced(at)
+        results.append(MethodResult(
+            name, cfg.strategy.name, cfg.parallel.world_size, p.steps, compute_s,
+            {"bandwidth_Bps": at, "step_s": r.step_s, "comm_s": r.comm_s,
+             "utilisation": r.utilisation, "total_s": r.total_s,
+             "no_overlap_step_s": r.no_overlap_s / r.steps},
+            needed, curve, p.notes + [f"compute {compute_s:.4g} s per step "
+                                      f"({flops:.4g} FLOPs per token)"]))
+    return results
+
+
+def assumptions(s: Scenario) -> list[str]:
+    """What every method's projection assumes, in words."""
+    w, net = s.world, s.network
+    sites = (f"{w.nodes_per_site} nodes per site, sites joined by the swept link"
+             if w.nodes_per_site else "one site: the swept link joins the nodes")
+    size = s.model_size
+    model = (f"a size-only model of {size.num_params:.4g} parameters in {size.n_layer} equal "
+             "blocks, bytes = 4 x parameters (fp32 gradients and θ, as the runs send)"
+             if size.num_params else "the model of base.model, measured on the meta device")
+    h = s.hardware
+    compute = (f"{h.compute_s_per_step} s per step, given" if h.compute_s_per_step else
+               f"FLOPs / the measured FLOP/s of {h.run}" if h.run else
+               f"FLOPs / ({h.gpu or h.peak_flops} peak x MFU {h.mfu})")
+    return [
+        model, f"compute per step: {compute}; backward {h.backward_share:.3g} of it",
+        f"{w.gpus_per_node} GPUs per node over {net.profile}'s intra tier; {sites}",
+        f"collectives priced with the {net.model} model (docs/network-model.md), "
+        "the swept link's bandwidth per node shared by concurrent flows",
+        "steady state: one period of each phase priced after one that warms the links; "
+        "ranks wait for each other only at steps where one of them communicates",
+        f"same per-GPU batch (data.batch_size={s.base.get('data', {}).get('batch_size')}) "
+        "and step count for every data-parallel method: tokens = the budget",
+    ]
+
+
+def _bw(bps: float) -> str:
+    if math.isinf(bps):
+        return "> range"
+    return f"{bps * 8 / 1e9:.3g} Gbit/s"
+
+
+def table(s: Scenario, results: list[MethodResult]) -> str:
+    """The printed result and whatif.md: assumptions, then one row per method. Every text
+    from the scenario (its name, profile path, method names, run directory) is escaped
+    as the report's pages are (bench/study/report/render.py `md_text`, `markdown_table`): a
+    scenario file travels, and markdown renderers keep inline HTML."""
+    import pandas as pd
+
+    from bench.study.report.render import markdown_table, md_text
+
+    def item(text: str) -> str:
+        return "- " + md_text(" ".join(str(text).split()))
+
+    at = results[0].at["bandwidth_Bps"] if results else 0
+    head = ["method", "GPUs", "step s", "exposed comm s", "utilisation",
+            f"time for {s.tokens:.3g} tokens", *(f"bw for {t:.0%}" for t in s.targets)]
+    rows = [[r.name, str(r.world), f"{r.at['step_s']:.4g}", f"{r.at['comm_s']:.3g}",
+             f"{r.at['utilisation']:.1%}", f"{r.at['total_s'] / 3600:.3g} h",
+             *(_bw(r.needed[t]) for t in s.targets)] for r in results]
+    lines = [f"# what-if: {md_text(s.name)} (at {_bw(at)})", "", "Assumptions:"]
+    lines += [item(a) for a in assumptions(s)]
+    for r in results:
+        lines += [item(f"{r.name}: {note}") for note in r.notes]
+    lines += ["", markdown_table(pd.DataFrame(rows, columns=head))]
+    return "\n".join(lines)
+
+
+def figure(s: Scenario, results: list[MethodResult]):
+    """Utilisation against bandwidth (log axis), one line per method."""
+    from matplotlib.ticker import PercentFormatter
+
+    from bench.study.report.figures import _figure, colors
+
+    fig = _figure(6.4, 4.2)
+    ax = fig.add_subplot()
+    palette = colors([r.name for r in results])
+    for r in results:
+        ax.plot([b * 8 / 1e9 for b, _ in r.curve], [u for _, u in r.curve],
+                label=r.name, color=palette[r.name])
+    ax.set_xscale("log")
+    ax.set_xlabel("bandwidth of the swept link (Gbit/s)")
+    ax.set_ylabel("compute utilisation")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    ax.set_title(s.name)
+    return fig
+
+
+def write(s: Scenario, results: list[MethodResult], out_dir: str | Path) -> Path:
+    """whatif.md (the table), whatif.json (every number) and whatif.png under `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "whatif.md").write_text(table(s, results) + "\n")
+    (out / "whatif.json").write_text(json.dumps({
+        "assumptions": assumptions(s),
+        "methods": [{"name": r.name, "strategy": r.strategy, "world": r.world,
+                     "steps": r.steps, "compute_step_s": r.compute_step_s, "at": r.at,
+                     "bandwidth_needed_Bps": {str(t): (None if math.isinf(b) else b)
+                                              for t, b in r.needed.items()},
+                     "curve": r.curve, "notes": r.notes} for r in results]}, indent=1))
+    figure(s, results).savefig(out / "whatif.png")
+    return out
+
+
+def run_whatif(run_dir: str | Path) -> dict[str, dict]:
+    """A measured run's own what-if (`measured_whatif`) from its run directory."""
+    from bench.config import from_dict
+    from bench.study.whatif.scenario import run_summary
+
+    config, summary = run_summary(run_dir)
+    return measured_whatif(from_dict(config), summary)
+
+
+def settles(cfg) -> frozenset[int]:
+    """Step counts at which the loop settles its clocks (bench/run/train.py: warm-up end,
+    metrics and validation rows, periodic checkpoints, the end): the projections close
+    their stretches there, so a measured run's what-if does too."""
+    from bench.run.checkpoint import interval
+
+    r, every = cfg.run, interval(cfg)
+    out = {r.steps, min(r.warmup_steps, r.steps)} - {0}
+    for period in (r.log_every, r.val_every, every):
+        if period:
+            out.update(range(period, r.steps + 1, period))
+    return frozenset(out)
+
+
+def measured_whatif(cfg, summary: dict) -> dict[str, dict]:
+    """A measured run's own what-if: its config, model, world and profiles, each rank's
+    median compute per step kind (summary.json `compute_per_step`), every step priced
+    (`exact`). Per profile: the what-if's total seconds beside the run's recorded
+    `projected_robust` (the same model on the same inputs: equal within rounding, a
+    check that the strategy's traffic description says what its code sends)."""
+    from bench.network import get_profile
+
+    world = cfg.parallel.world_size
+    medians = [{k: v["median_s"][rank] for k, v in summary["compute_per_step"].items()
+                if v["median_s"][rank] is not None} for rank in range(world)]
+    backend = (summary.get("projection_model") or "gloo").split()[0]
+    traffic = cfg.strategy.traffic(cfg, traffic_facts(cfg))
+    out = {}
+    for name in cfg.network.profiles:
+        profile = get_profile(name)
+        p = plan(traffic, Compute(measured=medians), world, summary["ranks_per_node"],
+                 profile, exact=True, cuts=settles(cfg))
+        r = price(p, profile, backend)
+        recorded = (summary.get("projected_robust") or {}).get(name, {}).get("total_s")
+        out[name] = {"whatif_s": r.total_s, "recorded_s": recorded,
+                     "utilisation": r.utilisation}
+    return out
