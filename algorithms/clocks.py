@@ -14,7 +14,10 @@ by method (DDP waits for peers at every bucket; DiLoCo seldom). A thread's CPU t
 not run while it waits for a core, a peer or the network, so it is the same compute
 whatever the contention (docs/architecture.md, "Compute clock"). On CUDA the device's
 work is on the device, and compute stays the synchronised wall time minus exposed
-communication (`WALL`).
+communication (`WALL`). `run.compute_clock: wall` (the shaped-link lab's setting) asks for
+the wall clock on CPU too: the loop calls `set_compute_clock` once, before any strategy
+makes a clock, so the loop's compute and the strategies' `work()` marks (DDP's bucket
+leads, Streaming DiLoCo's tails) are on one clock.
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ THREAD_CPU, WALL = "thread_cpu", "wall"
 """`work_clock` names, as summary.json's `compute_clock` records them."""
 CONTENTION_FREE = (THREAD_CPU,)
 """The clocks whose compute holds no wait for a core (the report and the what-if ask)."""
+COMPUTE_CLOCKS = ("auto", WALL)
+"""`run.compute_clock` values: `work_clock`'s choice, or the wall clock whatever the device."""
+_requested = "auto"
+
+
+def set_compute_clock(requested: str) -> None:
+    """This process's `run.compute_clock` (one of `COMPUTE_CLOCKS`), for every clock made
+    after the call; the loop sets it once, before building its strategy."""
+    global _requested
+    if requested not in COMPUTE_CLOCKS:
+        raise ValueError(f"run.compute_clock: {requested!r}; valid: {list(COMPUTE_CLOCKS)}")
+    _requested = requested
 
 
 def work_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
@@ -38,8 +53,8 @@ def work_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
     threads each rank has cores of its own (bench/train.py gives a rank cores / local
     ranks threads), so there is no wait for a core to remove, and the process's CPU time
     would add up its threads (2 threads: twice the compute): the wall clock. CUDA: the
-    wall clock (module docstring)."""
-    if device.type == "cpu" and torch.get_num_threads() == 1:
+    wall clock (module docstring). The wall clock always after `set_compute_clock("wall")`."""
+    if _requested == "auto" and device.type == "cpu" and torch.get_num_threads() == 1:
         return THREAD_CPU, time.thread_time
     return WALL, time.perf_counter
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from algorithms.clocks import THREAD_CPU, WALL, HostClock, work_clock
+from algorithms.clocks import THREAD_CPU, WALL, HostClock, set_compute_clock, work_clock
 from algorithms.ddp import DDPCommHook, _Bucket
 from bench.env import ranks_per_core
 from tests.helpers import burn_cpu
@@ -31,6 +31,25 @@ def test_work_clock_is_the_threads_cpu_time_with_one_torch_thread(threads):
     threads(2)  # cores of its own: CPU time would add up the threads
     assert work_clock(torch.device("cpu"))[0] == WALL
     assert work_clock(torch.device("cuda", 0)) == (WALL, time.perf_counter)
+
+
+def test_compute_clock_wall_puts_every_work_mark_on_the_wall(threads):
+    """`run.compute_clock: wall` (the shaped-link lab's setting) reaches the strategies'
+    clocks too: a HostClock made after the loop's `set_compute_clock("wall")` marks a
+    sleep as work, where the default marks none of it."""
+    threads(1)
+    try:
+        set_compute_clock("wall")
+        assert work_clock(torch.device("cpu"))[0] == WALL
+        clock = HostClock()
+        start = clock.work()
+        time.sleep(0.1)
+        assert clock.work() - start >= 0.09
+    finally:
+        set_compute_clock("auto")
+    assert work_clock(torch.device("cpu"))[0] == THREAD_CPU
+    with pytest.raises(ValueError, match=r"run.compute_clock: 'cpu'; valid: \['auto', 'wall'\]"):
+        set_compute_clock("cpu")
 
 
 def test_host_clock_work_marks_advance_with_compute_not_with_waits(threads):

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.base import mean_loss, peak_memory_bytes, strategy_class
-from algorithms.clocks import WALL, work_clock
+from algorithms.clocks import WALL, set_compute_clock, work_clock
 from algorithms.comm import Communicator
 from algorithms.contract import StepStats, TrainSetup
 from algorithms.ledger import CommLedger
@@ -115,9 +115,10 @@ class Trainer:
 
         self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.ranks_per_node = cfg.network.ranks_per_node or self.local_ranks
-        self.compute_clock, self.work = (work_clock(device) if cfg.run.compute_clock == "auto"
-                                         else (WALL, time.perf_counter))
-        """Which clock a step's compute is measured on, and its seconds function."""
+        set_compute_clock(cfg.run.compute_clock)  # before the strategy makes its clocks
+        self.compute_clock, self.work = work_clock(device)
+        """Which clock a step's compute is measured on, and its seconds function: the
+        strategies' `work()` marks (DDP's bucket leads) are on the same one."""
         self.profiles = {name: get_profile(name) for name in cfg.network.profiles}
         self.net_model = backend if cfg.network.model == "auto" else cfg.network.model
         delay = (delay_policy(get_profile(cfg.network.emulate), self.rank, self.ranks_per_node,
