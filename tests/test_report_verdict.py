@@ -169,3 +169,13 @@ def test_older_records_read_as_wall_with_ranks_per_core_from_env_json(tmp_path):
     assert ("they ran 2 ranks per core (from env.json's cpu_count: at least) and measured "
             "compute on the wall (not recorded: an older record) clock") in md
     assert cells["proj. wan-1g"].endswith("‡")
+
+
+def test_a_narrow_interval_prints_two_different_ends():
+    """Pier's wan-1g speedup in the five-seed quickstart, 1.19x [1.16, 1.23], printed at two
+    significant digits read "[1.2, 1.2]": an interval that seems to have no width."""
+    from bench.study.report import render
+
+    assert render.bounds(1.16, 1.23) == "[1.16, 1.23]"
+    assert render.bounds(0.8, 1.03) == "[0.8, 1]"  # two digits already tell them apart
+    assert render.ratio_ci(1.194, 1.158, 1.231, 5) == "1.19× [1.16, 1.23]"

@@ -54,6 +54,14 @@ def with_ci(mean, ci, digits: int = 4, suffix: str = "") -> str:
     return text
 
 
+def bounds(low: float, high: float, digits: int = 2) -> str:
+    """"[low, high]" with `digits` significant digits, or more where fewer would print the
+    two ends alike (a narrow interval is not "[1.2, 1.2]": "[1.16, 1.23]")."""
+    while digits < 6 and f"{low:.{digits}g}" == f"{high:.{digits}g}":
+        digits += 1
+    return f"[{low:.{digits}g}, {high:.{digits}g}]"
+
+
 def ratio_ci(estimate, low, high, n) -> str:
     """A ratio with its (asymmetric) 95% interval: "2.47× [0.93, 6.6] n<3".
 
@@ -63,7 +71,7 @@ def ratio_ci(estimate, low, high, n) -> str:
         return text
     text += "×"
     if low is not None and math.isfinite(low) and math.isfinite(high):
-        text += f" [{low:.2g}, {high:.2g}]"
+        text += f" {bounds(low, high)}"
         if n is not None and math.isfinite(n) and n < 3:
             text += " n<3"
     elif n is not None and math.isfinite(n) and n < 3:

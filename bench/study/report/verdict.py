@@ -46,9 +46,9 @@ def _times_phrase(ratio: float, low: float | None = None, high: float | None = N
     interval = _finite(low, high)
     if ratio >= 1:
         text = f"{render.num(ratio, 3)}×"
-        return text + (f" [{_g(low)}, {_g(high)}]" if interval else "") + f" faster than {than}"
+        return text + (f" {render.bounds(low, high)}" if interval else "") + f" faster than {than}"
     text = f"{render.num(1 / ratio, 3)}×"
-    return (text + (f" [{_g(1 / high)}, {_g(1 / low)}]" if interval else "")
+    return (text + (f" {render.bounds(1 / high, 1 / low)}" if interval else "")
             + f" slower than {than}")
 
 
@@ -94,7 +94,7 @@ def speed_phrase(row) -> tuple[str, str]:
     resolution = speed_resolution(low, high)
     if low <= 1 <= high:
         return (f"reached {target} no faster or slower than {than} that these seeds can "
-                f"tell: {render.num(est, 3)}× [{_g(low)}, {_g(high)}]"), resolution
+                f"tell: {render.num(est, 3)}× {render.bounds(low, high)}"), resolution
     return f"reached {target} {_times_phrase(est, low, high, than)}", resolution
 
 
@@ -111,9 +111,9 @@ def loss_phrase(conv, than: str = "DDP") -> tuple[str, str]:
     low, high = diff - half, diff + half
     resolution = f"±{_g(half)} nats"
     if low > 0:
-        return f"ending {_g(diff)} [{_g(low)}, {_g(high)}] nats worse", resolution
+        return f"ending {_g(diff)} {render.bounds(low, high)} nats worse", resolution
     if high < 0:
-        return f"ending {_g(-diff)} [{_g(-high)}, {_g(-low)}] nats better", resolution
+        return f"ending {_g(-diff)} {render.bounds(-high, -low)} nats better", resolution
     return (f"ending no better or worse than {than} that {n} seeds can resolve: "
             f"{resolution}"), ""
 
