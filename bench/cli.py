@@ -7,7 +7,7 @@
     commbench report results/quickstart -o reports/quickstart
     commbench compare results/before results/after --tolerance 0
     commbench track results/quickstart --to tensorboard --set dir=tb
-    commbench claims [NAME ...] [--scale tiny|small|paper] [--dry-run]
+    commbench claims [NAME ...] [--scale tiny|cpu|small|paper] [--dry-run]
     commbench config show configs/ddp-tiny.yaml
     commbench data prepare embedded
     commbench doctor                    # first thing on a new GPU node: a pass/fail report
@@ -265,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     claims = sub.add_parser("claims", help="re-check the papers' claims: runs, statistics, "
                             "verdicts (configs/claims/)")
     claims.add_argument("names", nargs="*", help="claims to run (default: all)")
-    claims.add_argument("--scale", choices=["tiny", "small", "paper"], default="tiny",
-                        help="tiny: this machine's CPU; small: GPT-2 124M on a GPU box; "
+    claims.add_argument("--scale", choices=["tiny", "cpu", "small", "paper"], default="tiny",
+                        help="tiny: seconds a claim (tests); cpu: a 2-core laptop, chosen to "
+                        "decide (docs/cpu-scale.md); small: GPT-2 124M on a GPU box; "
                         "paper: the papers' sizes (Slurm)")
     claims.add_argument("--seeds", type=int, help="seeds per variant (default: the file's; "
                         "no verdict from fewer than 3)")

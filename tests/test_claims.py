@@ -181,8 +181,17 @@ BAD_CLAIMS = [
     ({"rules": [{"metric": "wall_s", "scale": "ratio", "contrast": {"diloco": 1, "ddp": -1},
                  "holds_if": {"below": -1}}]}, "> 0 for scale ratio"),
     ({"scales": {"tiny": {"seeds": 2}}}, "scales.tiny.seeds"),
-    ({"scales": {"huge": {"seeds": 3}}}, "one of tiny, small, paper"),
+    ({"scales": {"huge": {"seeds": 3}}}, "one of tiny, cpu, small, paper"),
     ({"rule": []}, "did you mean 'rules'"),
+    ({"scales": {"cpu": {"seeds": 3, "resolves": {"lower los": "0.01 nats"}}}},
+     "did you mean 'lower loss'"),
+    ({"scales": {"cpu": {"seeds": 3, "resolves": {"lower loss": ""}}}},
+     "scales.cpu.resolves.lower loss"),
+    ({"scales": {"cpu": {"seeds": 3, "resolves": ["0.01 nats"]}}}, "scales.cpu.resolves"),
+    ({"paper": {"source": "a paper", "rows": [{"what": "ppl"}]}}, "paper.rows[0]"),
+    ({"paper": {"source": "a paper", "rows": "15.02"}}, "paper.rows"),
+    ({"rules": [{"metric": "final_val_loss", "contrast": {"diloco": 1, "ddp": -1},
+                 "holds_if": {"below": 0}, "paper": 0.98}]}, "rules[0].paper"),
 ]
 
 
@@ -198,6 +207,28 @@ def test_shipped_claim_files_load():
     claims = find_claims(REPO / "configs" / "claims")
     assert len(claims) == 8
     assert all(c.rules and "tiny" in c.scales for c in claims)
+
+
+def test_every_shipped_claim_has_a_cpu_scale_stating_what_its_seeds_resolve():
+    """Issue 45: each rule's smallest resolvable effect is written down before the runs,
+    and each claim carries the paper's own numbers to set ours beside."""
+    for claim in find_claims(REPO / "configs" / "claims"):
+        assert 3 <= claim.scales["cpu"]["seeds"] <= 5, claim.name
+        assert claim.paper.get("rows"), claim.name
+        for r in claim.rules:
+            assert claim.resolution("cpu", r.name), (claim.name, r.name)
+            assert r.paper, (claim.name, r.name)
+
+
+def test_a_resolution_and_the_papers_rows_are_read(tmp_path):
+    paper = {"source": "a paper", "rows": [{"what": "DDP", "value": "ppl 15.30"}]}
+    claim = load_claim(write_claim(tmp_path, {
+        "paper": paper, "scales": {"cpu": {"seeds": 5, "resolves": {
+            "lower loss": "+-0.46%\n  at 5 seeds"}}}}))
+    assert claim.resolution("cpu", "lower loss") == "+-0.46% at 5 seeds"
+    assert claim.resolution("tiny", "lower loss") is None
+    assert claim.paper["rows"] == paper["rows"]
+    assert "cpu" in claim.sweep_spec("cpu", None, "out")["name"]
 
 
 # ------------------------------------------------------------------- a page from fake runs

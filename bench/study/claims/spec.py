@@ -6,19 +6,26 @@ A claim file is YAML, written BEFORE its runs:
     name: diloco-matches-ddp
     statement: DiLoCo reaches DDP's validation loss within 0.15 at about H x fewer bytes.
     paper: {source: "Douillard et al. 2023 (arXiv 2311.08105)", where: Table 2,
-            numbers: "150M, 8 replicas, H=500: ppl 15.02 (DiLoCo) vs 15.30 (DDP, 8x batch)"}
+            numbers: "150M, 8 replicas, H=500: ppl 15.02 (DiLoCo) vs 15.30 (DDP, 8x batch)",
+            rows: [{what: "DDP, 8x batch", value: "ppl 15.30"}]}   # the page's paper table
     reconstruction: null          # what of the method is our reconstruction, if anything
     sweep:                        # a sweep spec (bench/study/sweep/); base relative to this file
       base: ../ddp-tiny.yaml
       variants: {ddp: {strategy.name: ddp}, diloco: {strategy.name: diloco}}
     scales:                       # --scale picks one; its `set` is merged into the sweep's
       tiny: {seeds: 3}
+      cpu:
+        seeds: 5
+        set: {model.preset: cpu, data.corpus: shakespeare}
+        resolves:                 # per rule, before the runs: the smallest effect these
+          loss within margin: "+-0.46% at 5 seeds (paired sd 0.37%)"   # seeds resolve
       small: {seeds: 3, set: {model.preset: small}}
     rules:                        # every rule must hold for "reproduced"
       - name: loss within margin
         metric: final_val_loss    # a run-summary number (see METRICS) or proj.PROFILE.KEY
         contrast: {diloco: 1, ddp: -1}   # per seed: sum of coefficient x metric
         holds_if: {below: 0.15}   # the claim holds if the whole 95% interval is below 0.15
+        paper: "0.98 (ppl)"       # optional: the paper's value of this contrast, as text
       - name: bytes
         metric: comm_bytes_total
         scale: ratio              # contrast of log(metric); thresholds given as ratios
@@ -43,7 +50,9 @@ import yaml
 
 from bench.config.typed import NAME_RULE, is_name
 
-SCALES = ("tiny", "small", "paper")
+SCALES = ("tiny", "cpu", "small", "paper")
+"""tiny: seconds, for the tests; cpu: a 2-core laptop (docs/cpu-scale.md); small: one GPU
+box; paper: the paper's size (a cluster)."""
 MIN_SEEDS = 3
 """No verdict is given from fewer seeds than this."""
 MAX_SEEDS = 100
@@ -60,7 +69,9 @@ VALIDATION_METRICS = ("final_val_loss", "best_val_loss")
 _PROJECTED = re.compile(r"^proj\.[A-Za-z0-9_-]+\.(step_s|total_s|comm_s|throughput_tokens_per_s)$")
 _EVAL = re.compile(r"^eval\.[^\s]+$")
 _CLAIM_KEYS = ("name", "statement", "paper", "reconstruction", "sweep", "scales", "rules")
-_RULE_KEYS = ("name", "metric", "contrast", "scale", "holds_if", "diverged")
+_RULE_KEYS = ("name", "metric", "contrast", "scale", "holds_if", "diverged", "paper")
+_SCALE_KEYS = ("seeds", "set", "executor", "resolves")
+_ROW_KEYS = ("what", "value")
 
 
 @dataclass
@@ -75,6 +86,8 @@ class Rule:
     """difference (metric as is) or ratio (log metric; thresholds are ratios)."""
     diverged: str = "exclude"
     """exclude (a diverged run drops its seed) or worst (it counts as +infinity)."""
+    paper: str | None = None
+    """The paper's own value of this contrast (or why there is none), as text."""
 
     @property
     def threshold(self) -> float:
@@ -108,6 +121,11 @@ class Claim:
     sweep: dict[str, Any]
     scales: dict[str, dict[str, Any]]
     rules: list[Rule] = field(default_factory=list)
+
+    def resolution(self, scale: str, rule: str) -> str | None:
+        """The smallest effect `scale`'s seeds resolve for `rule`, as stated before its runs."""
+        text = (self.scales.get(scale) or {}).get("resolves", {}).get(rule)
+        return " ".join(str(text).split()) if text else None
 
     def sweep_spec(self, scale: str, seeds: int | None, output_dir: str) -> dict[str, Any]:
         """The sweep spec for `scale`, with the base config made absolute."""
@@ -183,11 +201,44 @@ def _parse_rule(path: Path, i: int, data: Any, variants: set[str]) -> Rule:
     diverged = data.get("diverged", "exclude")
     if diverged not in ("exclude", "worst"):
         raise _fail(path, f"{where}.diverged", diverged, "exclude or worst")
+    paper = data.get("paper")
+    if paper is not None and not (isinstance(paper, str) and paper.strip()):
+        raise _fail(path, f"{where}.paper", paper, "the paper's value of this contrast, as text")
     return Rule(name=str(data.get("name") or f"rule {i + 1}"), metric=str(metric),
                 contrast={str(k): float(v) for k, v in contrast.items()},
                 below=float(value) if side == "below" else None,
                 above=float(value) if side == "above" else None, scale=scale,
-                diverged=diverged)
+                diverged=diverged, paper=" ".join(paper.split()) if paper else None)
+
+
+def _check_resolves(path: Path, scale: str, resolves: Any, rules: list[Rule]) -> None:
+    """`scales.SCALE.resolves`: rule name -> the smallest effect the scale's seeds resolve."""
+    names = [r.name for r in rules]
+    if not isinstance(resolves, dict):
+        raise _fail(path, f"scales.{scale}.resolves", resolves,
+                    "a mapping from rule names to what the seeds resolve, as text")
+    for name, text in resolves.items():
+        if name not in names:
+            close = difflib.get_close_matches(str(name), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise _fail(path, f"scales.{scale}.resolves", name,
+                        f"a rule name{hint}; rules: {', '.join(names)}")
+        if not isinstance(text, str) or not text.strip():
+            raise _fail(path, f"scales.{scale}.resolves.{name}", text,
+                        "the smallest effect the seeds resolve, as text")
+
+
+def _check_paper(path: Path, paper: Any) -> None:
+    if not isinstance(paper, dict):
+        raise _fail(path, "paper", paper, "a mapping with source, where, numbers (and rows)")
+    rows = paper.get("rows", [])
+    if not isinstance(rows, list):
+        raise _fail(path, "paper.rows", rows, "a list of {what, value} mappings")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or set(row) != set(_ROW_KEYS) or not all(
+                isinstance(row[k], str | int | float) for k in _ROW_KEYS):
+            raise _fail(path, f"paper.rows[{i}]", row,
+                        "a mapping {what: ..., value: ...} (the paper's own number, as text)")
 
 
 def load_claim(path: str | os.PathLike) -> Claim:
@@ -221,7 +272,7 @@ def load_claim(path: str | os.PathLike) -> Claim:
         if scale not in SCALES:
             raise _fail(path, "scales", scale, f"one of {', '.join(SCALES)}")
         settings = settings or {}
-        _known(path, f"scales.{scale}.", settings, ("seeds", "set", "executor"))
+        _known(path, f"scales.{scale}.", settings, _SCALE_KEYS)
         seeds = settings.get("seeds", MIN_SEEDS)
         if not isinstance(seeds, int) or isinstance(seeds, bool) or \
                 not MIN_SEEDS <= seeds <= MAX_SEEDS:
@@ -233,9 +284,11 @@ def load_claim(path: str | os.PathLike) -> Claim:
         raise _fail(path, "rules", rules_data, "a list of rules")
     variants = set(sweep["variants"])
     rules = [_parse_rule(path, i, r, variants) for i, r in enumerate(rules_data)]
+    for scale, settings in scales.items():
+        if (settings or {}).get("resolves") is not None:
+            _check_resolves(path, scale, settings["resolves"], rules)
     paper = data.get("paper") or {}
-    if not isinstance(paper, dict):
-        raise _fail(path, "paper", paper, "a mapping with source, where, numbers")
+    _check_paper(path, paper)
     return Claim(name=name, statement=" ".join(str(data["statement"]).split()), path=path,
                  paper=paper, reconstruction=data.get("reconstruction"), sweep=sweep,
                  scales={k: v or {} for k, v in scales.items()}, rules=rules)
