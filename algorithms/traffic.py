@@ -52,6 +52,11 @@ class Transfer:
     """Steps of compute the op may run under before the step that needs its result (a
     streaming outer all-reduce overlapped with the next inner steps): exposed =
     max(0, modelled - overlap_steps x step compute). 0: exposed where it is issued."""
+    word_bytes: int = 4
+    """Bytes per element of its payload as the code sends it: 4 for fp32 gradients and θ
+    (and the pipelines' activations), the wire dtype's for an outer all-reduce sent
+    narrower. A planner's exchange dtype rescales only fp32 payloads
+    (bench/study/whatif/assume.py)."""
 
 
 @dataclass(frozen=True)
@@ -288,7 +293,8 @@ def outer_all_reduce(cfg, facts: TrafficFacts, rank: int, wire_bytes: int) -> li
     if world // g == 1:
         return []
     theta = local_shard_bytes(facts, g, rank % g) if p.shard == "fsdp" else facts.param_bytes
-    return [Transfer("outer", "all_reduce", (theta // 4 * wire_bytes,), cross_of(rank, g, world))]
+    return [Transfer("outer", "all_reduce", (theta // 4 * wire_bytes,), cross_of(rank, g, world),
+                     word_bytes=wire_bytes)]
 
 
 def local_update_traffic(cfg, inner_steps: int, inner: Callable[[int], list[Transfer]],

@@ -91,10 +91,12 @@ class Compute:
     """A measured run's own: per rank, step kind (bench.network.timeline `step_kind`) -> its
     median compute seconds (summary.json `compute_per_step`)."""
     backward_share: float = BACKWARD_SHARE
+    speed: Callable[[int], float] | None = None
+    """rank -> its speed relative to `step_s` (a straggler: < 1); None: all 1."""
 
     def seconds(self, rank: int, kind: str, share: float) -> float:
         if self.measured is None:
-            return self.step_s * share
+            return self.step_s * share / (1.0 if self.speed is None else self.speed(rank))
         mine = self.measured[rank]
         if kind not in mine:
             raise ValueError(f"rank {rank}: the run recorded no step of kind {kind!r} "

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.network.profiles import parse_bandwidth
+from bench.study.whatif import assume
+from bench.study.whatif.assume import restate, speed_of
 from bench.study.whatif.engine import (
     Compute,
     Plan,
@@ -26,13 +28,14 @@ from bench.study.whatif.engine import (
     price,
     synthetic_facts,
     traffic_facts,
-    with_tier,
 )
 from bench.study.whatif.scenario import (
     Scenario,
     bandwidth_range,
     base_profile,
     method_config,
+    profile_at,
+    tokens_per_step,
 )
 
 
@@ -119,9 +122,13 @@ def method_plan(s: Scenario, name: str, profile, models: dict | None = None) -> 
     else:
         facts, flops = model_facts(cfg, models)
     compute_s = step_compute_s(s, cfg, flops)
-    traffic = cfg.strategy.traffic(cfg, facts)
+    traffic = restate(cfg.strategy.traffic(cfg, facts), s.assume.exchange_dtype,
+                      s.assume.dp_overlap)
+    speed = (speed_of(s.hardware.replica_speed, s.world.gpus_per_replica)
+             if s.hardware.replica_speed else None)
     try:
-        p = plan(traffic, Compute(step_s=compute_s, backward_share=s.hardware.backward_share),
+        p = plan(traffic, Compute(step_s=compute_s, backward_share=s.hardware.backward_share,
+                                  speed=speed),
                  cfg.parallel.world_size, s.world.gpus_per_node, profile)
     except ValueError as err:
         raise ValueError(f"methods.{name}: {err}") from None
@@ -142,8 +149,8 @@ def evaluate(s: Scenario) -> list[MethodResult]:
 
         def priced(bandwidth: float, p: Plan = p, cache: dict = cache):
             if bandwidth not in cache:
-                tier = replace(swept, bandwidth_Bps=bandwidth)
-                cache[bandwidth] = price(p, with_tier(profile, swept, tier), s.network.model)
+                cache[bandwidth] = price(p, profile_at(s, profile, swept, bandwidth),
+                                         s.network.model)
             return cache[bandwidth]
 
         curve = [(b, priced(b).utilisation) for b in grid]
@@ -161,32 +168,46 @@ def evaluate(s: Scenario) -> list[MethodResult]:
              "utilisation": r.utilisation, "total_s": r.total_s,
              "no_overlap_step_s": r.no_overlap_s / r.steps},
             needed, curve, p.notes + [f"compute {compute_s:.4g} s per step "
-                                      f"({flops:.4g} FLOPs per token)"]))
+                                      f"({flops:.4g} FLOPs per token), "
+                                      f"{tokens_per_step(cfg):,} tokens per step"]))
     return results
 
 
 def assumptions(s: Scenario) -> list[str]:
     """What every method's projection assumes, in words."""
-    w, net = s.world, s.network
+    w, net, a = s.world, s.network, s.assume
     sites = (f"{w.nodes_per_site} nodes per site, sites joined by the swept link"
              if w.nodes_per_site else "one site: the swept link joins the nodes")
+    if w.slow_nodes:
+        sites += (f"; node(s) {', '.join(map(str, w.slow_nodes))} slow: every link touching "
+                  f"them at {w.slow_share:g} x the swept bandwidth (world.slow_nodes)")
     size = s.model_size
     model = (f"a size-only model of {size.num_params:.4g} parameters in {size.n_layer} equal "
-             "blocks, bytes = 4 x parameters (fp32 gradients and θ, as the runs send)"
-             if size.num_params else "the model of base.model, measured on the meta device")
+             "blocks" if size.num_params else "the model of base.model, measured on the meta "
+             "device")
     h = s.hardware
-    compute = (f"{h.compute_s_per_step} s per step, given" if h.compute_s_per_step else
-               f"FLOPs / the measured FLOP/s of {h.run}" if h.run else
-               f"FLOPs / ({h.gpu or h.peak_flops} peak x MFU {h.mfu})")
+    compute = (f"{h.compute_s_per_step} s per step, given (hardware.compute_s_per_step)"
+               if h.compute_s_per_step else
+               f"FLOPs / the measured FLOP/s of {h.run} (hardware.run)" if h.run else
+               f"FLOPs / ({h.gpu or h.peak_flops} peak x MFU {h.mfu}) (hardware.mfu)")
+    speeds = (f"; replica speeds {h.replica_speed} relative to it (hardware.replica_speed; "
+              "the rest 1): ranks wait for the slowest where they communicate, and "
+              "utilisation counts the straggler's compute as compute" if h.replica_speed
+              else "")
+    batch = s.base.get("data", {}).get("batch_size")
+    tokens = (f"tokens per step {a.tokens_per_step:.4g} (assume.tokens_per_step), each "
+              "method's per-GPU batch derived from it" if a.tokens_per_step else
+              f"tokens per step = data.batch_size ({batch}) x seq_len x the data-parallel "
+              "GPUs, the same per-GPU batch for every method (each method's figure in "
+              "its notes); steps = the token budget over it")
     return [
-        model, f"compute per step: {compute}; backward {h.backward_share:.3g} of it",
+        model, f"compute per step: {compute}; backward {h.backward_share:.3g} of it{speeds}",
+        *assume.lines(a.exchange_dtype, a.dp_overlap, tokens),
         f"{w.gpus_per_node} GPUs per node over {net.profile}'s intra tier; {sites}",
         f"collectives priced with the {net.model} model (docs/network-model.md), "
         "the swept link's bandwidth per node shared by concurrent flows",
         "steady state: one period of each phase priced after one that warms the links; "
         "ranks wait for each other only at steps where one of them communicates",
-        f"same per-GPU batch (data.batch_size={s.base.get('data', {}).get('batch_size')}) "
-        "and step count for every data-parallel method: tokens = the budget",
     ]
 
 

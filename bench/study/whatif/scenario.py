@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -52,6 +52,10 @@ class Hardware:
     summary.json `compute_per_step`), scaled to the scenario's FLOPs per step."""
     backward_share: float = 2 / 3
     """Share of a step's compute in backward: how long DDP's buckets can overlap it."""
+    replica_speed: list[float] = field(default_factory=list)
+    """Per replica (in order), its compute speed relative to the above: 0.5 = a straggler
+    whose steps take twice as long; replicas past the list's end run at 1. Empty: every
+    GPU alike."""
 
 
 @dataclass
@@ -65,6 +69,11 @@ class World:
     nodes_per_site: int | None = None
     """Nodes per site: sites talk over the swept tier, nodes of a site over the profile's
     inter tier; null = one site (the swept tier joins the nodes)."""
+    slow_nodes: list[int] = field(default_factory=list)
+    """Nodes whose links across nodes run at `slow_share` x the swept bandwidth (a bad
+    NIC, a far rack): every link touching one of them. Empty: none."""
+    slow_share: float = 0.1
+    """The slow nodes' share of the swept bandwidth, in (0, 1]."""
 
 
 @dataclass
@@ -89,6 +98,26 @@ class Network:
 
 
 @dataclass
+class Assume:
+    """What a planner assumes where the harness may do otherwise (bench/study/whatif/
+    assume.py); the defaults are what the harness runs. Printed with every result."""
+
+    exchange_dtype: Literal["harness", "fp32", "bf16", "fp16"] = "harness"
+    """Dtype of the gradients and θ the data-parallel reductions, outer all-reduces and
+    gossip send: harness = fp32, as the runs send them; bf16 halves those bytes. An outer
+    exchange a method narrows itself (outer_grad_dtype, compression) keeps its own."""
+    dp_overlap: Literal["buckets", "backward", "none"] = "buckets"
+    """How a step's data-parallel reduction overlaps backward: buckets = torch DDP's
+    bucket timeline, as the harness runs it; backward = all of it may run under the
+    whole backward (exposed = max(0, reduction - backward)), the published simulators'
+    assumption; none = exposed in full."""
+    tokens_per_step: float | None = None
+    """Tokens all GPUs consume in one step; null = base.data.batch_size x seq_len x the
+    data-parallel GPUs. Set: every method's data.batch_size is derived from it (it must
+    come out a whole number of sequences per GPU)."""
+
+
+@dataclass
 class Scenario:
     name: str = "whatif"
     """Names the output folder."""
@@ -101,6 +130,7 @@ class Scenario:
     hardware: Hardware = field(default_factory=Hardware)
     world: World = field(default_factory=World)
     network: Network = field(default_factory=Network)
+    assume: Assume = field(default_factory=Assume)
     tokens: float = 2e10
     """Token budget: the time to train on it is reported."""
     methods: dict = field(default_factory=lambda: {"ddp": {"strategy": {"name": "ddp"}}})
@@ -179,6 +209,20 @@ def check(s: Scenario) -> None:
         raise fail("methods", s.methods, "a mapping name -> run-config sections, at least one")
     if not s.targets or not all(0 < t < 1 for t in s.targets):
         raise fail("targets", s.targets, "utilisations in (0, 1)")
+    if not all(0 < v < math.inf for v in s.hardware.replica_speed):
+        raise fail("hardware.replica_speed", s.hardware.replica_speed,
+                   "relative speeds > 0, one per replica (1 = as stated)")
+    if len(s.hardware.replica_speed) > s.world.replicas:
+        raise fail("hardware.replica_speed", s.hardware.replica_speed,
+                   f"at most world.replicas ({s.world.replicas}) speeds")
+    if not 0 < s.world.slow_share <= 1:
+        raise fail("world.slow_share", s.world.slow_share, "in (0, 1]")
+    nodes = -(-gpus // per_node)
+    if not all(0 <= n < nodes for n in s.world.slow_nodes):
+        raise fail("world.slow_nodes", s.world.slow_nodes,
+                   f"node indices from 0 to {nodes - 1} (the world has {nodes} nodes)")
+    if s.assume.tokens_per_step is not None and not s.assume.tokens_per_step >= 1:
+        raise fail("assume.tokens_per_step", s.assume.tokens_per_step, "null or >= 1")
     low, high = bandwidth_range(s)
     if not 0 < low < high:
         raise fail("network.bandwidth", s.network.bandwidth, "[low, high] with 0 < low < high")
@@ -211,6 +255,9 @@ def method_config(s: Scenario, name: str, steps: int | None = None):
     data.setdefault("checkpoint", {})["final"] = False
     try:
         cfg = from_dict(data)
+        if s.assume.tokens_per_step is not None:
+            data.setdefault("data", {})["batch_size"] = batch_for(s, cfg)
+            cfg = from_dict(data)
         if steps is None:
             run["steps"] = steps_for(s, cfg)
             cfg = from_dict(data)
@@ -223,6 +270,20 @@ def tokens_per_step(cfg) -> int:
     """Tokens all ranks consume in one step (a pipeline's stages share their batch)."""
     p = cfg.parallel
     return p.world_size // p.num_stages * cfg.data.batch_size * cfg.model.seq_len
+
+
+def batch_for(s: Scenario, cfg) -> int:
+    """Sequences per GPU per step that make `assume.tokens_per_step` (ValueError when they
+    do not come out whole)."""
+    p = cfg.parallel
+    sequences = s.assume.tokens_per_step / (p.world_size // p.num_stages * cfg.model.seq_len)
+    if sequences < 1 or abs(sequences - round(sequences)) > 1e-9:
+        raise ValueError(
+            f"assume.tokens_per_step={s.assume.tokens_per_step:g} over "
+            f"{p.world_size // p.num_stages} data-parallel GPUs x seq_len "
+            f"{cfg.model.seq_len} is {sequences:g} sequences per GPU: give a multiple of "
+            f"{p.world_size // p.num_stages * cfg.model.seq_len}")
+    return round(sequences)
 
 
 def steps_for(s: Scenario, cfg) -> int:
@@ -264,7 +325,30 @@ def base_profile(s: Scenario) -> tuple[Profile, Tier]:
     else:
         profile = Profile(profile.name, profile.intra, swept, profile.links,
                           profile.description, profile.overrides)
+    slow = set(s.world.slow_nodes)
+    if slow:  # every link touching a slow node: priced at its share (`profile_at`)
+        pairs = tuple(((a, b), swept) for a in range(nodes) for b in range(nodes)
+                      if a != b and (a in slow or b in slow))
+        profile = replace(profile, name=f"{profile.name}+slow", overrides=(
+            *pairs, *profile.overrides))
     return profile, swept
+
+
+def profile_at(s: Scenario, profile: Profile, swept: Tier, bandwidth: float) -> Profile:
+    """`base_profile`'s network with the swept tier at `bandwidth` (bytes/s) wherever it
+    joins two nodes, and every link touching a slow node (`world.slow_nodes`) at
+    `world.slow_share` of it."""
+    new = replace(swept, bandwidth_Bps=bandwidth)
+    slow = replace(swept, bandwidth_Bps=bandwidth * s.world.slow_share)
+    nodes = set(s.world.slow_nodes)
+
+    def sub(t: Tier) -> Tier:
+        return new if t is swept else t
+    links = None if profile.links is None else tuple(
+        tuple(sub(t) for t in row) for row in profile.links)
+    overrides = tuple((pair, slow if nodes & set(pair) else sub(t))
+                      for pair, t in profile.overrides)
+    return replace(profile, inter=sub(profile.inter), links=links, overrides=overrides)
 
 
 def run_summary(run_dir: str | Path) -> tuple[dict, dict]:
