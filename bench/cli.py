@@ -7,7 +7,7 @@
     commbench report results/quickstart -o reports/quickstart
     commbench compare results/before results/after --tolerance 0
     commbench track results/quickstart --to tensorboard --set dir=tb
-    commbench claims [NAME ...] [--scale tiny|cpu|small|paper] [--dry-run]
+    commbench claims [NAME ...] [--scale tiny|cpu|small|paper] [--dry-run] [--report-only]
     commbench config show configs/ddp-tiny.yaml
     commbench data prepare embedded
     commbench doctor                    # first thing on a new GPU node: a pass/fail report
@@ -130,11 +130,17 @@ def _cmd_claims(args) -> int:
 
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         raise ValueError(f"--seeds must be from 1 to {MAX_SEEDS}, got {args.seeds}")
+    command = " ".join(["commbench claims", *args.names, f"--scale {args.scale}",
+                        *(["--report-only"] if args.report_only else []),
+                        *([f"--results-page {args.results_page}"] if args.results_page
+                          else [])])
     page = run_claims(args.names or None, scale=args.scale, seeds=args.seeds,
                       claims_dir=args.claims_dir, output_dir=args.output_dir,
                       report_dir=args.report_dir, executor=args.executor,
                       max_parallel=args.max_parallel, dry_run=args.dry_run,
-                      runner=run_and_evaluate)  # eval.* metrics need the self-evaluation
+                      runner=run_and_evaluate,  # eval.* metrics need the self-evaluation
+                      train=not args.report_only, results_page=args.results_page,
+                      command=command)
     return 0 if page is not None or args.dry_run else 1
 
 
@@ -277,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     claims.add_argument("--executor", choices=["local", "slurm"], help="override the sweeps'")
     claims.add_argument("--max-parallel", type=int, help="concurrent local runs")
     claims.add_argument("--dry-run", action="store_true", help="list the runs, launch nothing")
+    claims.add_argument("--report-only", action="store_true",
+                        help="train nothing: decide each claim from the records it has "
+                        "(none at this scale: 'not run')")
+    claims.add_argument("--results-page", metavar="PATH",
+                        help="also write the page, without figures, to PATH (.md, and "
+                        ".html beside it), e.g. docs/results.md")
     claims.set_defaults(func=_cmd_claims)
 
     ev = sub.add_parser("eval", help="evaluate a finished run with lm-eval")

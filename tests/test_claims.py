@@ -18,13 +18,16 @@ from bench.study.claims.decide import (
     HOLDS,
     INCONCLUSIVE,
     NOT_REPRODUCED,
+    NOT_RUN,
     NOT_RUNNABLE,
     REPRODUCED,
     decide,
     decide_rule,
+    seeds_to_decide,
     t_interval,
 )
 from bench.study.claims.spec import Rule, find_claims, load_claim
+from bench.study.report.stats import t_quantile
 from tests.fakes import make_summary, write_fake_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,6 +81,51 @@ def test_verdicts_hold_fail_and_straddle():
     assert straddle.verdict == INCONCLUSIVE
     assert straddle.interval.low < 0 < straddle.interval.high
     assert "straddles" in straddle.reason
+
+
+def test_a_straddling_interval_names_the_seeds_that_would_decide_it():
+    noisy = runs_table({"a": [2.0, 2.05, 1.8], "b": [2.1, 2.0, 2.0]})  # -0.1, +0.05, -0.2
+    result = decide_rule(noisy, rule(below=0.0))
+    assert result.verdict == INCONCLUSIVE
+    values = list(result.per_seed.values())
+    n = seeds_to_decide(values, 0.0)
+    assert result.seeds_needed == n and f"about {n} seeds would decide it" in result.reason
+    sd, distance = pd.Series(values).std(), abs(sum(values) / 3)
+
+    def clears(k):  # the interval's half-width plus the 80% margin fits in the distance
+        return (t_quantile(0.975, k - 1) + t_quantile(0.8, k - 1)) * sd / k ** 0.5 <= distance
+
+    assert clears(n) and not clears(n - 1)
+    # mean 0.1 above the threshold, sd 0.1: about 10 seeds (z-approximation 7.8, t more)
+    assert seeds_to_decide([0.0, 0.1, 0.2], -0.0) == next(k for k in range(3, 101) if (
+        t_quantile(0.975, k - 1) + t_quantile(0.8, k - 1)) * 0.1 / k ** 0.5 <= 0.1)
+    assert seeds_to_decide([0.5, -0.5, 0.0], 0.0) == 101  # no distance: no seed count
+    assert seeds_to_decide([0.3], 0.0) is None
+    # a decided rule names none
+    assert decide_rule(runs_table({"a": [2.0, 2.1, 2.05], "b": [2.3, 2.35, 2.4]}),
+                       rule(below=0.0)).seeds_needed is None
+
+
+def test_runs_of_two_scales_are_not_compared_in_one_rule():
+    table = runs_table({"a": [2.0, 2.1, 2.05], "b": [2.3, 2.35, 2.4]})
+    table["sweep"] = ["toy-cpu"] * 3 + ["toy-tiny"] * 3
+    for metric in ("final_val_loss", "throughput_tokens_per_s"):  # bytes or time as well
+        result = decide_rule(table, rule(metric=metric))
+        assert result.verdict == INCONCLUSIVE and result.interval.n == 0
+        assert result.reason == (
+            "runs of 2 sweeps (scales) are not compared in one rule: toy-cpu: a seed 0 "
+            "(a-0), a seed 1 (a-1), a seed 2 (a-2); toy-tiny: b seed 0 (b-0), b seed 1 "
+            "(b-1), b seed 2 (b-2)")
+    table["sweep"] = "toy-cpu"
+    assert decide_rule(table, rule()).verdict == HOLDS
+
+
+def test_two_runs_of_one_variant_and_seed_are_not_compared():
+    table = runs_table({"a": [2.0, 2.1, 2.05], "b": [2.3, 2.35, 2.4]})
+    extra = table.iloc[[0]].assign(run_id="a-0-older", final_val_loss=1.0)
+    result = decide_rule(pd.concat([table, extra]), rule())
+    assert result.verdict == INCONCLUSIVE and result.interval.n == 0
+    assert result.reason.endswith("a seed 0: a-0, a-0-older")
 
 
 def test_fewer_than_three_complete_seeds_gives_no_verdict():
@@ -301,3 +349,70 @@ def test_claims_page_refuses_a_loss_rule_across_validation_sets(tmp_path, monkey
     assert "000032000032 (32 x 32 tokens): diloco seed 0" in reason
     md = (tmp_path / "report" / "claims.md").read_text()
     assert "validation set" in md and "000032000032 (32 x 32 tokens)" in md
+
+
+def _toy_base(tmp_path: Path) -> None:
+    base = {"run": {"name": "base", "steps": 10}, "model": {"preset": "tiny", "seq_len": 32},
+            "data": {"corpus": "embedded", "batch_size": 4}, "parallel": {"world_size": 2},
+            "strategy": {"name": "ddp"}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+
+
+def test_results_page_sets_the_papers_rows_beside_ours(tmp_path, monkeypatch):
+    """`commbench claims --scale cpu --results-page docs/results.md`: per claim the paper's
+    rows, each rule's pre-stated resolution and the paper's value beside ours (interval,
+    verdict); then a report over the records trains nothing, lists a claim without records
+    as not run, and leaves out records of a scale's earlier settings."""
+    monkeypatch.chdir(tmp_path)
+    _toy_base(tmp_path)
+    (tmp_path / "claims").mkdir()
+    toy = claim_data(
+        paper={"source": "a paper", "where": "Table 2", "numbers": "15.02 vs 15.30",
+               "rows": [{"what": "DDP, 8x batch", "value": "perplexity 15.30"}]},
+        scales={"tiny": {"seeds": 3}, "cpu": {"seeds": 3, "set": {"run.steps": 12},
+                "resolves": {"lower loss": "+-0.023 nats at 3 seeds (paired sd 0.0094)"}}})
+    toy["rules"][0]["paper"] = "-0.019 (ln 15.02 - ln 15.30)"
+    path = tmp_path / "claims" / "toy.yaml"
+    path.write_text(yaml.safe_dump(toy))
+    other = claim_data(name="other", scales={"cpu": {"seeds": 3}})
+    (tmp_path / "claims" / "other.yaml").write_text(yaml.safe_dump(other))
+
+    run_claims(["toy"], scale="cpu", claims_dir="claims", output_dir="results",
+               report_dir="report", runner=fake_runner, results_page="docs/results.md",
+               command="commbench claims toy --scale cpu")
+    md = (tmp_path / "docs" / "results.md").read_text()
+    assert md.startswith("# commbench claims (cpu scale)")
+    assert "Generated by `commbench claims toy --scale cpu`" in md
+    assert "| DDP, 8x batch | perplexity 15.30 |" in md
+    assert "+-0.023 nats at 3 seeds (paired sd 0.0094)" in md
+    assert "-0.019 (ln 15.02 - ln 15.30)" in md
+    assert "-0.1 [-0.1, -0.1] (95% CI, n=3)" in md and "## toy: reproduced" in md
+    assert "`run.steps=12`" in md and "![" not in md  # settings shown; no figures
+    assert (tmp_path / "docs" / "results.html").exists()
+    assert not (tmp_path / "docs" / "figures").exists()
+    data = json.loads((tmp_path / "report" / "claims.json").read_text())
+    (toy_json,) = data["claims"]
+    assert toy_json["resolves"] == {"lower loss": "+-0.023 nats at 3 seeds (paired sd 0.0094)"}
+    assert toy_json["rules"][0]["paper"] == "-0.019 (ln 15.02 - ln 15.30)"
+
+    calls = []
+    counting = lambda *a, **k: calls.append(a) or fake_runner(*a, **k)  # noqa: E731
+    run_claims(scale="cpu", claims_dir="claims", output_dir="results", report_dir="report",
+               runner=counting, train=False, results_page="docs/results.md")
+    assert calls == []
+    verdicts = {c["name"]: c for c in
+                json.loads((tmp_path / "report" / "claims.json").read_text())["claims"]}
+    assert verdicts["toy"]["verdict"] == REPRODUCED
+    assert verdicts["other"]["verdict"] == NOT_RUN
+    assert "`commbench claims other --scale cpu` trains its 6 runs" in verdicts["other"]["reason"]
+    assert "## other: not run" in (tmp_path / "docs" / "results.md").read_text()
+
+    # the scale's settings change after its runs: the old records are not this scale's
+    toy["scales"]["cpu"]["set"] = {"run.steps": 14}
+    path.write_text(yaml.safe_dump(toy))
+    run_claims(["toy"], scale="cpu", claims_dir="claims", output_dir="results",
+               report_dir="report", runner=counting, train=False)
+    (toy_json,) = json.loads((tmp_path / "report" / "claims.json").read_text())["claims"]
+    assert calls == [] and toy_json["verdict"] == INCONCLUSIVE
+    assert toy_json["rules"][0]["n"] == 0
+    assert toy_json["notes"][0].startswith("6 record(s) of configs this claim file no longer")

@@ -1,8 +1,12 @@
 """The claims page: reports/claims/claims.{md,html,json} and one figure per claim.
 
-Written by `commbench claims`. Per claim: the statement, the paper's numbers and source,
-each rule as written before the runs, ours as mean and 95% interval over n paired seeds,
-the verdict with its reason, per-variant values, and the validation-loss curves.
+Written by `commbench claims`. Per claim: the statement, the paper's numbers and source
+(its own rows), the scale's settings, each rule as written before the runs with the
+smallest effect the scale's seeds resolve (also stated before the runs) and the paper's
+value of the same contrast, ours as mean and 95% interval over n paired seeds, the
+verdict with its reason (an inconclusive rule names the seeds that would decide it),
+per-variant values, and the validation-loss curves. `--results-page PATH` writes the same
+page, without figures, to PATH (.md and .html), e.g. docs/results.md.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.run import files
-from bench.study.claims.decide import NOT_RUNNABLE, ClaimResult, RuleResult
+from bench.study.claims.decide import NOT_RUN, NOT_RUNNABLE, ClaimResult, RuleResult
 from bench.study.report import figures, render
 from bench.study.report.analysis import mean_ci
 
@@ -35,17 +39,42 @@ def _interval_text(result: RuleResult) -> str:
     return f"{mean} [{low}, {high}] ({label}, n={iv.n})"
 
 
-def _rules_table(result: ClaimResult) -> pd.DataFrame:
+def _rules_table(result: ClaimResult, scale: str) -> pd.DataFrame:
     rows = []
     for r in result.rules:
         rows.append({
             "rule": r.rule.name,
             "as written before the runs": r.rule.describe(),
+            f"what {scale}'s seeds resolve (stated before the runs)":
+                result.claim.resolution(scale, r.rule.name) or "not stated",
+            "paper": r.rule.paper or "—",
             "ours": _interval_text(r),
             "verdict": r.verdict,
             "notes": "; ".join([*([r.reason] if r.reason else []), *r.notes]) or "",
         })
     return pd.DataFrame(rows)
+
+
+def _paper_table(result: ClaimResult) -> pd.DataFrame:
+    return pd.DataFrame([{"the paper's own numbers": str(row["what"]),
+                          "value": str(row["value"])}
+                         for row in result.claim.paper.get("rows", [])])
+
+
+def _scale_text(result: ClaimResult, scale: str) -> str:
+    """The scale's settings, and what its runs cost (their recorded wall time)."""
+    chosen = result.claim.scales.get(scale, {})
+    settings = {**result.claim.sweep.get("set", {}), **chosen.get("set", {})}
+    text = (f"**This scale ({scale}).** {chosen.get('seeds', 3)} seeds a variant; "
+            f"base `{result.claim.sweep.get('base', '?')}` with "
+            + ", ".join(f"`{k}={v}`" for k, v in settings.items()) + ".")
+    runs = result.runs
+    if runs is not None and len(runs) and "wall_s" in runs:
+        ok = runs[runs["status"] == "ok"]
+        text += (f" {len(ok)} of {len(runs)} runs ok; their recorded wall time "
+                 f"{ok['wall_s'].sum() / 60:.1f} min (training and validation, without "
+                 "launch).")
+    return text
 
 
 def _variants_table(result: ClaimResult) -> pd.DataFrame:
@@ -95,19 +124,24 @@ def _curve_figure(result: ClaimResult, steps: pd.DataFrame, path: Path) -> Path 
 
 
 def _blocks(results: list[ClaimResult], steps: dict[str, pd.DataFrame], scale: str,
-            out_dir: Path) -> list[tuple]:
+            out_dir: Path | None, preface: str = "") -> list[tuple]:
+    """The page's blocks; `out_dir` None: no figures (a page kept in the repository)."""
     summary = pd.DataFrame([{
         "claim": r.claim.name, "verdict": r.verdict, "seeds": r.seeds or "—",
         "why": r.reason or "",
     } for r in results])
     blocks: list[tuple] = [
         ("h1", f"commbench claims ({scale} scale)"),
+        *([("p", preface)] if preface else []),
         ("p", "Each claim's rule was written in its file (configs/claims/) before its runs. "
               "Ours: mean and 95% Student-t interval of the per-seed contrast, paired by seed. "
               "A rule holds when its whole interval is on the claimed side of the threshold, "
               "fails when it is wholly on the other side, and is inconclusive otherwise or "
-              "with fewer than 3 complete seeds. Results at this scale say nothing certain "
-              "about the papers' scale."),
+              "with fewer than 3 complete seeds; then it names the seeds a power estimate "
+              "says would decide it. Each rule also states, before its runs, the smallest "
+              "effect this scale's seeds resolve, beside the paper's own value of the same "
+              "contrast. Results at this scale say nothing certain about the papers' "
+              "scale."),
         ("table", summary),
     ]
     for r in results:
@@ -123,11 +157,21 @@ def _blocks(results: list[ClaimResult], steps: dict[str, pd.DataFrame], scale: s
             text += f"\n\n**Reconstruction.** {' '.join(str(claim.reconstruction).split())}"
         if r.reason:
             text += f"\n\n**Why {r.verdict}.** {r.reason}"
+        if r.notes:
+            text += "\n\n**Records.** " + "; ".join(r.notes)
+        if r.verdict != NOT_RUNNABLE:
+            text += "\n\n" + _scale_text(r, scale)
         blocks.append(("p", text))
+        if claim.paper.get("rows"):
+            blocks.append(("table", _paper_table(r)))
         if r.verdict == NOT_RUNNABLE:
             continue
-        blocks.append(("table", _rules_table(r)))
+        blocks.append(("table", _rules_table(r, scale)))
+        if r.verdict == NOT_RUN:
+            continue
         blocks.append(("table", _variants_table(r)))
+        if out_dir is None:
+            continue
         figure = _curve_figure(r, steps.get(claim.name), out_dir / "figures" /
                                f"{claim.name}.png")
         if figure is not None:
@@ -145,25 +189,40 @@ def _json(results: list[ClaimResult], scale: str) -> dict:
                 "mean": r.shown(iv.mean), "low": r.shown(iv.low), "high": r.shown(iv.high),
                 "n": iv.n, "interval": iv.method,
                 "per_seed": {str(s): r.shown(v) for s, v in r.per_seed.items()},
-                "reason": r.reason, "notes": r.notes}
+                "reason": r.reason, "notes": r.notes, "seeds_needed": r.seeds_needed,
+                "paper": r.rule.paper}
 
     return {"scale": scale, "claims": [{
         "name": r.claim.name, "statement": r.claim.statement, "file": str(r.claim.path),
         "paper": r.claim.paper, "reconstruction": r.claim.reconstruction,
-        "verdict": r.verdict, "reason": r.reason, "seeds": r.seeds,
+        "verdict": r.verdict, "reason": r.reason, "seeds": r.seeds, "notes": r.notes,
+        "resolves": {x.rule.name: r.claim.resolution(scale, x.rule.name) for x in r.rules},
         "rules": [rule_json(x) for x in r.rules],
     } for r in results]}
 
 
 def write_page(results: list[ClaimResult], steps: dict[str, pd.DataFrame], scale: str,
-               out_dir: str | Path) -> Path:
-    """Write claims.md, claims.html and claims.json into `out_dir`; returns the HTML path."""
+               out_dir: str | Path, results_page: str | Path | None = None,
+               command: str = "") -> Path:
+    """Write claims.md, claims.html and claims.json into `out_dir`; returns the HTML path.
+    With `results_page` (a .md path), also that page and its .html twin, without figures,
+    saying that `command` wrote it."""
     out_dir = Path(out_dir)
     (out_dir / "figures").mkdir(parents=True, exist_ok=True)
     blocks = _blocks(results, steps, scale, out_dir)
     files.write_text(out_dir / "claims.md", render.to_markdown(blocks, out_dir))
     files.write_text(out_dir / "claims.json",
-                       json.dumps(_json(results, scale), indent=2, default=str) + "\n")
+                     json.dumps(_json(results, scale), indent=2, default=str) + "\n")
     html_path = out_dir / "claims.html"
     files.write_text(html_path, render.to_html(blocks, f"commbench claims ({scale})"))
+    if results_page is not None:
+        page = Path(results_page)
+        preface = (f"Generated by `{command or 'commbench claims'}` from the run records; "
+                   "do not edit it by hand: change a claim file (configs/claims/) or its "
+                   "records and run the command again (recorded runs are not trained again). "
+                   f"Validation-loss curves: {out_dir.as_posix()}/claims.html.")
+        short = _blocks(results, steps, scale, None, preface)
+        files.write_text(page, render.to_markdown(short, page.parent))
+        files.write_text(page.with_suffix(".html"),
+                         render.to_html(short, f"commbench claims ({scale})"))
     return html_path
