@@ -36,6 +36,7 @@ from algorithms.contract import StepStats, StrategyConfig, TrainSetup, require_d
 from algorithms.ddp import clock_for, make_ddp
 from algorithms.memory import HOST, fsdp_terms, require_shard_ranks
 from algorithms.outer import WIRE_BYTES, WIRE_DTYPES, OuterOptimizer, RoundStats, replica_groups
+from algorithms.outer_rules import OuterRule, rule_class, rule_factory
 from algorithms.streaming import Fragments, StreamingSchedule, fragment_indices
 from algorithms.traffic import (
     Traffic,
@@ -61,7 +62,9 @@ class DiLoCoConfig(StrategyConfig):
     nesterov: bool = True
     """Nesterov momentum in the outer SGD step (PyTorch's SGD(nesterov=True) form)."""
     outer_optimizer: Literal["sgd", "adam"] = "sgd"
-    """Outer optimizer applied to the global θ with the pseudo-gradient as its gradient."""
+    """Outer rule applied to the global θ with the pseudo-gradient as its gradient
+    (algorithms/outer_rules/: sgd, momentum and Nesterov as below; adam). Rules with knobs
+    of their own (sparseloco, noloco) are strategies of their own, on this one."""
     outer_beta2: float = 0.999
     """Adam's beta2 for outer_optimizer=adam."""
     outer_grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -136,6 +139,7 @@ class DiLoCoConfig(StrategyConfig):
         # group_size dividing world_size is bench.config.validate's general rule; more
         # fragments than the model has blocks is checked there too (it knows the model)
         require_data_parallel(self, cfg)
+        self.rule().check(self, cfg)
         require_shard_ranks(cfg, cfg.parallel.group_size, "parallel.group_size")
         device = cfg.parallel.device
         if self.overlap_steps > 0 and (device == "cuda" or (device == "auto"
@@ -158,9 +162,19 @@ class DiLoCoConfig(StrategyConfig):
         return bytes_per_element(self.outer_compression, self.compression_row,
                                  self.topk_fraction, WIRE_BYTES[self.outer_grad_dtype])
 
+    def rule(self) -> type[OuterRule]:
+        """The outer rule's class (algorithms/outer_rules/ `RULES[outer_optimizer]`)."""
+        return rule_class(self.outer_optimizer)
+
+    def outer_rule(self):
+        """global θ -> the outer rule on it, built from this config: the hook through which
+        DiLoCo, Pier and Streaming DiLoCo (one rule per fragment) take their rule."""
+        return rule_factory(self.outer_optimizer, self)
+
     def outer_states(self) -> int:
-        """Tensors of outer optimizer state per parameter (SGD momentum, Adam's two)."""
-        return 2 if self.outer_optimizer == "adam" else int(self.outer_momentum > 0)
+        """|θ|-sized tensors of outer rule state per parameter (SGD's momentum, Adam's
+        two, SparseLoCo's error feedback, ...: the rule's `states`)."""
+        return self.rule().states(self)
 
     def memory_terms(self, cfg, facts) -> dict[str, int]:
         """+ the global θ and its outer state (on the CPU with offload_outer), the round's
@@ -273,11 +287,11 @@ class DiLoCo(DataParallelStrategy):
                       else self.sharded.local_parameters())
         indices = fragment_indices(self.model, config.fragments, config.fragment_pattern)
         codec = config.codec()
+        rule = config.outer_rule()
         self.outer = Fragments([OuterOptimizer(
             [params[i] for i in part], self.comm, self.cross_group, self.num_replicas,
-            kind=config.outer_optimizer, lr=config.outer_lr, momentum=config.outer_momentum,
-            nesterov=config.nesterov, beta2=config.outer_beta2,
             wire_dtype=config.outer_grad_dtype, offload=config.offload_outer, codec=codec,
+            rule=rule,
         ) for part in indices], indices)
         self.schedule = StreamingSchedule(config.fragments, config.inner_steps,
                                           config.overlap_steps, setup.total_steps)
@@ -386,7 +400,10 @@ class DiLoCo(DataParallelStrategy):
             yield
             return
         own = [p.clone() for p in self.outer.params]
-        self.outer.copy_global_to(self.outer.params)
+        evaluated = self.evaluated_global()
+        with torch.no_grad():
+            for p, g in zip(self.outer.params, evaluated, strict=True):
+                p.copy_(g)
         try:
             yield
         finally:
@@ -400,8 +417,16 @@ class DiLoCo(DataParallelStrategy):
             return self.model
         if self._eval_copy is None:
             self._eval_copy = copy.deepcopy(unwrap(self.model))
-        self.outer.copy_global_to(self._eval_copy.parameters())
+        evaluated = self.evaluated_global()
+        with torch.no_grad():
+            for p, g in zip(self._eval_copy.parameters(), evaluated, strict=True):
+                p.copy_(g)
         return self._eval_copy
+
+    def evaluated_global(self) -> list[torch.Tensor]:
+        """The weights evaluated when the replica is not θ, in the model's parameter order:
+        the global θ (NoLoCo: the replicas' mean of their own)."""
+        return self.outer.global_params
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "outer": self.outer.state_dict(),

@@ -9,12 +9,13 @@ schedule over fragments, each with its own `OuterOptimizer`, is algorithms/strea
   the ranks holding the same position `p` in every replica, `p, p+g, p+2g, ...`, form the
   cross group over which the outer all-reduce runs (each rank reduces the full |θ|, so a
   replica's g ranks run g all-reduces in parallel, one per position).
-- `OuterOptimizer`: the global θ, a torch optimizer on it (SGD with optional Nesterov
-  momentum, or Adam), and one outer round: `Δ = mean_i(θ − θ_i)` cast to the wire dtype
-  and all-reduced as ONE flat buffer (phase "outer"), handed to the optimizer as θ's
-  `.grad`, and the new θ copied back into the replica (or merged with it: `mix_alpha`).
-  In PyTorch's SGD(nesterov=True) form the step is `m ← μ m + Δ; θ ← θ − η (Δ + μ m)`.
-  With a codec (algorithms/compress.py) Δ travels quantized or sparse instead.
+- `OuterOptimizer`: the global θ, its outer rule (algorithms/outer_rules/: SGD with
+  optional Nesterov momentum, Adam, SparseLoCo, NoLoCo, ...), and one outer round:
+  `Δ_i = θ − θ_i`, exchanged as the rule says (by default `Δ = mean_i Δ_i` cast to the
+  wire dtype and all-reduced as ONE flat buffer, phase "outer"; with a codec,
+  algorithms/compress.py, quantized or sparse instead), the rule's step on θ (SGD's, in
+  PyTorch's SGD(nesterov=True) form: `m ← μ m + Δ; θ ← θ − η (Δ + μ m)`), and the new θ
+  copied back into the replica (or merged with it: `mix_alpha`).
 
 The global θ lives on the model's device, or on the CPU with `offload=True` (large
 models: θ and the outer optimizer state then cost no accelerator memory, at the price of
@@ -23,12 +24,15 @@ two host-device copies of |θ| per round).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from algorithms.comm import Communicator, Group, Pending
 from algorithms.compress import RowQuantizer, TopK
+from algorithms.outer_rules import OuterRule, rule_factory
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Pseudo-gradient dtypes on the wire (config value -> torch dtype)."""
@@ -69,60 +73,49 @@ class RoundStats:
 
 
 class OuterOptimizer:
-    """The global θ of a local-update strategy (or of one fragment of it) and its outer
-    optimizer.
+    """The global θ of a local-update strategy (or of one fragment of it) and its outer rule.
 
     `params` are the replica's parameters θ_i (updated in place at every round). The global
-    θ starts as their copy; `kind` is "sgd" (momentum, optional Nesterov) or "adam"
-    (betas = (momentum, beta2)). The optimizer's lr and momentum are set per round, so
-    schedules (Pier) need nothing else. `codec` (algorithms/compress.py, None = none)
-    compresses the exchange of Δ; a top-k codec keeps this replica's error-feedback buffer.
+    θ starts as their copy. `rule` builds the outer rule on it (algorithms/outer_rules/,
+    `rule_factory(name, config)`: the strategies' one hook); without it `kind` names one
+    ("sgd": momentum, optional Nesterov; "adam": betas = (momentum, beta2)) with the
+    hyper-parameters given here. The lr and momentum are set per round, so schedules
+    (Pier) need nothing else. `codec` (algorithms/compress.py, None = none) compresses the
+    default exchange of Δ; a top-k codec keeps this replica's error-feedback buffer.
 
-    A round is `exchange` (Δ_i and its average, or a `Pending` one when launched) then
-    `finish(Δ, lr, μ, α)` (the outer step on θ, then the replica's merge); `step` is both,
-    at once.
+    A round is `exchange` (Δ_i and what the rule makes of the replicas', or a `Pending`
+    one when launched) then `finish(Δ, lr, μ, α)` (the rule's step on θ, then the
+    replica's merge); `step` is both, at once.
     """
 
     def __init__(self, params, comm: Communicator, cross_group: Group | None,
                  num_replicas: int, *, kind: str = "sgd", lr: float = 0.7,
                  momentum: float = 0.9, nesterov: bool = True, beta2: float = 0.999,
                  wire_dtype: str = "fp32", offload: bool = False,
-                 codec: RowQuantizer | TopK | None = None):
+                 codec: RowQuantizer | TopK | None = None,
+                 rule: Callable[[list[torch.Tensor]], OuterRule] | None = None):
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"outer wire dtype must be one of {list(WIRE_DTYPES)}, "
                              f"got {wire_dtype!r}")
         self.params = list(params)
         self.comm, self.cross_group, self.num_replicas = comm, cross_group, num_replicas
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
-        self.kind = kind
         self.codec = codec
         self.error: torch.Tensor | None = None
         """Top-k: what earlier rounds did not send (error feedback); None before the first."""
         home = torch.device("cpu") if offload else self.params[0].device
         self.global_params = [p.detach().to(home, copy=True) for p in self.params]
-        if kind == "sgd":
-            # torch rejects nesterov without momentum; with μ = 0 the two are the same step
-            self.optimizer = torch.optim.SGD(self.global_params, lr=lr, momentum=momentum,
-                                             nesterov=nesterov and momentum > 0)
-            self.nesterov = nesterov
-        elif kind == "adam":
-            self.optimizer = torch.optim.Adam(self.global_params, lr=lr, betas=(momentum, beta2))
-        else:
-            raise ValueError(f"outer optimizer must be 'sgd' or 'adam', got {kind!r}")
+        if rule is None:  # the hyper-parameters given here stand for a config's fields
+            if kind not in ("sgd", "adam"):
+                raise ValueError(f"outer optimizer must be 'sgd' or 'adam', got {kind!r}")
+            rule = rule_factory(kind, SimpleNamespace(outer_lr=lr, outer_momentum=momentum,
+                                                      nesterov=nesterov, outer_beta2=beta2))
+        self.rule = rule(self.global_params)
 
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
     # ---------------------------------------------------------------- the round
-
-    def set_hyperparameters(self, lr: float, momentum: float) -> None:
-        group = self.optimizer.param_groups[0]
-        group["lr"] = lr
-        if self.kind == "sgd":
-            group["momentum"] = momentum
-            group["nesterov"] = self.nesterov and momentum > 0
-        else:
-            group["betas"] = (momentum, group["betas"][1])
 
     @torch.no_grad()
     def pseudo_gradient(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -140,23 +133,25 @@ class OuterOptimizer:
     @torch.no_grad()
     def exchange(self, group: Group | None = None, launch: bool = False
                  ) -> torch.Tensor | Pending:
-        """Δ = mean_i Δ_i over the replicas, through the codec (phase: the caller's).
+        """The rule's exchange of Δ_i over the replicas (default: their mean through the
+        codec; phase: the caller's).
 
         `group`: the one to exchange on (default: the cross group; a launched exchange
         needs a group only it uses). `launch=True`: return the `Pending` exchange. One
         replica sends nothing, so nothing is compressed (Δ is its own, in the wire dtype;
         launched: a finished `Pending.local`).
         """
-        if launch and self.num_replicas == 1:
-            return Pending.local(self.comm, self.pseudo_gradient())
-        group = self.cross_group if group is None else group
-        if self.codec is None:
-            flat = self.pseudo_gradient()
-            if self.num_replicas == 1:
-                return flat
-            return self.comm.average(flat, group, launch=launch)
         if self.num_replicas == 1:
-            return self.pseudo_gradient()
+            flat = self.pseudo_gradient()
+            return Pending.local(self.comm, flat) if launch else flat
+        group = self.cross_group if group is None else group
+        return self.rule.exchange(self, group, launch)
+
+    @torch.no_grad()
+    def average(self, group: Group | None, launch: bool = False) -> torch.Tensor | Pending:
+        """Δ = mean_i Δ_i over `group`, through the codec: the default exchange."""
+        if self.codec is None:
+            return self.comm.average(self.pseudo_gradient(), group, launch=launch)
         if isinstance(self.codec, TopK):
             flat = self.pseudo_gradient(torch.float32)
             indices, values, self.error = self.codec.select(flat, self.error)
@@ -172,7 +167,11 @@ class OuterOptimizer:
         error buffer included). Nothing with one replica. Collective over `group`."""
         if self.num_replicas == 1:
             return
-        group = self.cross_group if group is None else group
+        self.rule.warm_up(self, self.cross_group if group is None else group)
+
+    @torch.no_grad()
+    def warm_up_average(self, group: Group | None) -> None:
+        """`warm_up` of the default exchange (`average`)."""
         numel, device = self.numel(), self.params[0].device
         if isinstance(self.codec, TopK):
             k = self.codec.count(numel)
@@ -187,19 +186,11 @@ class OuterOptimizer:
     @torch.no_grad()
     def finish(self, delta: torch.Tensor, lr: float, momentum: float,
                alpha: float = 0.0) -> float:
-        """The outer step on θ with the averaged `delta` as its gradient, then the merge
+        """The rule's step on θ with what the exchange gave (`delta`), then the merge
         `θ_i ← (1 − α) θ + α θ_i` (α = 0: the replica restarts from θ, exactly). Returns
         the norm of `delta`."""
         norm = torch.linalg.vector_norm(delta, dtype=torch.float32).item()
-        offset = 0
-        for g in self.global_params:
-            n = g.numel()
-            g.grad = delta[offset:offset + n].view_as(g).to(device=g.device, dtype=g.dtype)
-            offset += n
-        self.set_hyperparameters(lr, momentum)
-        self.optimizer.step()
-        for g in self.global_params:
-            g.grad = None
+        self.rule.step(delta, lr, momentum)
         if alpha == 0:
             self.copy_global_to(self.params)
         else:  # θ_i + (1 − α)(θ − θ_i)
@@ -224,17 +215,11 @@ class OuterOptimizer:
         Replicas are identical when this is used (DDP over all ranks), so Δ is local and
         nothing is communicated.
         """
-        if self.kind != "sgd":
-            raise ValueError("momentum accumulation needs the sgd outer optimizer")
-        norms = []
+        deltas = [g - p.to(g.device) for p, g in zip(self.params, self.global_params,
+                                                      strict=True)]
+        norms = [torch.linalg.vector_norm(delta, dtype=torch.float32) for delta in deltas]
+        self.rule.fill_momentum(deltas, momentum)
         for p, g in zip(self.params, self.global_params, strict=True):
-            delta = g - p.to(g.device)
-            norms.append(torch.linalg.vector_norm(delta, dtype=torch.float32))
-            state = self.optimizer.state[g]
-            if state.get("momentum_buffer") is None:
-                state["momentum_buffer"] = delta  # torch SGD's first step: m = Δ
-            else:
-                state["momentum_buffer"].mul_(momentum).add_(delta)
             g.copy_(p)
         return RoundStats(torch.linalg.vector_norm(torch.stack(norms)).item(), 0, 0.0)
 
@@ -248,13 +233,13 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict:
         return {"global_params": [g.detach().clone() for g in self.global_params],
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self.rule.state_dict(),
                 "error": None if self.error is None else self.error.clone()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         for g, saved in zip(self.global_params, state["global_params"], strict=True):
             g.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.rule.load_state_dict(state["optimizer"])
         error = state.get("error")
         self.error = None if error is None else error.to(self.params[0].device)
