@@ -14,7 +14,8 @@ local reduce of the shard in fp32, its mean re-quantized, and an all-gather of t
 quantized means; recorded as ONE op, `quantized_all_reduce`, whose `nbytes` is this rank's
 whole quantized buffer (codes and scales; wire: 2(n-1)/n of it, as a ring all-reduce).
 `average_sparse` all-gathers each rank's top-k (values and indices) and sums them in rank
-order; recorded as an `all_gather` of the bytes this rank contributes.
+order; recorded as an `all_gather` of the bytes this rank contributes. `gathered_average`
+does the same for a payload in an outer rule's own format, decoded by the rule.
 """
 
 from __future__ import annotations
@@ -61,6 +62,20 @@ def sparse_average(indices: torch.Tensor, values: torch.Tensor, numel: int, pg,
         # size, which the indices after k half-precision values (k odd) are not
         out.index_add_(0, part[value_bytes:].clone().view(indices.dtype).long(),
                        part[:value_bytes].clone().view(values.dtype).float())
+    return out.div_(size)
+
+
+def gathered_average(payload: torch.Tensor, decode, pg, size: int) -> torch.Tensor:
+    """The group's mean of what every rank's coded `payload` (a flat uint8 tensor, the same
+    size on every rank) decodes to: one all-gather of the payloads, each decoded by
+    `decode(payload) -> dense fp32` and summed in rank order (an outer rule's own format,
+    e.g. SparseLoCo's chunked top-k, algorithms/outer_rules/sparseloco.py)."""
+    gathered = torch.empty(size * payload.numel(), dtype=torch.uint8, device=payload.device)
+    dist.all_gather_into_tensor(gathered, payload.contiguous(), group=pg)
+    out = None
+    for part in gathered.view(size, -1):
+        dense = decode(part)
+        out = dense if out is None else out.add_(dense)
     return out.div_(size)
 
 

@@ -33,7 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from algorithms.collectives import mean_in_place, quantized_average, sparse_average, tensor_bytes
+from algorithms.collectives import (
+    gathered_average,
+    mean_in_place,
+    quantized_average,
+    sparse_average,
+    tensor_bytes,
+)
 from algorithms.ledger import CommLedger, CommRecord
 
 
@@ -235,6 +241,18 @@ class Communicator:
         work = functools.partial(sparse_average, indices, values, numel, size=size)
         return self._run("all_gather", tensor_bytes(indices) + tensor_bytes(values), work, group,
                          launch, inputs=(indices, values), record=record)
+
+    def average_coded(self, payload: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor],
+                      group: Group | None = None, launch: bool = False, record: bool = True
+                      ) -> torch.Tensor | Pending:
+        """The mean over the group of what each rank's `payload` (flat uint8, the same size
+        on every rank) decodes to (`decode(payload) -> dense fp32`): one all-gather, the
+        decoded payloads summed in rank order. Recorded as an `all_gather` of this rank's
+        payload bytes. `launch`, `record` as in `average`."""
+        size = len(self.group_ranks(group))
+        work = functools.partial(gathered_average, payload, decode, size=size)
+        return self._run("all_gather", tensor_bytes(payload), work, group, launch,
+                         inputs=(payload,), record=record)
 
     def _run(self, op: str, nbytes: int, work: Callable, group: Group | None,
              launch: bool, inputs: tuple[torch.Tensor, ...], record: bool = True

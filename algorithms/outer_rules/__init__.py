@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 RULES: dict[str, str] = {
     "sgd": "algorithms.outer_rules.sgd:SGDRule",
     "adam": "algorithms.outer_rules.adam:AdamRule",
+    "sparseloco": "algorithms.outer_rules.sparseloco:SparseLoCoRule",
+    "noloco": "algorithms.outer_rules.noloco:NoLoCoRule",
 }
 """Rule name (`strategy.outer_optimizer`) -> "module:Class"."""
 
