@@ -120,13 +120,13 @@ class DDPConfig(StrategyConfig):
 
     def traffic(self, cfg, facts) -> Traffic:
         """Every step: torch DDP's bucket all-reduces over the world (phase "train"), or
-        the sharded replica's FSDP2 collectives. DeepSpeed's engine is not described (its
-        records are its comms logger's, not ours)."""
+        the sharded replica's FSDP2 collectives; DeepSpeed's engine: what its comms logger
+        records (algorithms/zero.py `zero_traffic`)."""
         world, M = cfg.parallel.world_size, cfg.parallel.num_microbatches
         if self.backend != "torch":
-            raise ValueError("strategy.backend=deepspeed has no traffic description (its "
-                             "records come from DeepSpeed's comms logger): commbench whatif "
-                             "prices strategy.backend=torch")
+            from algorithms.zero import zero_traffic
+
+            return zero_traffic(cfg, facts, self.zero_stage)
         if cfg.parallel.shard == "fsdp":
             step, notes = fsdp_step(facts, world, None, "train", M, cfg.optim.grad_clip), \
                 [FSDP_ASSUMPTION]

@@ -70,16 +70,21 @@ class PipelineConfig(PipelineConfigBase):
                              f"{self.schedule!r}, got {self.stages_per_rank!r}")
 
     def traffic(self, cfg, facts):
-        """torch's 1f1b and gpipe: `PipelineConfigBase.traffic`. DeepSpeed's engine is not
-        described (its records are its comms logger's), nor the interleaved schedule."""
+        """torch's schedules: `PipelineConfigBase.traffic` (interleaved-1f1b: each chunk's
+        crossings, priced on 1F1B's critical path of V*M passes as the run projections
+        price it). DeepSpeed's pipeline engine is refused: its collectives' groups are
+        not recorded (the message says why)."""
         if self.backend != "torch":
-            raise ValueError("strategy.backend=deepspeed has no traffic description (its "
-                             "records come from DeepSpeed's comms logger): commbench whatif "
-                             "prices strategy.backend=torch")
-        if self.schedule == "interleaved-1f1b":
-            raise ValueError("strategy.schedule=interleaved-1f1b has no traffic description "
-                             "yet (its chunks' crossings are not modelled): commbench whatif "
-                             "prices schedules 1f1b and gpipe")
+            raise ValueError(
+                "strategy.backend=deepspeed with a pipeline has no traffic description: its "
+                "engine's collectives (the stage gradients over the replicas, the tied "
+                "weight, the loss and norm scalars over a pipe) reach the ledger from "
+                "DeepSpeed's comms logger, which gives each op's name and bytes but not its "
+                "group, so they are recorded as collectives over the whole world "
+                "(algorithms/pipeline_deepspeed.py); a description equal to those records "
+                "would price them over the world, one with their real groups would not be "
+                "the run's ledger. commbench whatif prices strategy.backend=torch (the same "
+                "1F1B schedule)")
         return super().traffic(cfg, facts)
 
     def critical_path(self, num_stages: int, num_microbatches: int) -> CriticalPath:

@@ -359,6 +359,7 @@ def pipeline_traffic(config, cfg, facts: TrafficFacts) -> Traffic:
                    for s, layers in enumerate(layers_of)]
     path = config.critical_path(S, M)
     gpipe = getattr(config, "schedule", "1f1b") == "gpipe"
+    interleaved = V > 1
     no_flush = bool(getattr(config, "delay", 0))
     boundary = facts.boundary_bytes
     cache: dict[tuple[int, bool], list[Transfer]] = {}
@@ -374,15 +375,27 @@ def pipeline_traffic(config, cfg, facts: TrafficFacts) -> Traffic:
             return ["exchange"] * M if steady else [first] + ["exchange"] * (M - 1)
         return [first] + ["exchange"] * (M - 1) + [last] if M > 1 else [first, last]
 
+    def chunk_crossings(replica: int, stage: int) -> list[Transfer]:
+        """Interleaved 1F1B (V chunks a rank, chunk c on stage c mod S): per microbatch a
+        send forward for each of the stage's chunks but the model's last, a receive for
+        each but the first, and the same backward the other way; every one its own
+        record, to the next stage (mod S) forward and the previous one backward, never
+        batched into an exchange (checked against runs of S = 2 and S = 4, V = 2)."""
+        nxt, prv = replica * S + (stage + 1) % S, replica * S + (stage - 1) % S
+        ahead, behind = V - (stage == S - 1), V - (stage == 0)
+        return [t for peer, kind, count in ((nxt, "send", ahead), (prv, "recv", behind),
+                                            (prv, "send", behind), (nxt, "recv", ahead))
+                for t in [Transfer("train", kind, (boundary,), peers=(peer,))] * (M * count)]
+
     def transfers(rank: int, step: int) -> list[Transfer]:
         key = (rank, step > 0)
         if key in cache:
             return cache[key]
         replica, stage = divmod(rank, S)
-        out = []
+        out = chunk_crossings(replica, stage) if interleaved else []
         for peer, first, last in ((rank + 1 if stage < S - 1 else None, "send", "recv"),
                                   (rank - 1 if stage > 0 else None, "recv", "send")):
-            if peer is None:
+            if peer is None or interleaved:
                 continue
             out += [Transfer("train", kind, (boundary,), peers=(peer,),
                              peer_nbytes=(boundary,) if kind == "exchange" else None)

@@ -217,3 +217,58 @@ def _drain_comms_log(comm) -> float:
     for name, nbytes, seconds in ops:
         comm.record(name, nbytes, seconds)
     return sum(seconds for _, _, seconds in ops)
+
+
+# ---------------------------------------------------------------------- traffic (what-if)
+
+BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default gradient bucket (ZeRO-0's `buffered_allreduce_fallback`
+elements_per_buffer, ZeRO-1/2's reduce_bucket_size), in elements; this engine keeps it."""
+ALIGNMENT = 2
+"""ZeRO-1/2 pad each parameter group's flat buffer to a multiple of ALIGNMENT x the
+data-parallel ranks elements (stage_1_and_2 `nccl_start_alignment_factor`)."""
+
+
+def zero_traffic(cfg, facts, stage: int):
+    """What this engine's DeepSpeed records each step (module docstring: its comms
+    logger's name and logical bytes, over the world, which is the data-parallel group):
+    the gradients all-reduced in buckets of BUCKET_ELEMENTS, once a step (ZeRO-2: after
+    every microbatch's backward) (ZeRO-0: parameters in
+    registration order, a bucket closing once past it; ZeRO-1/2: parameter groups in
+    order, a bucket closing before a parameter would pass it), then the gradient norm's
+    scalar all-reduce (ZeRO-0: only with optim.grad_clip > 0; ZeRO-1/2: two scalars, the
+    norm and the overflow check), and ZeRO-1/2 the updated partition of each parameter
+    group all-gathered (`all_gather_into_tensor`: this rank's share of the group's flat
+    buffer, padded). Parameter groups are bench/optim.py's (>= 2-D tensors, then the
+    rest). Checked against 4-rank runs of the tiny model (one bucket); the split of
+    models past 5e8 parameters follows DeepSpeed 0.19's code, not checked by a run."""
+    from algorithms.traffic import Traffic, Transfer
+
+    world = cfg.parallel.world_size
+    numels = [p.nbytes // 4 for p in facts.params]
+    groups = [[n for p, n in zip(facts.params, numels, strict=True) if len(p.shape) >= 2],
+              [n for p, n in zip(facts.params, numels, strict=True) if len(p.shape) < 2]]
+    buckets, size = [], 0
+    for n in (numels if stage == 0 else [n for g in groups for n in g]):
+        if stage > 0 and size and size + n > BUCKET_ELEMENTS:
+            buckets.append(size)
+            size = 0
+        size += n
+        if stage == 0 and size > BUCKET_ELEMENTS:
+            buckets.append(size)
+            size = 0
+    if size:
+        buckets.append(size)
+    passes = cfg.parallel.num_microbatches if stage == 2 else 1  # ZeRO-2 reduces each one
+    step = [Transfer("train", "all_reduce", (b * 4,)) for b in buckets] * passes
+    scalars = 2 if stage > 0 else int(cfg.optim.grad_clip > 0)
+    step += [Transfer("train", "all_reduce", (4,))] * scalars
+    if stage > 0 and world > 1:
+        align = ALIGNMENT * world
+        step += [Transfer("train", "all_gather_into_tensor", (-(-sum(g) // align) * align
+                                                                // world * 4,))
+                 for g in groups if g]
+    return Traffic(cfg.run.steps, lambda rank, s: step,
+                   notes=[f"DeepSpeed ZeRO-{stage}: its gradient all-reduce, norm scalars and "
+                          "(ZeRO-1/2) partition all-gathers as its comms logger records them, "
+                          "priced without overlap (as the run projections price them on CPU)"])

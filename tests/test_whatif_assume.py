@@ -142,3 +142,21 @@ def test_one_slow_node_slows_every_hop_that_touches_it(tmp_path):
     assert any("node(s) 3 slow" in line for line in assumptions(s))
     with pytest.raises(ValueError, match="world.slow_nodes"):
         scenario(DDP, "world.slow_nodes=[4]", "world.replicas=4")
+
+
+def test_dp_overlap_every_lets_the_outer_all_reduce_run_under_backward():
+    """assume.dp_overlap=every (the Streaming DiLoCo authors' calculator): DiLoCo's outer
+    all-reduce of t seconds runs under the backward (b = 2/3 C) of the round's last step:
+    exposed max(0, t - b) per round; the harness's default blocks for all of t."""
+    from bench.network.profiles import Profile, Tier
+
+    methods = {"diloco": {"strategy": {"name": "diloco", "inner_steps": 5}}}
+    tier = Tier(A, B / 1000, 1, None)
+    slow = Profile("slow", tier, tier)
+    t, backward = 2 * A + 4 * BLOCK / (B / 1000), 2 / 3 * C
+    every = priced(scenario(methods, "assume.dp_overlap=every"), "diloco", slow)
+    assert every.total_s == pytest.approx(10 * C + 2 * (t - backward), rel=1e-12)
+    assert priced(scenario(methods), "diloco", slow).total_s == pytest.approx(
+        10 * C + 2 * t, rel=1e-12)
+    assert priced(scenario(methods, "assume.dp_overlap=every"), "diloco",
+                  net()).total_s == pytest.approx(10 * C, rel=1e-12)

@@ -42,8 +42,9 @@ def restate(traffic: Traffic, exchange_dtype: str, dp_overlap: str) -> Traffic:
     dp_overlap: "buckets" keeps DDP's bucket timeline; "backward" lets a step's whole
     data-parallel reduction (DDP's buckets, FSDP2's reduce-scatter) run under the whole
     backward, each launched when backward starts (exposed = max(0, its time - backward));
-    "none" exposes it in full. Outer exchanges, gossip and FSDP2's all-gathers keep their
-    own overlap (a streaming exchange's `overlap_steps` is the method's setting)."""
+    "none" exposes it in full; "every" is "backward" for outer all-reduces and gossip
+    exchanges too (those the method overlaps itself, `overlap_steps`, keep it). FSDP2's
+    all-gathers keep their own overlap (none)."""
     if exchange_dtype == "harness" and dp_overlap == "buckets":
         return traffic
     word = DTYPE_BYTES.get(exchange_dtype, 4)
@@ -58,8 +59,11 @@ def restate(traffic: Traffic, exchange_dtype: str, dp_overlap: str) -> Traffic:
             peer = None if t.peer_nbytes is None else tuple(n // 4 * word for n in t.peer_nbytes)
             out = replace(out, sizes=sizes, peer_nbytes=peer, word_bytes=word)
         reduction = t.ready is not None or (t.op == "reduce_scatter" and t.peers is None)
-        if reduction and t.phase in ("train", "inner"):
-            if dp_overlap == "backward":
+        if dp_overlap == "every" and not t.overlap_steps and (
+                (reduction and t.phase in ("train", "inner")) or t.phase in ("outer", "gossip")):
+            out = replace(out, ready=(1.0,) * len(t.sizes))
+        elif reduction and t.phase in ("train", "inner"):
+            if dp_overlap in ("backward", "every"):
                 out = replace(out, ready=(1.0,) * len(t.sizes))
             elif dp_overlap == "none":
                 out = replace(out, ready=None)
@@ -87,6 +91,11 @@ DP_OVERLAP_WORDS = {
                 "may run under the whole backward: exposed = max(0, its time - backward) "
                 "(assume.dp_overlap=backward, the published simulators' assumption)",
     "none": "a step's data-parallel reduction is exposed in full (assume.dp_overlap=none)",
+    "every": "every reduction, outer all-reduces and gossip exchanges too, may run under "
+             "the backward of the step that issues it: exposed = max(0, the step's "
+             "reductions - backward) (assume.dp_overlap=every, the Streaming DiLoCo "
+             "authors' calculator: 'the reduction of gradients or outer gradients is "
+             "overlapped over the backward pass')",
 }
 
 
@@ -98,6 +107,7 @@ def lines(exchange_dtype: str, dp_overlap: str, tokens: str) -> list[str]:
              f"gradients and θ sent in {exchange_dtype} (assume.exchange_dtype: "
              f"{DTYPE_BYTES[exchange_dtype]} bytes per parameter where the runs send 4); an "
              "outer exchange a method narrows itself keeps its own dtype")
-    return [dtype, DP_OVERLAP_WORDS[dp_overlap],
-            "outer all-reduces and gossip exchanges block (as the code runs them), "
-            "except a streaming exchange's overlap_steps", tokens]
+    blocking = ([] if dp_overlap == "every" else [
+        "outer all-reduces and gossip exchanges block (as the code runs them), except a "
+        "streaming exchange's overlap_steps"])
+    return [dtype, DP_OVERLAP_WORDS[dp_overlap], *blocking, tokens]

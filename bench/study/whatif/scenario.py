@@ -106,11 +106,13 @@ class Assume:
     """Dtype of the gradients and θ the data-parallel reductions, outer all-reduces and
     gossip send: harness = fp32, as the runs send them; bf16 halves those bytes. An outer
     exchange a method narrows itself (outer_grad_dtype, compression) keeps its own."""
-    dp_overlap: Literal["buckets", "backward", "none"] = "buckets"
+    dp_overlap: Literal["buckets", "backward", "every", "none"] = "buckets"
     """How a step's data-parallel reduction overlaps backward: buckets = torch DDP's
     bucket timeline, as the harness runs it; backward = all of it may run under the
     whole backward (exposed = max(0, reduction - backward)), the published simulators'
-    assumption; none = exposed in full."""
+    assumption; every = backward, and outer all-reduces and gossip too may run under the
+    backward of the step that issues them (the Streaming DiLoCo authors' calculator);
+    none = exposed in full."""
     tokens_per_step: float | None = None
     """Tokens all GPUs consume in one step; null = base.data.batch_size x seq_len x the
     data-parallel GPUs. Set: every method's data.batch_size is derived from it (it must
