@@ -297,6 +297,8 @@ def price(p: Plan, profile: Profile, backend: str | None) -> Priced:
     """The plan's totals on `profile` (module docstring)."""
     totals = [0.0, 0.0, 0.0]  # overlap-aware, no-overlap, compute only
     memo: dict[tuple, float] = {}
+    # without TCP tiers no price depends on idle time: a step's is the same every time
+    steps: dict[tuple[int, int], tuple] | None = None if _has_tcp(profile) else {}
     for runs in p.runs:
         clocks = {rank: LinkClock() for rank in p.classes}
         pricers = {rank: pricer(profile, rank, p.ranks_per_node, backend=backend,
@@ -311,7 +313,7 @@ def price(p: Plan, profile: Profile, backend: str | None) -> Priced:
             replayed = None if p.critical_path is None else _replicas_s(p, run.first, warm)
             for n in repeats:  # the first step (it may pay slow start), then the others
                 values = {rank: _step(p, rank, run.first, clocks[rank], pricers[rank],
-                                      warm[rank], memo, n)
+                                      warm[rank], memo, n, steps)
                           for rank in p.classes}
                 if replayed is not None:
                     values = {rank: (replayed, *v[1:]) for rank, v in values.items()}
@@ -347,10 +349,21 @@ def _replicas_s(p: Plan, step: int, warm: dict) -> float:
                                p.critical_path(p.classes[0])))
 
 
+def _has_tcp(profile: Profile) -> bool:
+    """Whether any tier of `profile` is TCP (slow start after idle: prices depend on the
+    link clocks)."""
+    tiers = [profile.intra, profile.inter, *(t for _, t in profile.overrides),
+             *(t for row in profile.links or () for t in row)]
+    return any(t.tcp_initial_window_B is not None for t in tiers)
+
+
 def _step(p: Plan, rank: int, step: int, clock: LinkClock, price_one, price_warm,
-          memo: dict, repeat: int) -> tuple[float, float, float]:
+          memo: dict, repeat: int, steps: dict | None = None) -> tuple[float, float, float]:
     """(overlap-aware, no-overlap, compute) seconds of one step of `rank`; the link clock
-    then advances by `repeat` such steps."""
+    then advances by `repeat` such steps. `steps`: a memo of whole steps, for networks on
+    which no price depends on the link clocks (no TCP tier)."""
+    if steps is not None and (rank, step) in steps:
+        return steps[rank, step]
     records, compute = p.records[rank, step], p.compute[rank, step]
     costs = []
     for r in records:
@@ -374,6 +387,8 @@ def _step(p: Plan, rank: int, step: int, clock: LinkClock, price_one, price_warm
                                                       strict=True) if s)
     no_overlap = compute + sum(costs)
     clock.advance(overlap * repeat)
+    if steps is not None:
+        steps[rank, step] = overlap, no_overlap, compute
     return overlap, no_overlap, compute
 
 
