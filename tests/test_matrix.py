@@ -442,7 +442,7 @@ def check(combo: Combination, found: dict) -> None:
     traffic = found["traffic"]  # the what-if describes what the run sent, or says why not
     if traffic is not None and traffic.startswith("refused: "):
         assert any(key in traffic for key in (  # what the what-if cannot price yet
-            "strategy.backend=deepspeed", "strategy.schedule=interleaved-1f1b",
+            "strategy.backend=deepspeed with a pipeline",
             "strategy.fragments=", "strategy.overlap_steps=",
             "strategy.outer_compression=")), (named, traffic)
     else:
