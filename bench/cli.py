@@ -132,6 +132,8 @@ def _cmd_claims(args) -> int:
         raise ValueError(f"--seeds must be from 1 to {MAX_SEEDS}, got {args.seeds}")
     command = " ".join(["commbench claims", *args.names, f"--scale {args.scale}",
                         *(["--report-only"] if args.report_only else []),
+                        *([f"--report-dir {args.report_dir}"]
+                          if args.report_dir != "reports/claims" else []),
                         *([f"--results-page {args.results_page}"] if args.results_page
                           else [])])
     page = run_claims(args.names or None, scale=args.scale, seeds=args.seeds,

@@ -90,6 +90,7 @@ def test_a_straddling_interval_names_the_seeds_that_would_decide_it():
     values = list(result.per_seed.values())
     n = seeds_to_decide(values, 0.0)
     assert result.seeds_needed == n and f"about {n} seeds would decide it" in result.reason
+    assert result.reason.endswith("the rule would then hold)")  # the mean is below 0
     sd, distance = pd.Series(values).std(), abs(sum(values) / 3)
 
     def clears(k):  # the interval's half-width plus the 80% margin fits in the distance

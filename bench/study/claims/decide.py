@@ -138,13 +138,13 @@ def seeds_to_decide(values: list[float], threshold: float, power: float = POWER,
     return limit + 1
 
 
-def _seeds_text(n: int | None) -> str:
+def _seeds_text(n: int | None, verdict: str) -> str:
     if n is None:
         return ""
     if n > MAX_SEEDS:
         return f"; more than {MAX_SEEDS} seeds would be needed at this spread"
     return (f"; about {n} seeds would decide it ({POWER:.0%} power, the observed mean and "
-            "spread taken as true)")
+            f"spread taken as true; the rule would then {'hold' if verdict == HOLDS else 'fail'})")
 
 
 def _run_value(row: pd.Series, rule: Rule) -> tuple[float | None, str | None]:
@@ -259,7 +259,9 @@ def decide_rule(runs: pd.DataFrame, rule: Rule) -> RuleResult:
         verdict = verdict_of(interval, rule)
         if verdict == INCONCLUSIVE:
             needed = seeds_to_decide(list(per_seed.values()), rule.threshold)
-            reason = "the interval straddles the threshold" + _seeds_text(needed)
+            leaning = verdict_of(Interval(interval.mean, interval.mean, interval.mean,
+                                          interval.n), rule)
+            reason = "the interval straddles the threshold" + _seeds_text(needed, leaning)
     return RuleResult(rule, verdict, interval, per_seed, notes, reason, needed)
 
 
