@@ -449,7 +449,8 @@ def test_a_run_directory_lock_refuses_a_second_writer_naming_the_holder(tmp_path
     assert run.holder() is None
 
 
-def test_the_nodes_of_one_multi_node_run_share_the_lock(tmp_path):
+def test_the_nodes_of_one_multi_node_run_share_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "SHARED_SETTLE_S", 0.5)  # how long a refusal takes
     run = RunDir(tmp_path)
     with held_by_another_process(tmp_path, "commbench run (node)", shared="abc@host:29500"):
         with run.lock("commbench run (node)", shared="abc@host:29500"):
@@ -460,6 +461,90 @@ def test_the_nodes_of_one_multi_node_run_share_the_lock(tmp_path):
         with pytest.raises(records.Busy):
             with run.lock("commbench run --resume"):
                 pass
+
+
+def test_a_killed_multi_node_run_does_not_refuse_its_retry(tmp_path, monkeypatch):
+    """Issue 49 (tox -e slurm): a node killed mid-run, then `sweep --retry-failed`; the retry's
+    job refused the run directory on both nodes, "in use by commbench run (pid P on host
+    cbnode1)", a process that had ended: the shared holders of the killed attempt never
+    clear the lock's description (none knows it is the last), and the retry's nodes share
+    another key (its rendezvous port comes from its job id). The kernel had released the
+    flock: a description nobody holds is stale, whatever key it names."""
+    monkeypatch.setattr(records, "SHARED_SETTLE_S", 0.5)  # how long a refusal takes
+    run = RunDir(tmp_path)
+    with held_by_another_process(tmp_path, "commbench run", shared="abc@cbnode1:20001") as proc:
+        pass  # killed, as a lost node's launcher is: nothing of it ran after
+    assert run.holder() is None
+    assert json.loads(run.lock_file.read_text())["pid"] == proc.pid  # its description stays
+    with run.lock("commbench run", shared="abc@cbnode1:20002"):  # the retry's job
+        holder = run.holder()
+        assert (holder["pid"], holder["shared"]) == (os.getpid(), "abc@cbnode1:20002")
+        refused = []
+
+        def another_attempt():  # a live holder of another key still refuses
+            try:
+                with run.lock("commbench run", shared="abc@cbnode1:20003"):
+                    pass
+            except records.Busy as err:
+                refused.append(str(err))
+
+        thread = threading.Thread(target=another_attempt)
+        thread.start()
+        thread.join()
+        assert len(refused) == 1 and f"pid {os.getpid()}" in refused[0], refused
+
+
+def test_the_nodes_of_a_retry_all_get_in_past_a_stale_description(tmp_path):
+    """Every node of the retry sees the stale description at once; each must get in (one of
+    them replaces the description, the others then find their own key)."""
+    run = RunDir(tmp_path)
+    with held_by_another_process(tmp_path, "commbench run --resume"):
+        pass  # an exclusive holder killed: its description stays too
+    def node(key: str, entered: threading.Barrier, errors: list) -> None:
+        try:
+            with run.lock("commbench run", shared=key):
+                entered.wait()  # all four hold it together
+        except (records.Busy, threading.BrokenBarrierError) as err:
+            errors.append(err)
+            entered.abort()
+
+    for attempt in range(5):
+        entered, errors = threading.Barrier(4, timeout=30), []
+        threads = [threading.Thread(target=node, args=(f"abc@cbnode1:{20010 + attempt}",
+                                                       entered, errors)) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert run.holder() is None
+
+
+def test_the_nodes_of_a_run_do_not_trip_over_each_others_writes(tmp_path, monkeypatch):
+    """Issue 49 (tox -e slurm): the retry's second node ended in seconds, refused, and the
+    first waited launch.rdzv_timeout_s for it at the rendezvous. Taking the lock, a node
+    checks that the directory holds only files and directories; the other node's atomic
+    writes (summary.json, config.yaml: a temporary file renamed) come and go meanwhile. A
+    name listed, then gone, is no stranger; nor is a stale file another node removed first
+    (both nodes drop the last attempt's error texts and node records)."""
+    run = RunDir(tmp_path)
+    run.prepare()
+    real_walk = os.walk
+
+    def walk_meeting_a_rename(top, *args, **kwargs):
+        for dirpath, dirnames, filenames in real_walk(top, *args, **kwargs):
+            yield dirpath, dirnames, [*filenames, ".summary.json.x1y2z3.tmp"]  # renamed since
+
+    monkeypatch.setattr(os, "walk", walk_meeting_a_rename)
+    with run.lock("commbench run", shared="abc@cbnode1:20004"):
+        pass
+    monkeypatch.setattr(os, "walk", real_walk)
+
+    (run.logs / "error-rank0.txt").write_text("lost its peers")
+    gone = run.logs / "node1.json"  # listed by this node, removed by the other meanwhile
+    monkeypatch.setattr(RunDir, "node_records", lambda self: [gone])
+    run.prepare()
+    assert not (run.logs / "error-rank0.txt").exists()
 
 
 def test_a_lock_that_is_a_directory_or_a_symlink_is_refused(tmp_path):

@@ -29,7 +29,9 @@ import errno
 import fcntl
 import json
 import os
+import random
 import socket
+import stat
 import sys
 import threading
 import time
@@ -157,7 +159,9 @@ def hold(path: str | os.PathLike, purpose: str, what: str, shared: str | None = 
     is the file's content. Re-entrant in one thread (the same process and thread may nest
     `hold`s of one path); another thread or process is refused. `shared`: a key; holders
     passing the same key hold the lock together (the nodes of one multi-node run), any
-    other holder is refused. `what` names the locked thing in the message."""
+    other holder is refused (after up to SHARED_SETTLE_S), and the last one out clears the
+    description; a description that nobody holds (its holders killed) is replaced
+    (`_hold_shared`). `what` names the locked thing in the message."""
     path = Path(path)
     key = (os.path.realpath(path), threading.get_ident())
     with _HELD_GUARD:
@@ -175,17 +179,16 @@ def hold(path: str | os.PathLike, purpose: str, what: str, shared: str | None = 
         return
     fd = _open_lock(path, what)
     try:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise Busy(what, _lock_content(fd)) from None
         holder = {"purpose": purpose, "pid": os.getpid(), "host": socket.gethostname(),
                   "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shared": shared,
                   "command": " ".join(sys.argv)}
-        present = _lock_content(fd) if shared else None
-        if present and present.get("shared") != shared:
-            raise Busy(what, present)
-        if not present:
+        if shared:
+            _hold_shared(fd, shared, holder, what)
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise Busy(what, _lock_content(fd)) from None
             _set_lock_content(fd, holder)
         with _HELD_GUARD:
             _HELD[key] = [fd, 1]
@@ -194,10 +197,60 @@ def hold(path: str | os.PathLike, purpose: str, what: str, shared: str | None = 
         finally:
             with _HELD_GUARD:
                 del _HELD[key]
-            if not shared:  # a shared holder cannot know whether it is the last one
+            if not shared:
                 _set_lock_content(fd, None)
+            else:  # the last shared holder clears the description (a failed try drops the lock)
+                with contextlib.suppress(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    _set_lock_content(fd, None)
     finally:
         os.close(fd)  # releases the flock
+
+
+SHARED_SETTLE_S = 5.0
+"""How long a shared holder (`hold(shared=KEY)`) keeps trying before it is refused, while the
+lock's description names another key: the time the nodes of one run that all find a
+stale description take to agree which of them replaces it."""
+
+
+def _hold_shared(fd: int, shared: str, holder: dict, what: str) -> None:
+    """Take the flock of `fd` shared with the holders of key `shared`, or raise `Busy`.
+
+    The lock's description names the key of the holders now; a description nobody holds
+    is stale: a holder killed (a lost node: SIGKILL, no `finally`) never cleared it, and
+    the next attempt of the same multi-node run has another key (its rendezvous endpoint,
+    whose port a Slurm job takes from its id). So, holding the flock shared, a description
+    of another key is replaced if the flock can become exclusive (nobody else holds it). A
+    failed conversion drops the flock (flock(2) is not atomic there), and another node of
+    the same attempt may be converting at that moment: try again, a little later, for
+    SHARED_SETTLE_S, before naming the other holder."""
+    deadline = time.monotonic() + SHARED_SETTLE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # an exclusive holder, or one of ours replacing a description
+            pass
+        else:
+            present = _lock_content(fd)
+            if not present:
+                _set_lock_content(fd, holder)
+                return
+            if present.get("shared") == shared:
+                return
+            try:  # another key: stale unless someone else holds the flock
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass  # someone does (and this fd's shared flock is gone)
+            else:
+                _set_lock_content(fd, holder)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let the other nodes in
+                    return
+                except BlockingIOError:
+                    pass  # taken exclusively in between: its holder wrote its description
+        if time.monotonic() >= deadline:
+            raise Busy(what, _lock_content(fd))
+        time.sleep(random.uniform(0.02, 0.2))
 
 
 def holder_of(path: str | os.PathLike) -> dict | None:
@@ -331,7 +384,11 @@ class RunDir:
 
     def error_logs(self) -> list[Path]:
         """Every rank's error text, first written first (the first is usually the cause)."""
-        return sorted(self.logs.glob("error-rank*.txt"), key=lambda p: p.stat().st_mtime)
+        stamped = []
+        for path in self.logs.glob("error-rank*.txt"):
+            with contextlib.suppress(FileNotFoundError):  # removed since (another node's
+                stamped.append((path.stat().st_mtime, path))  # launcher, a new attempt)
+        return [path for _, path in sorted(stamped)]
 
     # ------------------------------------------------------------------------ lock
 
@@ -354,12 +411,16 @@ class RunDir:
         for dirpath, dirnames, filenames in os.walk(self.path):
             for name in sorted(dirnames + filenames):
                 path = Path(dirpath) / name
-                if path.is_symlink():
+                try:
+                    mode = path.lstat().st_mode
+                except FileNotFoundError:  # gone since listed: another node's atomic write
+                    continue  # (a temporary file renamed) or its removal of a stale file
+                if stat.S_ISLNK(mode):
                     raise ValueError(
                         f"run directory {self.path}: {path} is a symbolic link (to "
                         f"{os.readlink(path)}); commbench writes a run's records only inside "
                         "its directory: replace the link by what it points to (cp -rL)")
-                if not (path.is_dir() or path.is_file()):
+                if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
                     raise ValueError(f"run directory {self.path}: {path} is not a regular "
                                      "file or directory; remove it")
 
@@ -375,7 +436,7 @@ class RunDir:
         self.logs.mkdir(parents=True, exist_ok=True)
         for stale in [*self.error_logs(), *self.logs.glob("finished-rank*"),
                       *self.node_records()]:
-            stale.unlink()
+            stale.unlink(missing_ok=True)  # the other nodes of the run drop them too
         self.stop_request.unlink(missing_ok=True)
 
     def read_summary(self) -> dict | None:
