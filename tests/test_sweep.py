@@ -624,6 +624,30 @@ def test_slurm_path_with_submitits_local_executor(tmp_path, env, monkeypatch):
     assert run_sweep(path, runner=fake_runner, report=False).num_launched == 0
 
 
+def busy_runner(cfg, run_dir, progress=True, resume=False) -> dict:
+    """A run whose directory another process holds when its job starts."""
+    raise records.Busy(f"run directory {run_dir}", {"purpose": "commbench eval", "pid": 4321,
+                                                    "host": "elsewhere", "since": "now"})
+
+
+def test_a_job_refused_its_run_directory_says_so_not_the_old_record(tmp_path, env):
+    """Issue 49 (tox -e slurm): the retry's job was refused the run directory (Busy: it
+    changes nothing there) and the sweep reported the failure still recorded from the
+    attempt before ("ranks 2, 3 (node cbnode2) lost"), as if the retry had lost the node
+    again. The job's own refusal is the outcome; the record stays as it was."""
+    path = write_spec(tmp_path, {"name": "busy", "executor": {
+        "name": "slurm", "cluster": "local", "poll_s": 0.2, "timeout_min": 5}})
+    (failed,) = run_sweep(path, runner=fake_runner, report=False).outcomes
+    _stop(failed.run_dir, 30)  # failed, with a checkpoint: the retry resumes it in place
+    RunDir(failed.run_dir).update_summary({"interrupted": False, "error": "ranks 2, 3 lost"})
+    before = (failed.run_dir / "summary.json").read_bytes()
+    (retried,) = run_sweep(path, runner=busy_runner, report=False, retry_failed=True).outcomes
+    assert retried.status == "failed" and retried.run_dir == failed.run_dir
+    assert "is in use by commbench eval (pid 4321 on host elsewhere" in retried.error
+    assert "lost" not in retried.error
+    assert (failed.run_dir / "summary.json").read_bytes() == before
+
+
 def test_a_registered_executor_gets_the_runs_to_train(tmp_path, env, monkeypatch):
     from bench.launch import executors
 

@@ -427,7 +427,9 @@ def _wait(pending: dict, by_id: dict[str, Task], progress: Progress,
           poll_s: float) -> dict[str, dict]:
     """Poll the jobs until all ended; run id -> summary, as the run directory records it
     (a job's tasks may end without a result while its run is recorded: one per node, a
-    node lost); failed, with the job's state, when a job died before recording its run."""
+    node lost); failed, with the job's state, when a job died before recording its run;
+    failed with the job's own error when it was refused the run directory (another
+    process held it: `jobentry.UNRECORDED`), whose record is then an earlier attempt's."""
     summaries: dict[str, dict] = {}
     try:
         while pending:
@@ -436,15 +438,20 @@ def _wait(pending: dict, by_id: dict[str, Task], progress: Progress,
                     continue
                 task = by_id[run_id]
                 try:
-                    job.results()
+                    results = job.results()
                     error = None
                 except Exception as err:  # killed, timed out, or crashed outside the run
+                    results = []
                     error = f"slurm job {job.job_id} ended without a result ({job.state}): {err}"
+                refused = [r for r in results if isinstance(r, dict) and r.get(jobentry.UNRECORDED)]
                 try:
                     summary = RunDir(task.run_dir).read_summary() or {}
                 except ValueError:
                     summary = {}
-                if summary.get("status") not in records.ENDED_STATUSES:
+                if refused:  # the job wrote nothing: the record there is an earlier attempt's
+                    summary = {**refused[0], "error": f"slurm job {job.job_id}: "
+                               f"{refused[0].get('error')} (the run's record is left as it was)"}
+                elif summary.get("status") not in records.ENDED_STATUSES:
                     summary = record_failure(task.config, task.run_dir,
                                              error or f"slurm job {job.job_id} left no record")
                 summaries[run_id] = summary

@@ -60,6 +60,11 @@ MOVED_RUNNERS = {"bench.launch.run_config": DEFAULT_RUNNER}
 Runner = Callable[..., dict]
 """`runner(cfg, run_dir, progress=bool[, resume=True]) -> summary dict`."""
 
+UNRECORDED = "unrecorded"
+"""Set in the summary `execute_run` returns when the run was refused without a write into
+its directory (`records.Busy`): what that directory holds is an earlier attempt's record,
+not this outcome (bench/launch/executors.py reports the refusal, not that record)."""
+
 RDZV_PORT_BASE = 20000
 """A multi-node job's rendezvous port is RDZV_PORT_BASE + its job id % RDZV_PORT_BASE."""
 
@@ -113,14 +118,14 @@ def execute_run(cfg: Config, run_dir: Path, runner: Runner | None = None,
                 progress: bool = False, resume: bool = False) -> dict:
     """Train one run (`resume`: continue it from run_dir's checkpoint); never raises for
     the run's own failure (records status failed; a run directory another process holds,
-    `records.Busy`, is failed without a write into it). A stop (KeyboardInterrupt)
-    propagates."""
+    `records.Busy`, is failed without a write into it, the summary marked `UNRECORDED`).
+    A stop (KeyboardInterrupt) propagates."""
     if runner is None:
         from bench.launch.run import run_config as runner
     try:
         return runner(cfg, run_dir, progress=progress, **({"resume": True} if resume else {}))
     except Busy as err:  # another process writes this run: its records are not ours to touch
-        return {"status": "failed", "error": str(err)}
+        return {"status": "failed", "error": str(err), UNRECORDED: True}
     except Exception as err:
         return record_failure(cfg, run_dir, err)
 
