@@ -7,7 +7,8 @@ A run with launch.nnodes 2 is one job of two nodes: a task on each starts torchr
 rendezvous is on the job's first node, gloo binds each namespace's eth0, and the run is
 recorded once (bench/launch/jobentry.py). A node killed mid-run (its job step's processes) fails
 the run with that node named (bench/launch/failure.py); --retry-failed continues it from its
-checkpoint, bit-exactly.
+checkpoint, bit-exactly, in one job: the killed attempt's lock description (its shared key)
+does not refuse the retry's nodes (bench/run/records.py `hold`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ def test_a_node_killed_mid_run_is_recorded_failed_and_resumed_by_retry_failed(tm
     time.sleep(1)
     retried = run_sweep(path, report=False, retry_failed=True)
     summary = RunDir(run_dir).read_summary()
-    assert retried.ok and summary["status"] == "ok", summary.get("error")
+    (outcome,) = retried.outcomes
+    assert retried.ok and summary["status"] == "ok", outcome.error or summary.get("error")
     assert summary["resumed_from_step"] == 10
+    # the retry's job trained at once: not a node refused (the killed attempt's lock, the
+    # other node's writes) while its partner waited out the rendezvous and the time limit
+    assert [a["reason"] for a in summary["attempts"]] == ["failed", "ok"], summary["attempts"]
     assert rows_of(run_dir) == expected
