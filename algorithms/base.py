@@ -33,6 +33,8 @@ STRATEGIES: dict[str, str] = {
     "ddp": "algorithms.ddp:DDP",
     "diloco": "algorithms.diloco:DiLoCo",
     "pier": "algorithms.pier:Pier",
+    "sparseloco": "algorithms.outer_rules.sparseloco:SparseLoCo",
+    "noloco": "algorithms.outer_rules.noloco:NoLoCo",
     "gasloc": "algorithms.gasloc:GASLoC",
     "gossip": "algorithms.gasloc:Gossip",
     "pipeline": "algorithms.pipeline:Pipeline",

@@ -28,13 +28,25 @@ from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.gasloc import round_peers
 from algorithms.outer_rules import Sends
 from algorithms.outer_rules.sgd import SGDRule
+from algorithms.traffic import (
+    Traffic,
+    Transfer,
+    local_update_traffic,
+    outer_notes,
+    replica_inner,
+    round_ends,
+)
 
 
 class NoLoCoRule(SGDRule):
     """SGD on φ_i with the pair's mean Δ and the pull toward the pair's mean φ (module
-    docstring). A replica left without a peer (odd count) steps on its own Δ_i."""
+    docstring). A replica left without a peer (odd count) steps on its own Δ_i.
+
+    Not on shards (yet): the evaluated mean and the consensus metric would need the
+    replica's shards gathered, and there is no sharded == unsharded test of it."""
 
     replicas_agree = False
+    shards = False
 
     def __init__(self, params, lr: float = 0.7, momentum: float = 0.5, nesterov: bool = False,
                  pull: float | None = None, seed: int = 0):
@@ -130,6 +142,41 @@ class NoLoCoConfig(DiLoCoConfig):
         super().__post_init__()
         if self.pull is not None and self.pull < 0:
             raise ValueError(f"strategy.pull must be >= 0 or null, got {self.pull!r}")
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """DiLoCo's, + a round's buffers: (Δ_i, φ_i) sent and the peer's received (2 θ
+        each), their mean (2 θ) and g_i (θ); the evaluated mean of φ (θ)."""
+        terms = super().memory_terms(cfg, facts)
+        theta = facts.param_bytes
+        terms["noloco: (Δ, φ) sent, received and their mean; g"] = 7 * theta
+        terms["noloco: the replicas' mean of φ (evaluation)"] = theta
+        return terms
+
+    def traffic(self, cfg, facts) -> Traffic:
+        """Every step the replica's inner traffic (phase "inner"); a round's last step adds
+        one exchange (phase "outer") of Δ_i and φ_i in fp32 (2 |θ|) with the round's peer
+        (`round_peers`, seeded as the run is): the ranks holding the same position in the
+        two paired replicas."""
+        self.require_plain_outer()
+        p = cfg.parallel
+        g, world, steps, H = p.group_size, p.world_size, cfg.run.steps, self.inner_steps
+        replicas, nbytes = world // g, 2 * facts.param_bytes
+        inner = replica_inner(cfg, facts, self.bucket_cap_mb)
+
+        def transfers(rank: int, step: int) -> list[Transfer]:
+            out = inner(rank)
+            if replicas == 1 or not round_ends(step, H, steps):
+                return out
+            peers = round_peers("random-matching", replicas, self.seed, step // H)[rank // g]
+            if not peers:
+                return out
+            peer = peers[0] * g + rank % g
+            return [*out, Transfer("outer", "exchange", (nbytes,), peers=(peer,),
+                                   peer_nbytes=(nbytes,))]
+
+        plain = local_update_traffic(cfg, H, inner, lambda rank: [], notes=outer_notes(cfg))
+        return Traffic(steps, transfers, period=plain.period, phases=plain.phases,
+                       notes=plain.notes)
 
 
 class NoLoCo(DiLoCo):

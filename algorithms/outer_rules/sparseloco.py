@@ -29,6 +29,7 @@ import torch
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.outer_rules import Sends
 from algorithms.outer_rules.sgd import SGDRule
+from algorithms.traffic import Transfer, cross_of
 
 MAX_CHUNK = 2 ** 15
 """A chunk's offsets travel as int16."""
@@ -123,7 +124,13 @@ def _unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
 
 class SparseLoCoRule(SGDRule):
     """The outer SGD step on the mean of the replicas' coded top-k of their error-feedback
-    accumulators (module docstring); one accumulator e_i per fragment and replica."""
+    accumulators (module docstring); one accumulator e_i per fragment and replica.
+
+    Not on shards (yet): its chunks would cut each rank's shards rather than the model, so
+    a sharded run would not equal the unsharded one (what tests/test_shard.py requires of
+    every strategy that shards)."""
+
+    shards = False
 
     def __init__(self, params, lr: float = 1.0, momentum: float = 0.0, nesterov: bool = True,
                  error_decay: float = 0.95, chunk_size: int = 4096, topk_per_chunk: int = 64,
@@ -222,6 +229,29 @@ class SparseLoCoConfig(DiLoCoConfig):
         if not 1 <= self.topk_per_chunk <= self.chunk_size:
             raise ValueError(f"strategy.topk_per_chunk must be in [1, chunk_size="
                              f"{self.chunk_size}], got {self.topk_per_chunk!r}")
+
+    def memory_terms(self, cfg, facts) -> dict[str, int]:
+        """DiLoCo's (the error feedback is the rule's state), + a round's buffers: the
+        chunked copy of e and what it sends (θ padded to whole chunks, each), every
+        replica's payload gathered, the decoded payload and the running sum (θ each)."""
+        terms = super().memory_terms(cfg, facts)
+        theta = facts.param_bytes
+        codec = ChunkCodec(theta // 4, self.chunk_size, self.topk_per_chunk, self.value_format)
+        replicas = cfg.parallel.world_size // cfg.parallel.group_size
+        terms["sparseloco: chunked e and the sent part"] = 2 * codec.chunks * self.chunk_size * 4
+        terms["sparseloco: gathered payloads"] = replicas * codec.payload_bytes
+        terms["sparseloco: decoded payload and the sum"] = 2 * theta
+        return terms
+
+    def outer_transfers(self, cfg, facts, rank: int) -> list[Transfer]:
+        """One all-gather of this rank's coded payload across the replicas (phase "outer")."""
+        p = cfg.parallel
+        if p.world_size // p.group_size == 1:
+            return []
+        codec = ChunkCodec(facts.param_bytes // 4, self.chunk_size, self.topk_per_chunk,
+                           self.value_format)
+        return [Transfer("outer", "all_gather", (codec.payload_bytes,),
+                         cross_of(rank, p.group_size, p.world_size))]
 
 
 class SparseLoCo(DiLoCo):
