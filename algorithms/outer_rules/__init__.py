@@ -82,8 +82,6 @@ class OuterRule:
 
     shards: ClassVar[bool] = True
     """Works on a rank's shards of θ (each rank's outer step on its own shards)."""
-    replicas_agree: ClassVar[bool] = True
-    """Every replica holds the same θ after a round (False: NoLoCo's, each its own)."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params

@@ -45,7 +45,6 @@ class NoLoCoRule(SGDRule):
     Not on shards (yet): the evaluated mean and the consensus metric would need the
     replica's shards gathered, and there is no sharded == unsharded test of it."""
 
-    replicas_agree = False
     shards = False
 
     def __init__(self, params, lr: float = 0.7, momentum: float = 0.5, nesterov: bool = False,
