@@ -236,7 +236,14 @@ class DiLoCoConfig(StrategyConfig):
 
     def traffic(self, cfg, facts) -> Traffic:
         """Every step the replica's inner traffic (phase "inner"); a round's last step
-        adds `outer_transfers` (algorithms/traffic.py)."""
+        adds `outer_transfers` (algorithms/traffic.py). Fragments, overlap or a codec:
+        algorithms/outer_traffic.py `streaming_traffic` (the default exchange's; a
+        subclass with an exchange of its own, `outer_transfers`, is refused them)."""
+        streams = (self.fragments, self.overlap_steps, self.outer_compression) != (1, 0, "none")
+        if streams and type(self).outer_transfers is DiLoCoConfig.outer_transfers:
+            from algorithms.outer_traffic import streaming_traffic
+
+            return streaming_traffic(self, cfg, facts, WIRE_BYTES[self.outer_grad_dtype])
         self.require_plain_outer()
         return local_update_traffic(cfg, self.inner_steps,
                                     replica_inner(cfg, facts, self.bucket_cap_mb),

@@ -260,11 +260,12 @@ def test_bad_streaming_config_fails_before_launch(override, message):
 
 
 def test_whatif_refuses_streaming_options_rather_than_pricing_them_as_diloco():
-    """commbench whatif's traffic description is DiLoCo's whole-model fp32 round: a streaming
-    or compressed config is refused (pricing it as DiLoCo would over-state its bytes)."""
+    """Pier's traffic description is DiLoCo's whole-model fp32 round after its lazy start:
+    a streaming or compressed Pier is refused (pricing it as that round would over-state
+    its bytes). DiLoCo's own are described: tests/test_whatif_streaming.py."""
     from algorithms.pier import PierConfig
 
-    for config in (DiLoCoConfig, PierConfig):
+    for config in (PierConfig,):
         for key, value in (("fragments", 2), ("overlap_steps", 1),
                            ("outer_compression", "int8")):
             with pytest.raises(ValueError, match=f"strategy.{key}=.* has no traffic desc"):

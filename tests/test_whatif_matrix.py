@@ -15,16 +15,15 @@ PIPELINE = "strategy.backend=deepspeed with a pipeline"
 REFUSED = {
     PIPELINE: "DeepSpeed's pipeline engine: its "
     "collectives reach the ledger without their groups (algorithms/pipeline.py)",
-    "strategy.fragments=": "streaming fragments: DiLoCo's described, not yet called "
-    "(algorithms/outer_traffic.py); Pier, SparseLoCo, NoLoCo: their own schedule or exchange",
+    "strategy.fragments=": "streaming fragments on a strategy with its own outer schedule "
+    "or exchange (Pier's lazy start, SparseLoCo, NoLoCo)",
     "strategy.overlap_steps=": "as fragments",
     "strategy.outer_compression=": "as fragments",
 }
 """Refusal message -> why it is still refused."""
-DESCRIBED_STREAMING: set[str] = set()
-"""Strategies whose streaming, overlapped and compressed rounds are priced: none yet
-(algorithms/outer_traffic.py describes DiLoCo's; DiLoCoConfig.traffic does not call it
-yet); "diloco" once it does."""
+DESCRIBED_STREAMING = {"diloco"}
+"""Strategies whose streaming, overlapped and compressed rounds are priced
+(algorithms/outer_traffic.py)."""
 
 
 @pytest.mark.slow
