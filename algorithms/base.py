@@ -19,13 +19,18 @@ forward/backward -> `after_backward` -> clip -> inner optimizer step -> `after_i
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from algorithms.contract import CriticalPath, StepStats, StrategyConfig, TrainSetup
+from algorithms.contract import (
+    CriticalPath,
+    StepStats,
+    StrategyConfig,
+    TrainSetup,
+    load_registered,
+)
 
 # name -> "module:Class". Imported lazily so `commbench --help` stays fast and a broken
 # optional backend cannot break the others.
@@ -43,10 +48,7 @@ STRATEGIES: dict[str, str] = {
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy.name must be one of {sorted(STRATEGIES)}, got {name!r}")
-    module_name, class_name = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return load_registered(STRATEGIES, name, "strategy.name")
 
 
 def config_class(name: str) -> type[StrategyConfig]:

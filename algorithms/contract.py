@@ -14,6 +14,7 @@ The Strategy classes that take and return them, and the registry: algorithms/bas
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -145,3 +146,12 @@ class TrainSetup:
     shard: str = "none"
     """`parallel.shard`: none, or fsdp (each data-parallel replica sharded over its ranks
     with FSDP2; algorithms/shard.py)."""
+
+
+def load_registered(table: dict[str, str], name: str, key: str):
+    """The class a registry row names ("module:Class"), imported only now; ValueError
+    naming the config `key` and the valid names for a name the table does not hold."""
+    if name not in table:
+        raise ValueError(f"{key} must be one of {sorted(table)}, got {name!r}")
+    module_name, class_name = table[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)

@@ -26,12 +26,13 @@ that a rule's file may subclass the strategy it plugs into.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+from algorithms.contract import load_registered
 
 if TYPE_CHECKING:
     from algorithms.comm import Group, Pending
@@ -47,10 +48,7 @@ RULES: dict[str, str] = {
 
 
 def rule_class(name: str) -> type[OuterRule]:
-    if name not in RULES:
-        raise ValueError(f"strategy.outer_optimizer must be one of {sorted(RULES)}, got {name!r}")
-    module_name, class_name = RULES[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return load_registered(RULES, name, "strategy.outer_optimizer")
 
 
 def rule_factory(name: str, config) -> Callable[[list[torch.Tensor]], OuterRule]:
