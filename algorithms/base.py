@@ -3,7 +3,7 @@
 The algorithms themselves (math, defaults, identities) are described in the project's
 docs/algorithms.md; this file is the interface the training loop relies on.
 
-The training loop (`bench/train.py`, exercised by `commbench run configs/ddp-tiny.yaml`)
+The training loop (`bench/run/train.py`, exercised by `commbench run configs/ddp-tiny.yaml`)
 knows only this interface: it never branches on an algorithm's name. A strategy is built
 from its own config dataclass and a `TrainSetup` (model, communicator, optimizer factory,
 ...), and the loop calls `train_step`, `evaluate`, `export_state`, `metrics`,
@@ -205,7 +205,7 @@ class Strategy:
         return None
 
     def summary_fields(self) -> dict:
-        """Fields for summary.json (bench/summary.py `Summary`), e.g. a pipeline's
+        """Fields for summary.json (bench/run/summary.py `Summary`), e.g. a pipeline's
         `bubble_fraction_theory`, per-stage peak memory, activation bytes per boundary.
 
         Called once on every rank at the end of the run, inside comm.phase("metrics") (it

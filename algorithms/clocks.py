@@ -50,7 +50,7 @@ def work_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
 
     CPU: the calling thread's CPU time when torch computes on it alone (one intra-op
     thread: what the loop sets where ranks share the cores). With several intra-op
-    threads each rank has cores of its own (bench/train.py gives a rank cores / local
+    threads each rank has cores of its own (bench/run/train.py gives a rank cores / local
     ranks threads), so there is no wait for a core to remove, and the process's CPU time
     would add up its threads (2 threads: twice the compute): the wall clock. CUDA: the
     wall clock (module docstring). The wall clock always after `set_compute_clock("wall")`."""

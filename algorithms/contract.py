@@ -33,7 +33,7 @@ class StrategyConfig:
 
     def check(self, cfg) -> None:
         """Cross-section validation against the whole run config `cfg` (the `Config` tree of
-        bench/config_schema.py: `cfg.parallel`, `cfg.run`, ...), called by the config
+        bench/config/schema.py: `cfg.parallel`, `cfg.run`, ...), called by the config
         validation before any process starts. Raise ValueError naming the key, the bad value
         and what is valid. Field-local checks belong in `__post_init__`; the default checks
         nothing.
@@ -54,7 +54,7 @@ class StrategyConfig:
     def traffic(self, cfg, facts):
         """What one rank sends in each step, described without training: an
         `algorithms.traffic.Traffic` built from the run config `cfg` and the model's
-        `TrafficFacts` (bench/whatif/engine.py prices it for `commbench whatif`). It must say
+        `TrafficFacts` (bench/study/whatif/engine.py prices it for `commbench whatif`). It must say
         what the strategy's own code records in the CommLedger (tests/test_whatif.py
         holds each description against real runs' ledgers). Default: not described."""
         raise ValueError(f"strategy.name={self.name!r} has no traffic description "

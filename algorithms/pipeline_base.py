@@ -62,7 +62,7 @@ class PipelineConfigBase(StrategyConfig):
         if partition not in PARTITIONS:
             raise ValueError(f"parallel.partition must be one of {list(PARTITIONS)}, "
                              f"got {partition!r}")
-        # more stages than blocks: checked by the harness (bench/config.py), which knows
+        # more stages than blocks: checked by the harness (bench/config/checks.py), which knows
         # the model; split_layers also refuses it when the stages are built
 
     def critical_path(self, num_stages: int, num_microbatches: int) -> CriticalPath:

@@ -7,7 +7,7 @@ config, to `StrategyConfig.traffic(cfg, facts)`, which returns a `Traffic`: for 
 and step, the `Transfer`s the rank issues in that step, in order, as the strategy's own
 code records them in its CommLedger (algorithms/comm.py: phase, op, group, logical
 bytes, and for DDP's buckets how far backward still has to go when each is launched).
-bench/whatif/engine.py prices them with the network model the run projections use
+bench/study/whatif/engine.py prices them with the network model the run projections use
 (bench/network/); tests/test_whatif.py holds every description against real runs'
 ledgers and projections.
 
