@@ -79,15 +79,23 @@ def span_s(attempts: list[dict]) -> float:
             - datetime.strptime(attempts[0]["start"], fmt)).total_seconds()
 
 
+LIMIT_STEPS = 100
+"""Steps of the time-limit test's run: at least a second each (tests/slurm/slow.yaml), so
+its training alone (~101 s) outlasts the latest warning (90 s into a 2-minute job) however
+fast the job starts. With 70 steps (~73 s) a job that started in ~8 s was warned at step
+66 or 67 of 70 (passes here): a warning on time, not early, let it finish in one attempt."""
+
+
 def test_a_run_longer_than_its_time_limit_finishes_after_requeues(tmp_path):
-    """A 2-minute job for ~80 s of training that cannot start before ~15 s: the warning
+    """A 2-minute job for ~100 s of training (LIMIT_STEPS) plus its start-up: the warning
     (SIGUSR2, 30 s before the limit, or up to 60 s earlier) stops it with a checkpoint,
-    the job requeues itself, continues, and the run ends ok, bit-exact; the clock counts
-    training, not the wait."""
-    config = base(70)
+    the job requeues itself, continues (each attempt trains ~50-80 steps; a loaded machine
+    or early warnings need more attempts, hence max_requeues 6), and the run ends ok,
+    bit-exact; the clock counts training, not the wait."""
+    config = base(LIMIT_STEPS)
     expected = reference_rows(tmp_path, config)
     result = run_sweep(spec(tmp_path, "limit", config, timeout_min=2, signal_delay_s=30,
-                            max_requeues=4), report=False)
+                            max_requeues=6), report=False)
     run = only_run(result)
     summary = run.read_summary()
     assert result.ok and summary["status"] == "ok", summary.get("error")
