@@ -8,6 +8,7 @@
     commbench compare results/before results/after --tolerance 0
     commbench track results/quickstart --to tensorboard --set dir=tb
     commbench claims [NAME ...] [--scale tiny|cpu|small|paper] [--dry-run] [--report-only]
+                     [--study SPEC ...]
     commbench config show configs/ddp-tiny.yaml
     commbench data prepare embedded
     commbench doctor                    # first thing on a new GPU node: a pass/fail report
@@ -135,14 +136,15 @@ def _cmd_claims(args) -> int:
                         *([f"--report-dir {args.report_dir}"]
                           if args.report_dir != "reports/claims" else []),
                         *([f"--results-page {args.results_page}"] if args.results_page
-                          else [])])
+                          else []),
+                        *(f"--study {path}" for path in args.study)])
     page = run_claims(args.names or None, scale=args.scale, seeds=args.seeds,
                       claims_dir=args.claims_dir, output_dir=args.output_dir,
                       report_dir=args.report_dir, executor=args.executor,
                       max_parallel=args.max_parallel, dry_run=args.dry_run,
                       runner=run_and_evaluate,  # eval.* metrics need the self-evaluation
                       train=not args.report_only, results_page=args.results_page,
-                      command=command)
+                      command=command, studies=args.study)
     return 0 if page is not None or args.dry_run else 1
 
 
@@ -291,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     claims.add_argument("--results-page", metavar="PATH",
                         help="also write the page, without figures, to PATH (.md, and "
                         ".html beside it), e.g. docs/results.md")
+    claims.add_argument("--study", action="append", default=[], metavar="SPEC",
+                        help="a study sweep to run after the claims, its report's study "
+                             "sections added to the page (repeatable), e.g. "
+                             "configs/sweeps/delay-study-cpu.yaml")
     claims.set_defaults(func=_cmd_claims)
 
     ev = sub.add_parser("eval", help="evaluate a finished run with lm-eval")

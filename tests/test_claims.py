@@ -417,3 +417,81 @@ def test_results_page_sets_the_papers_rows_beside_ours(tmp_path, monkeypatch):
     assert calls == [] and toy_json["verdict"] == INCONCLUSIVE
     assert toy_json["rules"][0]["n"] == 0
     assert toy_json["notes"][0].startswith("6 record(s) of configs this claim file no longer")
+
+
+def delay_runner(cfg, run_dir, progress=True) -> dict:
+    """A delay study's run in milliseconds: the delay costs 0.2 nats, EF wins half back."""
+    loss = 2.0 + 0.05 * cfg.run.seed + 0.2 * cfg.optim.delay
+    if cfg.optim.delay_correction == "ef":
+        loss -= 0.1
+    rows = [val_row(10, 200, 2.0, {}, loss)]
+    n, seq_len = cfg.run.val_sequences, cfg.model.seq_len
+    summary = make_summary(status="ok", run_name=cfg.run.name, config_hash=config_hash(cfg),
+                           strategy=cfg.strategy.name, world_size=cfg.parallel.world_size,
+                           steps=10, total_tokens=200, wall_s=2.0, final_val_loss=loss,
+                           val_set={"id": f"{n:06d}{seq_len:06d}", "sequences": n,
+                                    "seq_len": seq_len, "tokens": n * seq_len})
+    write_fake_run(run_dir, to_yaml(cfg), rows, summary)
+    return {**summary, "run_dir": str(run_dir)}
+
+
+def claims_dir_with_a_toy(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    base = {"run": {"name": "base", "steps": 10}, "model": {"preset": "tiny", "seq_len": 32},
+            "data": {"corpus": "embedded", "batch_size": 4}, "parallel": {"world_size": 2},
+            "strategy": {"name": "ddp"}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    (tmp_path / "claims").mkdir()
+    write_claim(tmp_path / "claims", {})
+    return tmp_path / "claims"
+
+
+def write_study(path: Path, ef: dict | None = None) -> Path:
+    spec = {"name": "delay-toy", "description": "A toy delay study.", "output_dir": "results",
+            "base": {"run": {"name": "delay", "steps": 10, "val_sequences": 16},
+                     "model": {"preset": "tiny", "seq_len": 32},
+                     "data": {"corpus": "embedded", "batch_size": 4},
+                     "parallel": {"world_size": 1}, "strategy": {"name": "ddp"}},
+            "seeds": [0, 1, 2],
+            "variants": {"adamw-sync": {"optim.delay": 0}, "adamw-delayed": {"optim.delay": 1},
+                         "adamw-ef": {"optim.delay": 1, "optim.delay_correction": "ef",
+                                      **(ef or {})}}}
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_study_follows_the_claims_on_the_results_page(tmp_path, monkeypatch):
+    """`--study`: the sweep is trained (once), and its delay section, with the gaps and
+    what EF recovers computed from the records, is on both pages; the results page has no
+    figure."""
+    claims = claims_dir_with_a_toy(tmp_path, monkeypatch)
+    study = write_study(tmp_path / "study.yaml")
+    calls = []
+
+    def runner(*a, **k):
+        calls.append(a)
+        return delay_runner(*a, **k)
+
+    run_claims(claims_dir=claims, output_dir="results", report_dir="report",
+               runner=runner, results_page=tmp_path / "results.md", studies=[str(study)])
+    assert sum(a[0].run.name.startswith("adamw") for a in calls) == 9
+    page = (tmp_path / "results.md").read_text()
+    assert "# Studies" in page and "Study delay-toy" in page and "One-step delay" in page
+    assert "| delayed + EF | 3 (3) | 2.15 ± 0.12 (n=3) | 0.1 ± 0 (n=3; paired) | 50.0% |" in page
+    assert "| 0.2 ± 0 (n=3; paired) |" in page and "9 recorded ok" in page
+    assert "png" not in page
+    assert "One-step delay" in (tmp_path / "report" / "claims.md").read_text()
+    assert (tmp_path / "report" / "figures" / "delay_gaps.png").exists()
+    calls.clear()
+    run_claims(claims_dir=claims, output_dir="results", report_dir="report",
+               runner=runner, train=False, studies=[str(study)])
+    assert calls == []
+
+
+def test_a_study_refuses_runs_of_two_validation_sets(tmp_path, monkeypatch):
+    """A cell scored on another validation set is not compared with the others."""
+    claims = claims_dir_with_a_toy(tmp_path, monkeypatch)
+    study = write_study(tmp_path / "study.yaml", ef={"run.val_sequences": 32})
+    with pytest.raises(ValueError, match="validation set"):
+        run_claims(claims_dir=claims, output_dir="results", report_dir="report",
+                   runner=delay_runner, studies=[str(study)])

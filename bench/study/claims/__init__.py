@@ -3,7 +3,8 @@
     commbench claims --dry-run                 # the claims and the runs each needs
     commbench claims                           # run (or resume) every claim at tiny scale
     commbench claims diloco-matches-ddp --scale small --seeds 5
-    commbench claims --scale cpu --report-only --results-page docs/results.md
+    commbench claims --scale cpu --report-only --results-page docs/results.md \
+        --study configs/sweeps/delay-study-cpu.yaml
 
 Each claim file in configs/claims/ holds the sweep it needs, the metric, the comparison,
 the acceptance rule (written before the runs) and the paper's numbers with their source
@@ -14,6 +15,9 @@ writes REPORT_DIR/claims.{md,html,json} (bench/study/claims/page.py), and with
 `--results-page PATH` that page without figures at PATH (.md and .html; docs/results.md
 holds the cpu scale's). A claim whose sweep does not validate (a strategy or option not
 built yet) is listed as "not yet runnable" with the reason, never as passed.
+`--study SPEC` (repeatable) adds a study sweep after the claims: trained like a claim's
+(resumable), and its report's study sections (the one-step-delay table,
+bench/study/report/studies.py) appended to the page, over the runs the spec asks for now.
 `--report-only` trains nothing: each claim is decided from the records its sweep already
 holds (a partial sweep on the seeds it has); one with none at this scale is "not run".
 """
@@ -62,10 +66,11 @@ def run_claims(names: list[str] | None = None, *, scale: str = "tiny", seeds: in
                executor: str | None = None, max_parallel: int | None = None,
                dry_run: bool = False, runner=None, train: bool = True,
                results_page: str | os.PathLike | None = None,
-               command: str = "") -> Path | None:
+               command: str = "", studies: list[str] | tuple[str, ...] = ()) -> Path | None:
     """Run and decide the claims; returns the page's HTML path (None on a dry run).
     `train` False: decide from the records already there (`--report-only`);
-    `results_page`: also that page, without figures (`command` is said to write it)."""
+    `results_page`: also that page, without figures (`command` is said to write it);
+    `studies`: sweep specs whose study sections follow the claims."""
     from bench.study.sweep import load_spec, run_sweep
 
     report_dir = records.check_report_dir(report_dir, "claims --report-dir")
@@ -112,14 +117,50 @@ def run_claims(names: list[str] | None = None, *, scale: str = "tiny", seeds: in
         print(f"claim {claim.name}: {result.verdict}"
               + (f" ({result.reason})" if result.reason else ""))
         results.append(result)
+    sections = [_study(Path(path), report_dir, train=train, dry_run=dry_run,
+                       executor=executor, max_parallel=max_parallel, runner=runner)
+                for path in studies]
     if dry_run:
         return None
-    page = _write(results, steps, scale, report_dir, results_page, command)
+    page = _write(results, steps, scale, report_dir, results_page, command,
+                  [block for section in sections for block in section])
     print(f"claims page: {page}" + (f"; results page: {results_page}" if results_page else ""))
     return page
 
 
-def _write(results, steps, scale, report_dir, results_page, command) -> Path:
+def _study(spec_path: Path, report_dir: Path, *, train: bool, dry_run: bool, executor,
+           max_parallel, runner) -> list[tuple]:
+    """A study sweep's sections for the page: trained first unless `train` is False; only
+    the runs the spec asks for now are read (a note names older records left out)."""
+    from bench.study.report import studies
+    from bench.study.report.load import load_results
+    from bench.study.sweep import load_spec, run_sweep
+
+    spec = load_spec(spec_path)
+    print(f"study {spec.name}: {spec.description or spec_path.as_posix()}")
+    if train:
+        run_sweep(spec_path, dry_run=dry_run, executor=executor, max_parallel=max_parallel,
+                  report=False, runner=runner)
+    if dry_run:
+        return []
+    heading = ("h2", f"Study {spec.name}")
+    if not spec.sweep_dir.is_dir():
+        return [heading, ("p", f"Not run: no records in {spec.sweep_dir.as_posix()} "
+                               f"(`commbench sweep {spec_path.as_posix()}` trains its "
+                               f"{len(spec.runs)} runs).")]
+    res = load_results(spec.sweep_dir)
+    runs, steps, left_out = _current_records(res.runs, res.steps,
+                                             {run.run_id for run in spec.runs})
+    res.runs, res.steps = runs, steps
+    done = int((runs["status"] == "ok").sum())
+    text = (f"{spec.description} Spec: {spec_path.as_posix()} ({len(spec.runs)} runs; "
+            f"{done} recorded ok).")
+    blocks = studies.delay_blocks(res, report_dir, tag=f" ({spec.name})")
+    return [heading, ("p", " ".join([text, *left_out])),
+            *(blocks or [("p", "No study section applies to these runs.")])]
+
+
+def _write(results, steps, scale, report_dir, results_page, command, study_blocks) -> Path:
     from bench.study.claims.page import write_page
 
-    return write_page(results, steps, scale, report_dir, results_page, command)
+    return write_page(results, steps, scale, report_dir, results_page, command, study_blocks)

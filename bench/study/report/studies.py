@@ -55,6 +55,13 @@ def blocks(res: Results, out_dir: Path, target_loss: float | None, speedup: pd.D
 # ------------------------------------------------------------------------- delay study
 
 
+def delay_blocks(res: Results, out_dir: Path, tag: str = "") -> list[tuple]:
+    """The delay study's section alone (none when it does not apply): the study sections
+    of `commbench claims --study` (bench/study/claims/__init__.py)."""
+    cells = delay_study(res.runs)
+    return [] if cells is None else _delay_blocks(cells, out_dir, "", tag)
+
+
 def _finals(part: pd.DataFrame) -> dict:
     ok = part[part["status"] == "ok"]
     key = "seed" if ok["seed"].is_unique else "run_id"
