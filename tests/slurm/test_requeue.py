@@ -79,23 +79,30 @@ def span_s(attempts: list[dict]) -> float:
             - datetime.strptime(attempts[0]["start"], fmt)).total_seconds()
 
 
-LIMIT_STEPS = 100
+LIMIT_STEPS = 190
 """Steps of the time-limit test's run: at least a second each (tests/slurm/slow.yaml), so
-its training alone (~101 s) outlasts the latest warning (90 s into a 2-minute job) however
-fast the job starts. With 70 steps (~73 s) a job that started in ~8 s was warned at step
-66 or 67 of 70 (passes here): a warning on time, not early, let it finish in one attempt."""
+its training alone (~192 s) outlasts the latest warning (180 s into its 4-minute job)
+however fast the job starts. Learned here: with 70 steps in a 2-minute job (warning at 90
+s, or up to ~30 s earlier) a job that started in ~8 s was warned at step 66 or 67 of 70, a
+hair from finishing in one attempt; and on a machine loaded ~10x (load 21 on 2 cores), a
+requeued job took ~90 s to start its ranks, past a warning that came 58 s into the job, so
+its attempts trained nothing and the third hit the time limit while stopping."""
+LIMIT_MIN, WARN_S = 4, 60
+"""The job's time limit and its warning's delay: the warning comes ~150-180 s into the
+job, after a slow start-up, and leaves the stop 60-90 s (checkpoint, exit, requeue)."""
 
 
+@pytest.mark.timeout(2400)  # up to 7 attempts of 4 minutes on a loaded machine
 def test_a_run_longer_than_its_time_limit_finishes_after_requeues(tmp_path):
-    """A 2-minute job for ~100 s of training (LIMIT_STEPS) plus its start-up: the warning
-    (SIGUSR2, 30 s before the limit, or up to 60 s earlier) stops it with a checkpoint,
-    the job requeues itself, continues (each attempt trains ~50-80 steps; a loaded machine
-    or early warnings need more attempts, hence max_requeues 6), and the run ends ok,
-    bit-exact; the clock counts training, not the wait."""
+    """A 4-minute job for ~190 s of training (LIMIT_STEPS) plus its start-up: the warning
+    (SIGUSR2, 60 s before the limit, or up to ~30 s earlier) stops it with a checkpoint,
+    the job requeues itself, continues (usually 2 attempts; a loaded machine or early
+    warnings need more, hence max_requeues 6), and the run ends ok, bit-exact; the clock
+    counts training, not the wait."""
     config = base(LIMIT_STEPS)
     expected = reference_rows(tmp_path, config)
-    result = run_sweep(spec(tmp_path, "limit", config, timeout_min=2, signal_delay_s=30,
-                            max_requeues=6), report=False)
+    result = run_sweep(spec(tmp_path, "limit", config, timeout_min=LIMIT_MIN,
+                            signal_delay_s=WARN_S, max_requeues=6), report=False)
     run = only_run(result)
     summary = run.read_summary()
     assert result.ok and summary["status"] == "ok", summary.get("error")
