@@ -9,8 +9,9 @@ from its own config dataclass and a `TrainSetup` (model, communicator, optimizer
 ...), and the loop calls `train_step`, `evaluate`, `export_state`, `metrics`,
 `state_dict`/`load_state_dict`. Those plain data classes (`StrategyConfig`, `TrainSetup`,
 `StepStats`, `CriticalPath`) live in algorithms/contract.py; this file holds the registry
-(`STRATEGIES`), the helpers strategies share (`set_lr`, `mean_loss`, `materialize`,
-`unwrap`, ...) and the Strategy classes.
+(`STRATEGIES`, `strategy_of(cfg)`), the helpers strategies share (`set_lr`, `mean_loss`,
+`materialize`, `unwrap`, ...) and the Strategy classes, which also make a config's plans
+before launch (`memory_terms`, `traffic`: classmethods).
 
 Data-parallel strategies subclass `DataParallelStrategy`, whose step is
 forward/backward -> `after_backward` -> clip -> inner optimizer step -> `after_inner_step`.
@@ -53,6 +54,13 @@ def strategy_class(name: str) -> type[Strategy]:
 
 def config_class(name: str) -> type[StrategyConfig]:
     return strategy_class(name).Config
+
+
+def strategy_of(cfg) -> type[Strategy]:
+    """The Strategy class of run config `cfg`'s strategy section, whose classmethods make
+    its plans before launch: `strategy_of(cfg).memory_terms(cfg, facts)`, `.traffic(cfg,
+    facts)`."""
+    return strategy_class(cfg.strategy.name)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -124,9 +132,35 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 class Strategy:
-    """Base of every strategy. Subclasses set `Config` and implement the methods below."""
+    """Base of every strategy. Subclasses set `Config` and implement the methods below.
+
+    Before launch, without building anything, the class answers for its config (the run
+    config's `cfg.strategy`, plain data: algorithms/contract.py) with its memory plan
+    (`memory_terms`) and its traffic description (`traffic`), classmethods beside the code
+    whose allocations and records they describe; subclasses extend them through super().
+    """
 
     Config: type[StrategyConfig] = StrategyConfig
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """One rank's memory plan in bytes by term for run config `cfg`, before launch
+        (bench/memory.py hands the measured `algorithms.memory.MemoryFacts`). Default:
+        parameters, gradients, optimizer state and one microbatch's activations
+        (`facts.base_terms()`)."""
+        return facts.base_terms()
+
+    @classmethod
+    def traffic(cls, cfg, facts):
+        """What one rank sends in each step, described without training: an
+        `algorithms.traffic.Traffic` built from the run config `cfg` and the model's
+        `TrafficFacts` (bench/study/whatif/engine.py prices it for `commbench whatif`). It
+        must say what the strategy's own code records in the CommLedger
+        (tests/test_whatif.py holds each description against real runs' ledgers).
+        Default: not described."""
+        raise ValueError(f"strategy.name={cfg.strategy.name!r} has no traffic description "
+                         f"({cls.__name__}.traffic, algorithms/base.py Strategy.traffic): "
+                         "commbench whatif cannot price it")
 
     def __init__(self, config: StrategyConfig, setup: TrainSetup):
         self.config = config

@@ -2,9 +2,14 @@
 
     pytest tests/test_ddp.py   (a strategy built from a TrainSetup, its StepStats read back)
 
-- `StrategyConfig`: the base of every strategy's config section (its fields, and the
-  hooks the harness asks before launch: `check`, `update_delay`, `memory_terms`,
-  `traffic`); `require_data_parallel`, the rule data-parallel strategies share;
+- `StrategyConfig`: the base of every strategy's config section. A config is data: its
+  fields with their defaults and documentation, `__post_init__` (field-local ranges),
+  `check` (cross-section refusals), `update_delay`, and small values derived from its
+  fields that the running strategy itself uses (e.g. DiLoCo's `codec()`, `outer_rule()`,
+  a pipeline's `critical_path`). The plans made from it before launch live beside the
+  strategy, on its class (algorithms/base.py `Strategy.memory_terms`, `Strategy.traffic`,
+  classmethods taking the run config; `strategy_of(cfg)` finds the class);
+  `require_data_parallel`, the rule data-parallel strategies share;
 - `TrainSetup`: everything the harness hands a strategy (model, communicator, optimizer
   factory, batch layout, precision);
 - `StepStats`: what one `train_step` reports to the loop;
@@ -26,7 +31,8 @@ from algorithms.comm import Communicator
 
 @dataclass
 class StrategyConfig:
-    """Fields common to every strategy; each strategy subclasses this with its own knobs."""
+    """Fields common to every strategy; each strategy subclasses this with its own knobs
+    (fields, defaults, checks; its memory and traffic plans: its Strategy class)."""
 
     name: str = "ddp"
     """Which algorithm runs: one of the registered strategy names."""
@@ -44,21 +50,6 @@ class StrategyConfig:
         were taken at: `optim.delay` (the emulation) unless the strategy delays updates
         itself (PipeDream-2BW). A delay correction (`optim.delay_correction`) needs >= 1."""
         return cfg.optim.delay
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """One rank's memory plan in bytes by term, before launch (bench/memory.py hands
-        the measured `algorithms.memory.MemoryFacts`). Default: parameters, gradients,
-        optimizer state and one microbatch's activations (`facts.base_terms()`)."""
-        return facts.base_terms()
-
-    def traffic(self, cfg, facts):
-        """What one rank sends in each step, described without training: an
-        `algorithms.traffic.Traffic` built from the run config `cfg` and the model's
-        `TrafficFacts` (bench/study/whatif/engine.py prices it for `commbench whatif`). It must say
-        what the strategy's own code records in the CommLedger (tests/test_whatif.py
-        holds each description against real runs' ledgers). Default: not described."""
-        raise ValueError(f"strategy.name={self.name!r} has no traffic description "
-                         "(StrategyConfig.traffic): commbench whatif cannot price it")
 
 
 def require_data_parallel(config: StrategyConfig, cfg) -> None:

@@ -100,44 +100,6 @@ class DDPConfig(StrategyConfig):
             require_deepspeed(cfg, self.zero_stage)
 
 
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """torch DDP: + its gradient buckets (a second copy of the gradients). ZeRO-1:
-        optimizer state over the ranks (+ the flat fp32 partition); ZeRO-2: gradients too."""
-        n = cfg.parallel.world_size
-        if cfg.parallel.shard == "fsdp":  # FSDP2 over every rank
-            return {**facts.sharded(n).base_terms(), **fsdp_terms(facts)}
-        terms = facts.base_terms()
-        if self.backend == "torch":
-            if n > 1:
-                terms["DDP gradient buckets"] = facts.param_bytes
-            return terms
-        if self.zero_stage >= 1:
-            terms = shard_terms(terms, ("optimizer",), n)
-            terms["ZeRO: flat fp32 partition"] = facts.param_bytes // n
-        if self.zero_stage >= 2:
-            terms = shard_terms(terms, ("gradients",), n)
-        return terms
-
-    def traffic(self, cfg, facts) -> Traffic:
-        """Every step: torch DDP's bucket all-reduces over the world (phase "train"), or
-        the sharded replica's FSDP2 collectives; DeepSpeed's engine: what its comms logger
-        records (algorithms/zero.py `zero_traffic`)."""
-        world, M = cfg.parallel.world_size, cfg.parallel.num_microbatches
-        if self.backend != "torch":
-            from algorithms.zero import zero_traffic
-
-            return zero_traffic(cfg, facts, self.zero_stage)
-        if cfg.parallel.shard == "fsdp":
-            step, notes = fsdp_step(facts, world, None, "train", M, cfg.optim.grad_clip), \
-                [FSDP_ASSUMPTION]
-        elif world > 1:
-            step, notes = [ddp_buckets(facts, self.bucket_cap_mb, "train", None, M)], \
-                [DDP_ASSUMPTION]
-        else:
-            step, notes = [], []
-        return Traffic(cfg.run.steps, lambda rank, s: step, notes=notes)
-
-
 DEEPSPEED_REFUSES = {
     "muon": "Muon + AdamW is two torch optimizers, DeepSpeed wraps one",
     "soap": "ZeRO-1/2 hand the optimizer flat 1-D partitions, on which SOAP's Kronecker "
@@ -322,6 +284,46 @@ class DDP(DataParallelStrategy):
     """
 
     Config = DDPConfig
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """torch DDP: + its gradient buckets (a second copy of the gradients). ZeRO-1:
+        optimizer state over the ranks (+ the flat fp32 partition); ZeRO-2: gradients too."""
+        config, n = cfg.strategy, cfg.parallel.world_size
+        if cfg.parallel.shard == "fsdp":  # FSDP2 over every rank
+            return {**facts.sharded(n).base_terms(), **fsdp_terms(facts)}
+        terms = facts.base_terms()
+        if config.backend == "torch":
+            if n > 1:
+                terms["DDP gradient buckets"] = facts.param_bytes
+            return terms
+        if config.zero_stage >= 1:
+            terms = shard_terms(terms, ("optimizer",), n)
+            terms["ZeRO: flat fp32 partition"] = facts.param_bytes // n
+        if config.zero_stage >= 2:
+            terms = shard_terms(terms, ("gradients",), n)
+        return terms
+
+    @classmethod
+    def traffic(cls, cfg, facts) -> Traffic:
+        """Every step: torch DDP's bucket all-reduces over the world (phase "train"), or
+        the sharded replica's FSDP2 collectives; DeepSpeed's engine: what its comms logger
+        records (algorithms/zero.py `zero_traffic`)."""
+        config = cfg.strategy
+        world, M = cfg.parallel.world_size, cfg.parallel.num_microbatches
+        if config.backend != "torch":
+            from algorithms.zero import zero_traffic
+
+            return zero_traffic(cfg, facts, config.zero_stage)
+        if cfg.parallel.shard == "fsdp":
+            step, notes = fsdp_step(facts, world, None, "train", M, cfg.optim.grad_clip), \
+                [FSDP_ASSUMPTION]
+        elif world > 1:
+            step, notes = [ddp_buckets(facts, config.bucket_cap_mb, "train", None, M)], \
+                [DDP_ASSUMPTION]
+        else:
+            step, notes = [], []
+        return Traffic(cfg.run.steps, lambda rank, s: step, notes=notes)
 
     def __init__(self, config: DDPConfig, setup: TrainSetup):
         super().__init__(config, setup)

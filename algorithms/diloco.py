@@ -171,90 +171,6 @@ class DiLoCoConfig(StrategyConfig):
         DiLoCo, Pier and Streaming DiLoCo (one rule per fragment) take their rule."""
         return rule_factory(self.outer_optimizer, self)
 
-    def outer_states(self) -> int:
-        """|θ|-sized tensors of outer rule state per parameter (SGD's momentum, Adam's
-        two, SparseLoCo's error feedback, ...: the rule's `states`)."""
-        return self.rule().states(self)
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """+ the global θ and its outer state (on the CPU with offload_outer), the round's
-        pseudo-gradient in the wire dtype (and its fp32 copy as θ's gradient when the two
-        differ), the evaluation copy of θ, and intra-group DDP buckets. Sharded (FSDP2 in
-        each replica): the replica's shards and FSDP's gathered units, θ and its outer
-        state per shard (|θ| / group_size), θ swapped in for evaluation instead of a copy."""
-        sharded = cfg.parallel.shard == "fsdp"
-        if sharded:
-            facts = facts.sharded(cfg.parallel.group_size)
-        terms = facts.base_terms()
-        if sharded:
-            terms.update(fsdp_terms(facts))
-        theta = facts.param_bytes // facts.shard  # each rank steps its own shard of θ
-        host = HOST if self.offload_outer else ""
-        terms[f"{host}outer: global θ"] = theta
-        terms[f"{host}outer: optimizer state"] = self.outer_states() * theta
-        wire = WIRE_BYTES[self.outer_grad_dtype]
-        terms["outer: pseudo-gradient buffer"] = theta * wire // 4
-        if wire != 4 or self.offload_outer:
-            terms[f"{host}outer: θ's gradient (fp32 copy)"] = theta
-        terms["evaluation: the replica's shard kept while θ is swapped in" if sharded
-              else "evaluation copy of θ"] = theta
-        if cfg.parallel.group_size > 1 and not sharded:
-            terms["DDP gradient buckets (inside the replica)"] = facts.param_bytes
-        terms.update(self.streaming_terms(facts, theta))
-        return terms
-
-    def streaming_terms(self, facts, theta: int) -> dict[str, int]:
-        """Compression and overlap: the codec's buffers (a fragment's coded Δ sent and
-        received, its fp32 decode, the top-k error feedback of all of θ); an exchange in
-        flight (its Δ and result, the largest fragment's)."""
-        terms: dict[str, int] = {}
-        blocks = max(1, (facts.param_bytes - facts.root_param_bytes)
-                     // max(1, facts.unit_param_bytes))
-        largest = min(theta, (facts.root_param_bytes + -(-blocks // self.fragments)
-                              * facts.unit_param_bytes) // facts.shard)
-        if self.outer_compression != "none":
-            coded = int(largest // 4 * self.outer_bytes_per_element())
-            terms["outer: coded pseudo-gradient (sent, received)"] = 2 * coded
-            terms["outer: fp32 pseudo-gradient being coded"] = largest
-        if self.outer_compression == "topk":
-            terms["outer: top-k error feedback"] = theta
-        if self.overlap_steps > 0:
-            terms["outer: exchange in flight (Δ and its result)"] = 2 * largest
-        return terms
-
-    def require_plain_outer(self) -> None:
-        """The traffic description covers DiLoCo's whole-model, uncompressed outer round
-        only: Streaming DiLoCo's fragments, overlap and compressed exchanges are refused
-        rather than priced as that round (which would over-state their bytes)."""
-        streaming = {"fragments": (self.fragments, 1), "overlap_steps": (self.overlap_steps, 0),
-                     "outer_compression": (self.outer_compression, "none")}
-        for key, (value, plain) in streaming.items():
-            if value != plain:
-                raise ValueError(f"strategy.{key}={value!r} has no traffic description yet "
-                                 "(DiLoCoConfig.traffic): commbench whatif cannot price "
-                                 f"it; {key}={plain!r} can be")
-
-    def traffic(self, cfg, facts) -> Traffic:
-        """Every step the replica's inner traffic (phase "inner"); a round's last step
-        adds `outer_transfers` (algorithms/traffic.py). Fragments, overlap or a codec:
-        algorithms/outer_traffic.py `streaming_traffic` (the default exchange's; a
-        subclass with an exchange of its own, `outer_transfers`, is refused them)."""
-        streams = (self.fragments, self.overlap_steps, self.outer_compression) != (1, 0, "none")
-        if streams and type(self).outer_transfers is DiLoCoConfig.outer_transfers:
-            from algorithms.outer_traffic import streaming_traffic
-
-            return streaming_traffic(self, cfg, facts, WIRE_BYTES[self.outer_grad_dtype])
-        self.require_plain_outer()
-        return local_update_traffic(cfg, self.inner_steps,
-                                    replica_inner(cfg, facts, self.bucket_cap_mb),
-                                    lambda rank: self.outer_transfers(cfg, facts, rank),
-                                    notes=outer_notes(cfg))
-
-    def outer_transfers(self, cfg, facts, rank: int) -> list[Transfer]:
-        """What `rank` sends when a round closes: one all-reduce of its θ in the wire dtype
-        (the one place an outer step says what it sends, e.g. fragments, compression)."""
-        return outer_all_reduce(cfg, facts, rank, WIRE_BYTES[self.outer_grad_dtype])
-
 
 class DiLoCo(DataParallelStrategy):
     """DiLoCo (Douillard et al. 2023, arXiv 2311.08105), with hierarchical replica groups,
@@ -283,6 +199,104 @@ class DiLoCo(DataParallelStrategy):
     """
 
     Config = DiLoCoConfig
+
+    # ------------------------------------------------------------- plans, before launch
+
+    @classmethod
+    def outer_states(cls, config: DiLoCoConfig) -> int:
+        """|θ|-sized tensors of outer rule state per parameter (SGD's momentum, Adam's
+        two, SparseLoCo's error feedback, ...: the rule's `states`)."""
+        return config.rule().states(config)
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """+ the global θ and its outer state (on the CPU with offload_outer), the round's
+        pseudo-gradient in the wire dtype (and its fp32 copy as θ's gradient when the two
+        differ), the evaluation copy of θ, and intra-group DDP buckets. Sharded (FSDP2 in
+        each replica): the replica's shards and FSDP's gathered units, θ and its outer
+        state per shard (|θ| / group_size), θ swapped in for evaluation instead of a copy."""
+        config = cfg.strategy
+        sharded = cfg.parallel.shard == "fsdp"
+        if sharded:
+            facts = facts.sharded(cfg.parallel.group_size)
+        terms = facts.base_terms()
+        if sharded:
+            terms.update(fsdp_terms(facts))
+        theta = facts.param_bytes // facts.shard  # each rank steps its own shard of θ
+        host = HOST if config.offload_outer else ""
+        terms[f"{host}outer: global θ"] = theta
+        terms[f"{host}outer: optimizer state"] = cls.outer_states(config) * theta
+        wire = WIRE_BYTES[config.outer_grad_dtype]
+        terms["outer: pseudo-gradient buffer"] = theta * wire // 4
+        if wire != 4 or config.offload_outer:
+            terms[f"{host}outer: θ's gradient (fp32 copy)"] = theta
+        terms["evaluation: the replica's shard kept while θ is swapped in" if sharded
+              else "evaluation copy of θ"] = theta
+        if cfg.parallel.group_size > 1 and not sharded:
+            terms["DDP gradient buckets (inside the replica)"] = facts.param_bytes
+        terms.update(cls.streaming_terms(config, facts, theta))
+        return terms
+
+    @classmethod
+    def streaming_terms(cls, config: DiLoCoConfig, facts, theta: int) -> dict[str, int]:
+        """Compression and overlap: the codec's buffers (a fragment's coded Δ sent and
+        received, its fp32 decode, the top-k error feedback of all of θ); an exchange in
+        flight (its Δ and result, the largest fragment's)."""
+        terms: dict[str, int] = {}
+        blocks = max(1, (facts.param_bytes - facts.root_param_bytes)
+                     // max(1, facts.unit_param_bytes))
+        largest = min(theta, (facts.root_param_bytes + -(-blocks // config.fragments)
+                              * facts.unit_param_bytes) // facts.shard)
+        if config.outer_compression != "none":
+            coded = int(largest // 4 * config.outer_bytes_per_element())
+            terms["outer: coded pseudo-gradient (sent, received)"] = 2 * coded
+            terms["outer: fp32 pseudo-gradient being coded"] = largest
+        if config.outer_compression == "topk":
+            terms["outer: top-k error feedback"] = theta
+        if config.overlap_steps > 0:
+            terms["outer: exchange in flight (Δ and its result)"] = 2 * largest
+        return terms
+
+    @classmethod
+    def require_plain_outer(cls, config: DiLoCoConfig) -> None:
+        """The traffic description covers DiLoCo's whole-model, uncompressed outer round
+        only: Streaming DiLoCo's fragments, overlap and compressed exchanges are refused
+        rather than priced as that round (which would over-state their bytes)."""
+        streaming = {"fragments": (config.fragments, 1),
+                     "overlap_steps": (config.overlap_steps, 0),
+                     "outer_compression": (config.outer_compression, "none")}
+        for key, (value, plain) in streaming.items():
+            if value != plain:
+                raise ValueError(f"strategy.{key}={value!r} has no traffic description yet "
+                                 f"({cls.__name__}.traffic): commbench whatif cannot price "
+                                 f"it; {key}={plain!r} can be")
+
+    @classmethod
+    def traffic(cls, cfg, facts) -> Traffic:
+        """Every step the replica's inner traffic (phase "inner"); a round's last step
+        adds `outer_transfers` (algorithms/traffic.py). Fragments, overlap or a codec:
+        algorithms/outer_traffic.py `streaming_traffic` (the default exchange's; a
+        subclass with an exchange of its own, `outer_transfers`, is refused them)."""
+        config = cfg.strategy
+        streams = (config.fragments, config.overlap_steps,
+                   config.outer_compression) != (1, 0, "none")
+        if streams and cls.outer_transfers.__func__ is DiLoCo.outer_transfers.__func__:
+            from algorithms.outer_traffic import streaming_traffic
+
+            return streaming_traffic(config, cfg, facts, WIRE_BYTES[config.outer_grad_dtype])
+        cls.require_plain_outer(config)
+        return local_update_traffic(cfg, config.inner_steps,
+                                    replica_inner(cfg, facts, config.bucket_cap_mb),
+                                    lambda rank: cls.outer_transfers(cfg, facts, rank),
+                                    notes=outer_notes(cfg))
+
+    @classmethod
+    def outer_transfers(cls, cfg, facts, rank: int) -> list[Transfer]:
+        """What `rank` sends when a round closes: one all-reduce of its θ in the wire dtype
+        (the one place an outer step says what it sends, e.g. fragments, compression)."""
+        return outer_all_reduce(cfg, facts, rank, WIRE_BYTES[cfg.strategy.outer_grad_dtype])
+
+    # ------------------------------------------------------------- the run
 
     def __init__(self, config: DiLoCoConfig, setup: TrainSetup):
         super().__init__(config, setup)

@@ -109,44 +109,6 @@ class GossipConfig(StrategyConfig):
                 f"valid: {[t for t in TOPOLOGIES if MIN_WORKERS[t] <= world_size]}"
             )
 
-    ROUND_BUFFERS = 2
-    """Flat |θ| buffers of a round besides the received ones: the point sent and the mix."""
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """+ the anchor θ_i, the two evaluation copies (average, worker 0), and a round's
-        flat buffers: the point, one per peer received, the mix (GASLoC: y, z, y_prev)."""
-        terms = facts.base_terms()
-        theta = facts.param_bytes
-        n = cfg.parallel.world_size
-        peers = {"complete": n - 1, "ring": min(2, n - 1), "random-matching": 1,
-                 "random-2peer": 2}[self.topology]
-        terms["gossip: anchor θ_i"] = theta
-        terms["evaluation copies (average, worker 0)"] = 2 * theta
-        terms["gossip: round buffers"] = (self.ROUND_BUFFERS + peers) * theta
-        return terms
-
-    def traffic(self, cfg, facts) -> Traffic:
-        """One exchange per round (phase "gossip"): |θ| to each of the round's peers
-        (`round_peers`, seeded as the run is); none with mixing 0. Worker i computes the
-        first H_i steps of each round and idles through the rest."""
-        n, steps = cfg.parallel.world_size, cfg.run.steps
-        each = self.inner_steps if isinstance(self.inner_steps, list) else [self.inner_steps] * n
-        rounds, theta = max(each), facts.param_bytes
-        graph = functools.lru_cache(maxsize=4)(
-            lambda index: round_peers(self.topology, n, self.seed, index))
-
-        def transfers(rank: int, step: int) -> list[Transfer]:
-            if self.mixing == 0 or not round_ends(step, rounds, steps):
-                return []
-            peers = tuple(graph(step // rounds)[rank])
-            if not peers:
-                return []
-            return [Transfer("gossip", "exchange", (theta * len(peers),), peers=peers,
-                             peer_nbytes=(theta,) * len(peers))]
-
-        return Traffic(steps, transfers, period=rounds,
-                       compute_share=lambda rank, step: float(step % rounds < each[rank]))
-
 
 @dataclass
 class GASLoCConfig(GossipConfig):
@@ -156,9 +118,6 @@ class GASLoCConfig(GossipConfig):
     """Outer learning rate eta (y_i = theta_i + eta g_i)."""
     outer_momentum: float = 0.9
     """Outer momentum gamma (z_i = y_i + gamma (y_i - y_i_prev)), in [0, 1)."""
-
-    ROUND_BUFFERS = 5
-    """The current weights, y, z (sent), the mix, and y_prev kept between rounds."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -239,6 +198,52 @@ class Gossip(DataParallelStrategy):
     """
 
     Config = GossipConfig
+
+    # ------------------------------------------------------------- plans, before launch
+
+    ROUND_BUFFERS = 2
+    """Flat |θ| buffers of a round besides the received ones: the point sent and the mix."""
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """+ the anchor θ_i, the two evaluation copies (average, worker 0), and a round's
+        flat buffers: the point, one per peer received, the mix (GASLoC: y, z, y_prev)."""
+        terms = facts.base_terms()
+        theta = facts.param_bytes
+        n = cfg.parallel.world_size
+        peers = {"complete": n - 1, "ring": min(2, n - 1), "random-matching": 1,
+                 "random-2peer": 2}[cfg.strategy.topology]
+        terms["gossip: anchor θ_i"] = theta
+        terms["evaluation copies (average, worker 0)"] = 2 * theta
+        terms["gossip: round buffers"] = (cls.ROUND_BUFFERS + peers) * theta
+        return terms
+
+    @classmethod
+    def traffic(cls, cfg, facts) -> Traffic:
+        """One exchange per round (phase "gossip"): |θ| to each of the round's peers
+        (`round_peers`, seeded as the run is); none with mixing 0. Worker i computes the
+        first H_i steps of each round and idles through the rest."""
+        config = cfg.strategy
+        n, steps = cfg.parallel.world_size, cfg.run.steps
+        each = (config.inner_steps if isinstance(config.inner_steps, list)
+                else [config.inner_steps] * n)
+        rounds, theta = max(each), facts.param_bytes
+        graph = functools.lru_cache(maxsize=4)(
+            lambda index: round_peers(config.topology, n, config.seed, index))
+
+        def transfers(rank: int, step: int) -> list[Transfer]:
+            if config.mixing == 0 or not round_ends(step, rounds, steps):
+                return []
+            peers = tuple(graph(step // rounds)[rank])
+            if not peers:
+                return []
+            return [Transfer("gossip", "exchange", (theta * len(peers),), peers=peers,
+                             peer_nbytes=(theta,) * len(peers))]
+
+        return Traffic(steps, transfers, period=rounds,
+                       compute_share=lambda rank, step: float(step % rounds < each[rank]))
+
+    # ------------------------------------------------------------- the run
 
     def __init__(self, config: GossipConfig, setup: TrainSetup):
         super().__init__(config, setup)
@@ -347,6 +352,9 @@ class GASLoC(Gossip):
     """
 
     Config = GASLoCConfig
+
+    ROUND_BUFFERS = 5
+    """The current weights, y, z (sent), the mix, and y_prev kept between rounds."""
 
     def __init__(self, config: GASLoCConfig, setup: TrainSetup):
         super().__init__(config, setup)

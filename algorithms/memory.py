@@ -2,7 +2,8 @@
 
 Plain numbers, no torch: the harness measures the model (parameters, the optimizer's
 state, the activations one microbatch keeps for backward, on the meta device) and hands
-them to `StrategyConfig.memory_terms(cfg, facts)`, which returns the rank's terms in bytes:
+them to the strategy class's `memory_terms(cfg, facts)` (algorithms/base.py
+`Strategy.memory_terms`), which returns the rank's terms in bytes:
 the ones every strategy has (`MemoryFacts.base_terms`) and its own (outer copies, weight
 versions, stashed microbatches, buckets, shards). Names starting with "host: " are CPU
 memory (offloaded state), counted against a GPU only when the run is on the CPU.

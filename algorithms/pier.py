@@ -117,51 +117,6 @@ class PierConfig(DiLoCoConfig):
             return max(self.step_momentum)
         return self.outer_momentum
 
-    def outer_states(self) -> int:
-        return int(self.peak_momentum() > 0)
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """DiLoCo's, + the lazy start's DDP over all ranks (its buckets beside the group's)."""
-        terms = super().memory_terms(cfg, facts)
-        replicas = cfg.parallel.world_size // cfg.parallel.group_size
-        if self.warmup_fraction > 0 and replicas > 1:
-            terms["Pier lazy start: all-rank DDP buckets"] = facts.param_bytes
-        return terms
-
-    def traffic(self, cfg, facts) -> Traffic:
-        """DiLoCo's after the lazy start. During it (its rounds send nothing): DDP over all
-        ranks (phase "inner"): the world's buckets, or, sharded, the replica's FSDP2
-        collectives, one all-reduce of the gradient shards across the replicas, then the
-        clipping norm's."""
-        self.require_plain_outer()
-        p = cfg.parallel
-        world, g, M = p.world_size, p.group_size, p.num_microbatches
-        inner = replica_inner(cfg, facts, self.bucket_cap_mb)
-        if world // g == 1:
-            warm = inner
-        elif p.shard == "fsdp":
-            cache: dict[int, list[Transfer]] = {}
-
-            def warm(rank: int) -> list[Transfer]:
-                if rank not in cache:
-                    group = replica_of(rank, g, world)
-                    clip = [Transfer("clip", "all_reduce", (4,), group)] \
-                        if cfg.optim.grad_clip > 0 else []
-                    cache[rank] = [*fsdp_transfers(facts, g, group, "inner", M),
-                                   Transfer("inner", "all_reduce",
-                                            (local_shard_bytes(facts, g, rank % g),),
-                                            cross_of(rank, g, world)), *clip]
-                return cache[rank]
-        else:
-            buckets = [ddp_buckets(facts, self.bucket_cap_mb, "inner", None, M)]
-
-            def warm(rank: int) -> list[Transfer]:
-                return buckets
-        return local_update_traffic(cfg, self.inner_steps, inner,
-                                    lambda rank: self.outer_transfers(cfg, facts, rank),
-                                    round(self.warmup_fraction * cfg.run.steps), warm,
-                                    outer_notes(cfg))
-
     def decay_start(self) -> float:
         if self.momentum_decay_start is None:
             return self.warmup_fraction
@@ -228,6 +183,59 @@ class Pier(DiLoCo):
     """
 
     Config = PierConfig
+
+    # ------------------------------------------------------------- plans, before launch
+
+    @classmethod
+    def outer_states(cls, config: PierConfig) -> int:
+        return int(config.peak_momentum() > 0)
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """DiLoCo's, + the lazy start's DDP over all ranks (its buckets beside the group's)."""
+        terms = super().memory_terms(cfg, facts)
+        replicas = cfg.parallel.world_size // cfg.parallel.group_size
+        if cfg.strategy.warmup_fraction > 0 and replicas > 1:
+            terms["Pier lazy start: all-rank DDP buckets"] = facts.param_bytes
+        return terms
+
+    @classmethod
+    def traffic(cls, cfg, facts) -> Traffic:
+        """DiLoCo's after the lazy start. During it (its rounds send nothing): DDP over all
+        ranks (phase "inner"): the world's buckets, or, sharded, the replica's FSDP2
+        collectives, one all-reduce of the gradient shards across the replicas, then the
+        clipping norm's."""
+        config = cfg.strategy
+        cls.require_plain_outer(config)
+        p = cfg.parallel
+        world, g, M = p.world_size, p.group_size, p.num_microbatches
+        inner = replica_inner(cfg, facts, config.bucket_cap_mb)
+        if world // g == 1:
+            warm = inner
+        elif p.shard == "fsdp":
+            cache: dict[int, list[Transfer]] = {}
+
+            def warm(rank: int) -> list[Transfer]:
+                if rank not in cache:
+                    group = replica_of(rank, g, world)
+                    clip = [Transfer("clip", "all_reduce", (4,), group)] \
+                        if cfg.optim.grad_clip > 0 else []
+                    cache[rank] = [*fsdp_transfers(facts, g, group, "inner", M),
+                                   Transfer("inner", "all_reduce",
+                                            (local_shard_bytes(facts, g, rank % g),),
+                                            cross_of(rank, g, world)), *clip]
+                return cache[rank]
+        else:
+            buckets = [ddp_buckets(facts, config.bucket_cap_mb, "inner", None, M)]
+
+            def warm(rank: int) -> list[Transfer]:
+                return buckets
+        return local_update_traffic(cfg, config.inner_steps, inner,
+                                    lambda rank: cls.outer_transfers(cfg, facts, rank),
+                                    round(config.warmup_fraction * cfg.run.steps), warm,
+                                    outer_notes(cfg))
+
+    # ------------------------------------------------------------- the run
 
     def __init__(self, config: PierConfig, setup: TrainSetup):
         super().__init__(config, setup)

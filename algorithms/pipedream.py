@@ -87,25 +87,6 @@ class PipeDreamConfig(PipelineConfigBase):
         return CriticalPath("2bw" if self.delay else "ours-1f1b", num_stages,
                             num_microbatches)
 
-    def in_flight(self, facts) -> float:
-        """delay 1: S - s (the warm-up microbatches stay in flight across steps)."""
-        if self.delay:
-            return facts.num_stages - facts.stage
-        return super().in_flight(facts)
-
-    def autocast_regions(self, in_flight: float) -> float:
-        """bf16: each microbatch's forward is its own autocast region (`forward` below),
-        whose weight copies its graph keeps until its backward."""
-        return in_flight
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """delay 1: + the second weight version and its gradients."""
-        terms = super().memory_terms(cfg, facts)
-        if self.delay:
-            terms["2BW: second weight version"] = facts.param_bytes
-            terms["2BW: second version's gradients"] = facts.param_bytes
-        return terms
-
     def check(self, cfg) -> None:
         super().check(cfg)
         if getattr(cfg.optim, "delay", 0):
@@ -123,6 +104,32 @@ class PipeDream2BW(PipelineStrategy):
     """Our 1F1B executor: 2BW with `delay: 1`, synchronous 1F1B with `delay: 0`."""
 
     Config = PipeDreamConfig
+
+    # ------------------------------------------------------------- plans, before launch
+
+    @classmethod
+    def in_flight(cls, config: PipeDreamConfig, facts) -> float:
+        """delay 1: S - s (the warm-up microbatches stay in flight across steps)."""
+        if config.delay:
+            return facts.num_stages - facts.stage
+        return super().in_flight(config, facts)
+
+    @classmethod
+    def autocast_regions(cls, in_flight: float) -> float:
+        """bf16: each microbatch's forward is its own autocast region (`forward` below),
+        whose weight copies its graph keeps until its backward."""
+        return in_flight
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """delay 1: + the second weight version and its gradients."""
+        terms = super().memory_terms(cfg, facts)
+        if cfg.strategy.delay:
+            terms["2BW: second weight version"] = facts.param_bytes
+            terms["2BW: second version's gradients"] = facts.param_bytes
+        return terms
+
+    # ------------------------------------------------------------- the run
 
     def __init__(self, config: PipeDreamConfig, setup: TrainSetup):
         super().__init__(config, setup)

@@ -69,49 +69,11 @@ class PipelineConfig(PipelineConfigBase):
             raise ValueError(f"strategy.stages_per_rank must be 1 for schedule "
                              f"{self.schedule!r}, got {self.stages_per_rank!r}")
 
-    def traffic(self, cfg, facts):
-        """torch's schedules: `PipelineConfigBase.traffic` (interleaved-1f1b: each chunk's
-        crossings, priced on 1F1B's critical path of V*M passes as the run projections
-        price it). DeepSpeed's pipeline engine is refused: its collectives' groups are
-        not recorded (the message says why)."""
-        if self.backend != "torch":
-            raise ValueError(
-                "strategy.backend=deepspeed with a pipeline has no traffic description: its "
-                "engine's collectives (the stage gradients over the replicas, the tied "
-                "weight, the loss and norm scalars over a pipe) reach the ledger from "
-                "DeepSpeed's comms logger, which gives each op's name and bytes but not its "
-                "group, so they are recorded as collectives over the whole world "
-                "(algorithms/pipeline_deepspeed.py); a description equal to those records "
-                "would price them over the world, one with their real groups would not be "
-                "the run's ledger. commbench whatif prices strategy.backend=torch (the same "
-                "1F1B schedule)")
-        return super().traffic(cfg, facts)
-
     def critical_path(self, num_stages: int, num_microbatches: int) -> CriticalPath:
         """gpipe: torch's GPipe order; the others: `PipelineConfigBase.critical_path`."""
         if self.schedule == "gpipe":
             return CriticalPath("gpipe", num_stages, num_microbatches)
         return super().critical_path(num_stages, num_microbatches)
-
-    def in_flight(self, facts) -> float:
-        """gpipe: all M; 1f1b: min(S - s, M); interleaved (V chunks): torch's warm-up of
-        (V - 1) S + 2 (S - 1 - s) chunk-microbatches plus one, in units of V chunks."""
-        S, s, M, V = facts.num_stages, facts.stage, facts.num_microbatches, self.stages_per_rank
-        if self.schedule == "gpipe":
-            return M
-        if self.schedule == "interleaved-1f1b":
-            return min((V - 1) * S + 2 * (S - 1 - s) + 1, V * M) / V
-        return super().in_flight(facts)
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """+ the receive buffers torch's PipelineStage allocates for every microbatch
-        (activations in, gradients in; V chunks each)."""
-        terms = super().memory_terms(cfg, facts)
-        if self.backend == "torch":
-            ends = (facts.stage > 0) + (facts.stage < facts.num_stages - 1)
-            terms["receive buffers (all microbatches)"] = (
-                ends * facts.num_microbatches * self.stages_per_rank * facts.boundary_bytes)
-        return terms
 
     def check(self, cfg) -> None:
         super().check(cfg)
@@ -131,6 +93,53 @@ class Pipeline(PipelineStrategy):
     """GPipe / 1F1B / interleaved 1F1B with a flush, run by torch or DeepSpeed."""
 
     Config = PipelineConfig
+
+    # ------------------------------------------------------------- plans, before launch
+
+    @classmethod
+    def traffic(cls, cfg, facts):
+        """torch's schedules: `PipelineStrategy.traffic` (interleaved-1f1b: each chunk's
+        crossings, priced on 1F1B's critical path of V*M passes as the run projections
+        price it). DeepSpeed's pipeline engine is refused: its collectives' groups are
+        not recorded (the message says why)."""
+        if cfg.strategy.backend != "torch":
+            raise ValueError(
+                "strategy.backend=deepspeed with a pipeline has no traffic description: its "
+                "engine's collectives (the stage gradients over the replicas, the tied "
+                "weight, the loss and norm scalars over a pipe) reach the ledger from "
+                "DeepSpeed's comms logger, which gives each op's name and bytes but not its "
+                "group, so they are recorded as collectives over the whole world "
+                "(algorithms/pipeline_deepspeed.py); a description equal to those records "
+                "would price them over the world, one with their real groups would not be "
+                "the run's ledger. commbench whatif prices strategy.backend=torch (the same "
+                "1F1B schedule)")
+        return super().traffic(cfg, facts)
+
+    @classmethod
+    def in_flight(cls, config: PipelineConfig, facts) -> float:
+        """gpipe: all M; 1f1b: min(S - s, M); interleaved (V chunks): torch's warm-up of
+        (V - 1) S + 2 (S - 1 - s) chunk-microbatches plus one, in units of V chunks."""
+        S, s, M = facts.num_stages, facts.stage, facts.num_microbatches
+        V = config.stages_per_rank
+        if config.schedule == "gpipe":
+            return M
+        if config.schedule == "interleaved-1f1b":
+            return min((V - 1) * S + 2 * (S - 1 - s) + 1, V * M) / V
+        return super().in_flight(config, facts)
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """+ the receive buffers torch's PipelineStage allocates for every microbatch
+        (activations in, gradients in; V chunks each)."""
+        terms = super().memory_terms(cfg, facts)
+        if cfg.strategy.backend == "torch":
+            ends = (facts.stage > 0) + (facts.stage < facts.num_stages - 1)
+            terms["receive buffers (all microbatches)"] = (
+                ends * facts.num_microbatches * cfg.strategy.stages_per_rank
+                * facts.boundary_bytes)
+        return terms
+
+    # ------------------------------------------------------------- the run
 
     def __init__(self, config: PipelineConfig, setup: TrainSetup):
         super().__init__(config, setup)

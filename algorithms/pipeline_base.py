@@ -40,7 +40,8 @@ def default_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Te
 
 @dataclass
 class PipelineConfigBase(StrategyConfig):
-    """Checks shared by the pipeline strategies' configs."""
+    """Checks shared by the pipeline strategies' configs, and the step's schedule
+    (`critical_path`); their memory and traffic plans: `PipelineStrategy`."""
 
     def check(self, cfg) -> None:
         """Cross-field rules on the whole run config; raises ValueError naming the key."""
@@ -72,36 +73,6 @@ class PipelineConfigBase(StrategyConfig):
         (docs/algorithms.md, Pipelines, "Projection"). Other schedules override it."""
         passes = num_microbatches * getattr(self, "stages_per_rank", 1)
         return CriticalPath("1f1b", num_stages, passes)
-
-    def traffic(self, cfg, facts) -> Traffic:
-        """Per step and stage: the microbatches' activations and gradients to and from the
-        neighbouring stages (phase "train"; the schedule's batched crossings are
-        exchanges, except GPipe's), then the stage's gradients averaged over the replicas
-        ("dp"), the tied embedding's summed between the end stages ("tied") and the
-        clipping norm over the stages ("clip"). Priced on the critical path."""
-        return pipeline_traffic(self, cfg, facts)
-
-    def in_flight(self, facts) -> float:
-        """Microbatches whose activations stage `facts.stage` holds at once: 1F1B's
-        min(S - s, M) (a stage runs S - s forwards before its first backward)."""
-        return min(facts.num_stages - facts.stage, facts.num_microbatches)
-
-    def autocast_regions(self, in_flight: float) -> float:
-        """bf16: autocast regions whose weight copies are alive at once. Torch's pipelines
-        run a step's schedule in one region (algorithms/pipeline.py)."""
-        return 1
-
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """The stage's parameters, gradients, optimizer state and the activations of the
-        microbatches in flight; + the stage outputs kept for backward and the replicas'
-        flat gradient buffer. The rest of the model is never allocated (stage-local)."""
-        in_flight = self.in_flight(facts)
-        terms = facts.base_terms(in_flight, self.autocast_regions(in_flight))
-        if facts.stage < facts.num_stages - 1:
-            terms["stage outputs kept for backward"] = int(in_flight * facts.boundary_bytes)
-        if facts.world_size > facts.num_stages:
-            terms["data-parallel gradient buffer"] = facts.param_bytes
-        return terms
 
 
 @dataclass(frozen=True)
@@ -171,6 +142,44 @@ class PipelineStrategy(Strategy):
     runs the M microbatches' forward and backward passes and leaves the minibatch's
     gradient (mean over microbatches) in `self.grad_module()`'s `.grad`.
     """
+
+    # ------------------------------------------------------------- plans, before launch
+
+    @classmethod
+    def traffic(cls, cfg, facts) -> Traffic:
+        """Per step and stage: the microbatches' activations and gradients to and from the
+        neighbouring stages (phase "train"; the schedule's batched crossings are
+        exchanges, except GPipe's), then the stage's gradients averaged over the replicas
+        ("dp"), the tied embedding's summed between the end stages ("tied") and the
+        clipping norm over the stages ("clip"). Priced on the critical path."""
+        return pipeline_traffic(cfg.strategy, cfg, facts)
+
+    @classmethod
+    def in_flight(cls, config: PipelineConfigBase, facts) -> float:
+        """Microbatches whose activations stage `facts.stage` holds at once: 1F1B's
+        min(S - s, M) (a stage runs S - s forwards before its first backward)."""
+        return min(facts.num_stages - facts.stage, facts.num_microbatches)
+
+    @classmethod
+    def autocast_regions(cls, in_flight: float) -> float:
+        """bf16: autocast regions whose weight copies are alive at once. Torch's pipelines
+        run a step's schedule in one region (algorithms/pipeline.py)."""
+        return 1
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """The stage's parameters, gradients, optimizer state and the activations of the
+        microbatches in flight; + the stage outputs kept for backward and the replicas'
+        flat gradient buffer. The rest of the model is never allocated (stage-local)."""
+        in_flight = cls.in_flight(cfg.strategy, facts)
+        terms = facts.base_terms(in_flight, cls.autocast_regions(in_flight))
+        if facts.stage < facts.num_stages - 1:
+            terms["stage outputs kept for backward"] = int(in_flight * facts.boundary_bytes)
+        if facts.world_size > facts.num_stages:
+            terms["data-parallel gradient buffer"] = facts.param_bytes
+        return terms
+
+    # ------------------------------------------------------------- the run
 
     def __init__(self, config: StrategyConfig, setup: TrainSetup):
         super().__init__(config, setup)

@@ -3,15 +3,16 @@
 Plain numbers, no torch, like the memory plan's `algorithms/memory.py`: the harness
 measures the model on the meta device (`TrafficFacts`: every parameter's shape and FSDP
 unit, the tied weight, the pipeline stages' layers) and hands the facts, with the run
-config, to `StrategyConfig.traffic(cfg, facts)`, which returns a `Traffic`: for any rank
-and step, the `Transfer`s the rank issues in that step, in order, as the strategy's own
-code records them in its CommLedger (algorithms/comm.py: phase, op, group, logical
-bytes, and for DDP's buckets how far backward still has to go when each is launched).
+config, to the strategy class's `traffic(cfg, facts)` (algorithms/base.py
+`Strategy.traffic`), which returns a `Traffic`: for any rank and step, the `Transfer`s
+the rank issues in that step, in order, as the strategy's own code records them in its
+CommLedger (algorithms/comm.py: phase, op, group, logical bytes, and for DDP's buckets
+how far backward still has to go when each is launched).
 bench/study/whatif/engine.py prices them with the network model the run projections use
 (bench/network/); tests/test_whatif.py holds every description against real runs'
 ledgers and projections.
 
-Each strategy describes its traffic next to its `memory_terms`; the pieces they share
+Each strategy class describes its traffic next to its `memory_terms`; the pieces they share
 (DDP's buckets, FSDP2's collectives, the outer all-reduce) live here.
 """
 

@@ -6,8 +6,8 @@
     pytest tests/test_memory.py
 
 `plan(cfg)` builds the model on the meta device (nothing allocated), measures what each
-rank holds, and asks the strategy for its terms (`StrategyConfig.memory_terms`,
-algorithms/memory.py):
+rank holds, and asks the strategy for its terms (its class's `memory_terms`, algorithms/base.py
+`strategy_of(cfg).memory_terms(cfg, facts)`; algorithms/memory.py):
 - parameters and gradients: fp32, 4 bytes each, of the rank's module (a pipeline stage's
   layers; the tied embedding on both end stages), divided by the shard count under FSDP;
 - optimizer state (`optimizer_terms`): adamw 2 moments; sgd 1 momentum (0 without);
@@ -29,7 +29,7 @@ algorithms/memory.py):
   2026-11-27 fp32's count was halved: an H100's eager peak was 1.12 x that plan,
   docs/gpu.md). The weights' bf16 copies are a term of their own: autocast caches one per
   weight for its region, which is a step for DDP and torch's pipelines (one region around
-  the schedule) and a microbatch for PipeDream-2BW (`autocast_regions` in
+  the schedule) and a microbatch for PipeDream-2BW (`PipelineStrategy.autocast_regions` in
   algorithms/pipeline_base.py);
 - the strategy's own terms: DDP buckets, the outer step's copies (DiLoCo/Pier global θ and
   momentum, the pseudo-gradient buffer, the evaluation copy), GASLoC's anchor and round
@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from algorithms.base import strategy_of
 from algorithms.memory import HOST, MemoryFacts
 from algorithms.partition import stage_bounds
 
@@ -367,7 +368,7 @@ def plan(cfg, on_cuda: bool | None = None) -> MemoryPlan:
     facts = rank_facts(cfg, on_cuda)
     S = cfg.parallel.num_stages
     ranks = [RankMemory(f"stage {f.stage} of {S}" if S > 1 else "every rank",
-                        cfg.strategy.memory_terms(cfg, f)) for f in facts]
+                        strategy_of(cfg).memory_terms(cfg, f)) for f in facts]
     return MemoryPlan(ranks, [r % S for r in range(cfg.parallel.world_size)])
 
 

@@ -12,7 +12,7 @@ in some accepted combination occur in a chosen one: pairs by default, triples un
 matrix), and each chosen combination trains 3 steps on a tiny model on real gloo ranks
 through the loop's own `Trainer`: the run ends `ok`, its loss and validation loss are
 finite, its records are written, the what-if's traffic description of its config
-(`StrategyConfig.traffic`) is its ledger's training records step by step (or the strategy
+(its strategy class's `traffic`) is its ledger's training records step by step (or the strategy
 has none, refused naming a key), and where it checkpoints, a resume from step 2 ends
 bit-identical to the uninterrupted run.
 
@@ -328,15 +328,16 @@ def _train(cfg, run_dir: Path):
 
 
 def traffic_verdict(cfg, records, trained: list[int]) -> str | None:
-    """The what-if's traffic description (`StrategyConfig.traffic`) against this rank's
+    """The what-if's traffic description (`Strategy.traffic`) against this rank's
     ledger: None when they agree record for record (phase, op, bytes, group size) on
     the steps trained (in any order within a step: its pricing does not depend on it), "refused: ..." when the strategy has no description, else the
     first difference."""
+    from algorithms.base import strategy_of
     from bench.run.train import TRAIN_PHASES
     from bench.study.whatif.engine import as_records, traffic_facts
 
     try:
-        traffic = cfg.strategy.traffic(cfg, traffic_facts(cfg))
+        traffic = strategy_of(cfg).traffic(cfg, traffic_facts(cfg))
     except ValueError as err:
         return f"refused: {err}"
     rank, world = dist.get_rank(), cfg.parallel.world_size

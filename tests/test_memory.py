@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from algorithms.base import strategy_of
 from algorithms.delay import DelayedOptimizer
 from bench.config import load_config
 from bench.config.preflight import preflight
@@ -166,7 +167,7 @@ def test_bf16_weight_copies_per_autocast_region(config, expected):
     cfg = load_config(ROOT / config, ["model.precision=bf16", "parallel.num_microbatches=4",
                                       "model.seq_len=32", "data.batch_size=8"])
     facts = rank_facts(cfg)[0]
-    terms = cfg.strategy.memory_terms(cfg, facts)
+    terms = strategy_of(cfg).memory_terms(cfg, facts)
     assert terms[WEIGHT_COPIES] == expected * facts.weight_copy_bytes > 0
 
 

@@ -82,11 +82,11 @@ def test_every_rule_says_its_state_shards_and_sends():
         assert sends.op in {"all_reduce", "all_gather", "quantized_all_reduce", "exchange"}
         assert sends.bytes_per_element > 0
     # the state counts DiLoCo's memory plan had before the registry
-    assert DiLoCoConfig(outer_momentum=0).outer_states() == 0
-    assert DiLoCoConfig().outer_states() == 1
-    assert DiLoCoConfig(outer_optimizer="adam").outer_states() == 2
-    assert SparseLoCoConfig().outer_states() == 1  # the error feedback, no momentum
-    assert SparseLoCoConfig(outer_momentum=0.9).outer_states() == 2
+    assert DiLoCo.outer_states(DiLoCoConfig(outer_momentum=0)) == 0
+    assert DiLoCo.outer_states(DiLoCoConfig()) == 1
+    assert DiLoCo.outer_states(DiLoCoConfig(outer_optimizer="adam")) == 2
+    assert SparseLoCo.outer_states(SparseLoCoConfig()) == 1  # the error feedback, no momentum
+    assert SparseLoCo.outer_states(SparseLoCoConfig(outer_momentum=0.9)) == 2
     assert rule_class("sgd").sends(DiLoCoConfig(outer_grad_dtype="bf16")).bytes_per_element == 2
     assert NoLoCoConfig().rule().sends(NoLoCoConfig()).peers == "pair"
     with pytest.raises(ValueError, match="strategy.outer_optimizer must be one of"):

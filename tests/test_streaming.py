@@ -16,6 +16,7 @@ schedule, the fragments, and the strategy against its restatement in tensor math
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -263,10 +264,11 @@ def test_whatif_refuses_streaming_options_rather_than_pricing_them_as_diloco():
     """Pier's traffic description is DiLoCo's whole-model fp32 round after its lazy start:
     a streaming or compressed Pier is refused (pricing it as that round would over-state
     its bytes). DiLoCo's own are described: tests/test_whatif_streaming.py."""
-    from algorithms.pier import PierConfig
+    from algorithms.pier import Pier, PierConfig
 
-    for config in (PierConfig,):
+    for strategy, config in ((Pier, PierConfig),):
         for key, value in (("fragments", 2), ("overlap_steps", 1),
                            ("outer_compression", "int8")):
+            cfg = SimpleNamespace(strategy=config(inner_steps=4, **{key: value}))
             with pytest.raises(ValueError, match=f"strategy.{key}=.* has no traffic desc"):
-                config(inner_steps=4, **{key: value}).traffic(None, None)
+                strategy.traffic(cfg, None)

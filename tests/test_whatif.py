@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from algorithms.base import strategy_of
 from bench.network.profiles import Profile, Tier
 from bench.study.whatif.engine import Compute, plan, price
 from bench.study.whatif.report import evaluate, measured_whatif, method_plan
@@ -192,7 +193,7 @@ def test_plans_price_one_period_of_a_long_phase():
     s = scenario({"diloco": {"strategy": {"name": "diloco", "inner_steps": 7}}},
                  f"tokens={2520 * 2 * 2 * 128}")
     cfg, p, _, _ = method_plan(s, "diloco", net())
-    exact = plan(cfg.strategy.traffic(cfg, p_facts(s)), Compute(step_s=C), 2, 1, net(),
+    exact = plan(strategy_of(cfg).traffic(cfg, p_facts(s)), Compute(step_s=C), 2, 1, net(),
                  exact=True)
     assert price(p, net(), "naive").total_s == pytest.approx(
         price(exact, net(), "naive").total_s, rel=1e-9)
@@ -237,7 +238,7 @@ def check_run(case, tmp_path):
 
     results = run_distributed(train, 4, str(tmp_path), case, timeout=240)
     cfg = load_config(*settings(case))
-    traffic = cfg.strategy.traffic(cfg, traffic_facts(cfg))
+    traffic = strategy_of(cfg).traffic(cfg, traffic_facts(cfg))
     for rank, (_, recorded) in enumerate(results):
         described = sorted(  # a step's order is not priced (FSDP2 interleaves its ops)
             (r.step, r.phase, r.op, r.nbytes, r.group_size)

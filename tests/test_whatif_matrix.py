@@ -4,7 +4,7 @@ with a reason (issue 48).
     pytest -m slow tests/test_whatif_matrix.py     (~100 s: building the pairwise cover)
 
 Over the pairwise cover of tests/test_matrix.py (every accepted pair of option values):
-each row's traffic description is built (`StrategyConfig.traffic` on the model measured
+each row's traffic description is built (`Strategy.traffic` on the model measured
 on the meta device); the matrix itself (`tox -e matrix`) holds each description against
 the row's ledger. REFUSED lists what the what-if still cannot price, and why.
 """
@@ -29,6 +29,7 @@ DESCRIBED_STREAMING = {"diloco"}
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_matrix_row_is_priced_or_refused_with_a_reason():
+    from algorithms.base import strategy_of
     from bench.config import from_dict
     from bench.study.whatif.engine import traffic_facts
     from tests.test_matrix import cover
@@ -37,7 +38,7 @@ def test_every_matrix_row_is_priced_or_refused_with_a_reason():
     for combo in cover(2).rows:
         cfg = from_dict(combo.config_dict())
         try:
-            traffic = cfg.strategy.traffic(cfg, traffic_facts(cfg))
+            traffic = strategy_of(cfg).traffic(cfg, traffic_facts(cfg))
         except ValueError as err:
             reason = next((k for k in REFUSED if k in str(err)), None)
             assert reason is not None, (combo.named, str(err))

@@ -27,7 +27,7 @@ from tests.test_whatif import priced as described
 
 
 def priced(s, name: str, profile: Profile):
-    """`name`'s steady-state price through `streaming_traffic` (what DiLoCoConfig.traffic
+    """`name`'s steady-state price through `streaming_traffic` (what DiLoCo.traffic
     is to call for fragments, overlap and codecs), restated by the scenario's `assume`."""
     cfg = method_config(s, name)
     c = cfg.strategy
@@ -89,7 +89,7 @@ def test_an_fp4_exchange_sends_its_codes_and_scales():
         assert r.utilisation == pytest.approx(H * C / (H * C + t4), rel=1e-12)
         assert priced(s, "fp32", network).total_s == pytest.approx(4 * (H * C + t32),
                                                                    rel=1e-12)
-    # one fragment, no codec: the plain round DiLoCoConfig.traffic describes
+    # one fragment, no codec: the plain round DiLoCo.traffic describes
     assert priced(s, "fp32", slow()).total_s == pytest.approx(
         described(s, "fp32", slow()).total_s, rel=1e-12)
     # a stated exchange dtype leaves the codec's bytes alone

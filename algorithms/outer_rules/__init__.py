@@ -10,9 +10,10 @@ default the average, through the strategy's codec) and how it moves θ
 (`OuterRule.step`). The math of each rule: docs/algorithms.md.
 
 Adding a rule: a file in this folder with an `OuterRule` subclass (and, if the rule has
-knobs of its own, a `DiLoCoConfig` subclass holding them and a two-line strategy class
-using it, as sparseloco.py and noloco.py do), and one row in `RULES` below. The row's
-class says, without training:
+knobs of its own, a `DiLoCoConfig` subclass holding them and a `DiLoCo` subclass using
+it, whose classmethods add its memory terms and, when its round sends otherwise,
+`outer_transfers` or `traffic`, as sparseloco.py and noloco.py do), and one row in
+`RULES` below. The row's class says, without training:
 - `states(config)`: |θ|-sized buffers the rule keeps per parameter (the memory plan);
 - `shards`: whether it works on a rank's shards of θ (FSDP2 replicas);
 - `sends(config)`: what a round sends (the what-if: the collective, payload bytes per

@@ -142,41 +142,6 @@ class NoLoCoConfig(DiLoCoConfig):
         if self.pull is not None and self.pull < 0:
             raise ValueError(f"strategy.pull must be >= 0 or null, got {self.pull!r}")
 
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """DiLoCo's, + a round's buffers: (Δ_i, φ_i) sent and the peer's received (2 θ
-        each), their mean (2 θ) and g_i (θ); the evaluated mean of φ (θ)."""
-        terms = super().memory_terms(cfg, facts)
-        theta = facts.param_bytes
-        terms["noloco: (Δ, φ) sent, received and their mean; g"] = 7 * theta
-        terms["noloco: the replicas' mean of φ (evaluation)"] = theta
-        return terms
-
-    def traffic(self, cfg, facts) -> Traffic:
-        """Every step the replica's inner traffic (phase "inner"); a round's last step adds
-        one exchange (phase "outer") of Δ_i and φ_i in fp32 (2 |θ|) with the round's peer
-        (`round_peers`, seeded as the run is): the ranks holding the same position in the
-        two paired replicas."""
-        self.require_plain_outer()
-        p = cfg.parallel
-        g, world, steps, H = p.group_size, p.world_size, cfg.run.steps, self.inner_steps
-        replicas, nbytes = world // g, 2 * facts.param_bytes
-        inner = replica_inner(cfg, facts, self.bucket_cap_mb)
-
-        def transfers(rank: int, step: int) -> list[Transfer]:
-            out = inner(rank)
-            if replicas == 1 or not round_ends(step, H, steps):
-                return out
-            peers = round_peers("random-matching", replicas, self.seed, step // H)[rank // g]
-            if not peers:
-                return out
-            peer = peers[0] * g + rank % g
-            return [*out, Transfer("outer", "exchange", (nbytes,), peers=(peer,),
-                                   peer_nbytes=(nbytes,))]
-
-        plain = local_update_traffic(cfg, H, inner, lambda rank: [], notes=outer_notes(cfg))
-        return Traffic(steps, transfers, period=plain.period, phases=plain.phases,
-                       notes=plain.notes)
-
 
 class NoLoCo(DiLoCo):
     """NoLoCo (Kolehmainen et al. 2025, arXiv 2506.10911): DiLoCo with the noloco outer
@@ -192,6 +157,44 @@ class NoLoCo(DiLoCo):
     """
 
     Config = NoLoCoConfig
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """DiLoCo's, + a round's buffers: (Δ_i, φ_i) sent and the peer's received (2 θ
+        each), their mean (2 θ) and g_i (θ); the evaluated mean of φ (θ)."""
+        terms = super().memory_terms(cfg, facts)
+        theta = facts.param_bytes
+        terms["noloco: (Δ, φ) sent, received and their mean; g"] = 7 * theta
+        terms["noloco: the replicas' mean of φ (evaluation)"] = theta
+        return terms
+
+    @classmethod
+    def traffic(cls, cfg, facts) -> Traffic:
+        """Every step the replica's inner traffic (phase "inner"); a round's last step adds
+        one exchange (phase "outer") of Δ_i and φ_i in fp32 (2 |θ|) with the round's peer
+        (`round_peers`, seeded as the run is): the ranks holding the same position in the
+        two paired replicas."""
+        config = cfg.strategy
+        cls.require_plain_outer(config)
+        p = cfg.parallel
+        g, world, steps, H = p.group_size, p.world_size, cfg.run.steps, config.inner_steps
+        replicas, nbytes = world // g, 2 * facts.param_bytes
+        inner = replica_inner(cfg, facts, config.bucket_cap_mb)
+
+        def transfers(rank: int, step: int) -> list[Transfer]:
+            out = inner(rank)
+            if replicas == 1 or not round_ends(step, H, steps):
+                return out
+            peers = round_peers("random-matching", replicas, config.seed, step // H)[rank // g]
+            if not peers:
+                return out
+            peer = peers[0] * g + rank % g
+            return [*out, Transfer("outer", "exchange", (nbytes,), peers=(peer,),
+                                   peer_nbytes=(nbytes,))]
+
+        plain = local_update_traffic(cfg, H, inner, lambda rank: [], notes=outer_notes(cfg))
+        return Traffic(steps, transfers, period=plain.period, phases=plain.phases,
+                       notes=plain.notes)
 
     def in_sync(self) -> bool:
         return False  # each replica its own φ: the evaluated model is their mean

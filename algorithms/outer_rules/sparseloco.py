@@ -230,29 +230,6 @@ class SparseLoCoConfig(DiLoCoConfig):
             raise ValueError(f"strategy.topk_per_chunk must be in [1, chunk_size="
                              f"{self.chunk_size}], got {self.topk_per_chunk!r}")
 
-    def memory_terms(self, cfg, facts) -> dict[str, int]:
-        """DiLoCo's (the error feedback is the rule's state), + a round's buffers: the
-        chunked copy of e and what it sends (θ padded to whole chunks, each), every
-        replica's payload gathered, the decoded payload and the running sum (θ each)."""
-        terms = super().memory_terms(cfg, facts)
-        theta = facts.param_bytes
-        codec = ChunkCodec(theta // 4, self.chunk_size, self.topk_per_chunk, self.value_format)
-        replicas = cfg.parallel.world_size // cfg.parallel.group_size
-        terms["sparseloco: chunked e and the sent part"] = 2 * codec.chunks * self.chunk_size * 4
-        terms["sparseloco: gathered payloads"] = replicas * codec.payload_bytes
-        terms["sparseloco: decoded payload and the sum"] = 2 * theta
-        return terms
-
-    def outer_transfers(self, cfg, facts, rank: int) -> list[Transfer]:
-        """One all-gather of this rank's coded payload across the replicas (phase "outer")."""
-        p = cfg.parallel
-        if p.world_size // p.group_size == 1:
-            return []
-        codec = ChunkCodec(facts.param_bytes // 4, self.chunk_size, self.topk_per_chunk,
-                           self.value_format)
-        return [Transfer("outer", "all_gather", (codec.payload_bytes,),
-                         cross_of(rank, p.group_size, p.world_size))]
-
 
 class SparseLoCo(DiLoCo):
     """SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo with the sparseloco outer
@@ -265,3 +242,30 @@ class SparseLoCo(DiLoCo):
     """
 
     Config = SparseLoCoConfig
+
+    @classmethod
+    def memory_terms(cls, cfg, facts) -> dict[str, int]:
+        """DiLoCo's (the error feedback is the rule's state), + a round's buffers: the
+        chunked copy of e and what it sends (θ padded to whole chunks, each), every
+        replica's payload gathered, the decoded payload and the running sum (θ each)."""
+        terms = super().memory_terms(cfg, facts)
+        config, theta = cfg.strategy, facts.param_bytes
+        codec = ChunkCodec(theta // 4, config.chunk_size, config.topk_per_chunk,
+                           config.value_format)
+        replicas = cfg.parallel.world_size // cfg.parallel.group_size
+        terms["sparseloco: chunked e and the sent part"] = (
+            2 * codec.chunks * config.chunk_size * 4)
+        terms["sparseloco: gathered payloads"] = replicas * codec.payload_bytes
+        terms["sparseloco: decoded payload and the sum"] = 2 * theta
+        return terms
+
+    @classmethod
+    def outer_transfers(cls, cfg, facts, rank: int) -> list[Transfer]:
+        """One all-gather of this rank's coded payload across the replicas (phase "outer")."""
+        config, p = cfg.strategy, cfg.parallel
+        if p.world_size // p.group_size == 1:
+            return []
+        codec = ChunkCodec(facts.param_bytes // 4, config.chunk_size, config.topk_per_chunk,
+                           config.value_format)
+        return [Transfer("outer", "all_gather", (codec.payload_bytes,),
+                         cross_of(rank, p.group_size, p.world_size))]

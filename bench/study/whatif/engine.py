@@ -9,7 +9,7 @@ past the RTO, through the same `LinkClock`), DDP buckets on the backward timelin
 (`exposed_s`), pipelines on their critical path (`step_time`, `pipeline_step_s`); ranks
 wait for each other only at steps where one of them communicates (stretches, as
 `coupled_max` cuts them). What differs is where the records come from:
-here the strategy's own description (`StrategyConfig.traffic`, algorithms/traffic.py)
+here the strategy's own description (`Strategy.traffic`, algorithms/traffic.py)
 instead of a run's ledger, and compute from the scenario (bench/study/whatif/scenario.py).
 
 Steady state. A run's steps fall into phases (Pier's lazy start, then rounds) inside

@@ -2,7 +2,8 @@
 
 Per method (bench/study/whatif/scenario.py builds its run config): the model's facts
 (bench/study/whatif/engine.py `traffic_facts`, or `synthetic_facts` for a size-only model), the
-strategy's own traffic description (`StrategyConfig.traffic`), one `plan`, priced at every
+strategy's own traffic description (its class's `traffic`: algorithms/base.py
+`strategy_of(cfg).traffic(cfg, facts)`), one `plan`, priced at every
 bandwidth of the sweep (`price` on the profile with the swept tier replaced). Reported:
 step time, exposed communication, compute utilisation and time for the token budget at
 `network.at`; the bandwidth needed for each target utilisation (bisection,
@@ -17,6 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from algorithms.base import strategy_of
 from bench.network.profiles import parse_bandwidth
 from bench.study.whatif import assume
 from bench.study.whatif.assume import restate, speed_of
@@ -122,7 +124,7 @@ def method_plan(s: Scenario, name: str, profile, models: dict | None = None) -> 
     else:
         facts, flops = model_facts(cfg, models)
     compute_s = step_compute_s(s, cfg, flops)
-    traffic = restate(cfg.strategy.traffic(cfg, facts), s.assume.exchange_dtype,
+    traffic = restate(strategy_of(cfg).traffic(cfg, facts), s.assume.exchange_dtype,
                       s.assume.dp_overlap)
     speed = (speed_of(s.hardware.replica_speed, s.world.gpus_per_replica)
              if s.hardware.replica_speed else None)
@@ -317,7 +319,7 @@ def measured_whatif(cfg, summary: dict) -> dict[str, dict]:
     medians = [{k: v["median_s"][rank] for k, v in summary["compute_per_step"].items()
                 if v["median_s"][rank] is not None} for rank in range(world)]
     backend = (summary.get("projection_model") or "gloo").split()[0]
-    traffic = cfg.strategy.traffic(cfg, traffic_facts(cfg))
+    traffic = strategy_of(cfg).traffic(cfg, traffic_facts(cfg))
     out = {}
     for name in cfg.network.profiles:
         profile = get_profile(name)
