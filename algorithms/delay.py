@@ -35,17 +35,85 @@ W_after - W_before the wrapped optimizer's own update at step t:
   `(W + u) - u` in both the emulation and the pipeline (the same rounding in both).
 u(t-1) is the one extra model-sized buffer of either correction.
 
-State: the stored gradient, u(t-1) and the step count are in `state_dict()` next to the
-wrapped optimizer's, so a resumed run continues bit-exactly.
+Delay profiles (`optim.delay_profile`, issue 47). `uniform` is the rule above: every
+parameter's update uses g(t-1). `pipeline` gives each parameter its own delay, an
+asynchronous pipeline's staleness: `model.as_layers()` ([embedding, blocks..., head]) is
+cut into P virtual stages with algorithms/partition.py `stage_bounds` (partition
+"layers"), and stage s of P is delayed by d = optim.delay x (P - 1 - s) steps
+(`stage_delays`; a weight two stages share, GPT-2's tied embedding/head, takes the first
+stage's, larger, delay: our choice). With per-parameter delays (`DelayedOptimizer(...,
+delays=...)`) step t applies to a parameter of delay d the fresh gradient of step t - d
+(d = 0: the step's own), or nothing while t < d (its `grad` is None: the optimizer skips
+it); a step where no parameter has a gradient to apply does not call the wrapped
+optimizer at all (as the uniform rule's step 0). Each stored gradient is kept exactly
+d steps, so the buffers hold sum_i d_i |p_i| numbers (P = 2: the first stage's
+gradient; P = 3: about one model). The corrections are defined for one step of delay and
+are refused with per-parameter delays.
+
+State: the stored gradient(s), u(t-1) and the step counts are in `state_dict()` next to
+the wrapped optimizer's, so a resumed run continues bit-exactly.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 
 import torch
+from torch import nn
+
+from algorithms.partition import stage_bounds
 
 CORRECTIONS = ("none", "ef", "predict")
+DELAY_PROFILES = ("uniform", "pipeline")
+"""`optim.delay_profile`: every parameter delayed alike, or per virtual pipeline stage."""
+
+
+def stage_delays(layers: Sequence[nn.Module], num_stages: int,
+                 delay: int = 1) -> dict[int, int]:
+    """The pipeline profile: `{id(parameter): its delay}` for every parameter of `layers`
+    (a model's `as_layers()`), cut into `num_stages` virtual stages by block count
+    (`stage_bounds`, partition "layers": the embedding on the first stage, the head on the
+    last); stage s of P is delayed by `delay * (P - 1 - s)` steps. A parameter in several
+    stages (a tied embedding/head weight) takes the largest, its first stage's, delay.
+
+    Raises ValueError naming optim.delay_stages when the model cannot be cut so.
+    """
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 2:
+        raise ValueError(f"optim.delay_stages must be an integer >= 2 (the virtual "
+                         f"pipeline's stages), got {num_stages!r}")
+    try:
+        bounds = stage_bounds(layers, num_stages, "layers")
+    except ValueError as err:
+        raise ValueError(f"optim.delay_stages={num_stages} cannot cut this model into "
+                         f"stages: {err}") from err
+    delays: dict[int, int] = {}
+    for s, (start, stop) in enumerate(bounds):
+        d = delay * (num_stages - 1 - s)
+        for layer in layers[start:stop]:
+            for p in layer.parameters():
+                delays[id(p)] = max(delays.get(id(p), 0), d)
+    return delays
+
+
+def pipeline_delays(module: nn.Module, num_stages: int, delay: int = 1) -> dict[int, int]:
+    """`stage_delays` of a whole model (it has `as_layers()`), checked to cover every
+    parameter of `module`; ValueError naming optim.delay_profile otherwise (a pipeline
+    stage, an engine's wrapper: the optimizer does not see the whole model)."""
+    as_layers = getattr(module, "as_layers", None)
+    if as_layers is None:
+        raise ValueError(
+            f"optim.delay_profile='pipeline' cuts the whole model's layers "
+            f"(model.as_layers()) into virtual stages, but this optimizer is built on a "
+            f"{type(module).__name__}, which has none (a pipeline stage, or a wrapper): "
+            "valid: a data-parallel strategy, or optim.delay_profile=uniform")
+    delays = stage_delays(as_layers(), num_stages, delay)
+    missing = [name for name, p in module.named_parameters() if id(p) not in delays]
+    if missing:
+        raise ValueError(f"optim.delay_profile='pipeline': parameters {missing[:3]} of "
+                         f"{type(module).__name__} are in none of its as_layers(): no stage "
+                         "and no delay for them")
+    return delays
 
 
 def ef_correction(update: torch.Tensor, previous_update: torch.Tensor,
@@ -142,13 +210,19 @@ class DelayedOptimizer:
     the step's forward pass (the `predict` correction moves the weights there). See the
     module docstring for the exact rule.
 
+    `delays` (optional, `{id(parameter): steps}` for every parameter, e.g.
+    `pipeline_delays`): per-parameter delays instead of the uniform one-step rule (module
+    docstring, "Delay profiles"); no correction then. Without it the uniform rule runs,
+    unchanged.
+
     Diagnostics: after a step, `diagnostics()` returns the norm of the stale-minus-fresh
-    gradient (g(t-1) - g(t)) and, if `watch_next_step()` was called before that step, the
+    gradient (g(t-1) - g(t); per-parameter delays: g(t-d) - g(t) over the delayed
+    parameters given one) and, if `watch_next_step()` was called before that step, the
     norm of the update applied to the weights. Call it before the next `zero_grad()`.
     """
 
     def __init__(self, optimizer, delay: int = 1, correction: str = "none",
-                 ef_lambda: float = 1.0):
+                 ef_lambda: float = 1.0, delays: Mapping[int, int] | None = None):
         if delay != 1:
             raise ValueError(f"optim.delay must be 1 for a DelayedOptimizer, got {delay!r}")
         self.optimizer = optimizer
@@ -158,6 +232,21 @@ class DelayedOptimizer:
         """g(t-1) per parameter (None: no gradient); None before the first step."""
         self.num_applied = 0
         """Updates applied so far (= steps taken - 1 once the first step has run)."""
+        self.delays: list[int] | None = None
+        """Per-parameter delays (in `params` order), or None: the uniform rule."""
+        self.queue: list[list[torch.Tensor | None]] = []
+        """Per-parameter delays: the last max(delays) steps' stored gradients, oldest
+        first (queue[-d] holds g(t-d) at step t); an entry is dropped (None) once used."""
+        self.num_steps = 0
+        """Per-parameter delays: steps taken (t of the next step)."""
+        if delays is not None:
+            self.delays = _delays_of(self.params, delays)
+            if self.correction.kind != "none":
+                raise ValueError(
+                    f"optim.delay_correction={correction!r} is defined for one step of "
+                    "delay; with per-parameter delays (optim.delay_profile='pipeline') it "
+                    "is not: valid: optim.delay_correction=none, or "
+                    "optim.delay_profile=uniform")
         self._shifted = False
         self._watch = False
         self._before: list[torch.Tensor] | None = None
@@ -190,6 +279,9 @@ class DelayedOptimizer:
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("DelayedOptimizer.step does not take a closure")
+        if self.delays is not None:
+            self._step_per_parameter()
+            return
         fresh = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         if self._shifted:  # back to W(t), the weights the update applies to
             self.correction.shift(self.params, -1)
@@ -213,9 +305,42 @@ class DelayedOptimizer:
         self._before = before if watch else None
 
     @torch.no_grad()
+    def _step_per_parameter(self) -> None:
+        """Step t with per-parameter delays: a parameter of delay d gets g(t - d), or no
+        gradient while t < d; the wrapped optimizer steps only if some parameter has one."""
+        watch, self._watch, self._before = self._watch, False, None
+        fresh = [None if d == 0 or p.grad is None else p.grad.detach().clone()
+                 for p, d in zip(self.params, self.delays, strict=True)]
+        applying = False
+        for i, (p, d) in enumerate(zip(self.params, self.delays, strict=True)):
+            if d == 0:  # the step's own gradient, where it is
+                applying = applying or p.grad is not None
+                continue
+            stored = None
+            if d <= len(self.queue):
+                stored, self.queue[-d][i] = self.queue[-d][i], None  # used once: dropped
+            if stored is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = stored
+            else:
+                p.grad.copy_(stored)  # in place: gradient buffers may be views (DDP buckets)
+            applying = applying or stored is not None
+        self.queue.append(fresh)
+        # entries older than the largest delay have been used by every parameter
+        del self.queue[:max(0, len(self.queue) - max(self.delays))]
+        self.num_steps += 1
+        if watch:
+            self._before = [p.detach().clone() for p in self.params]
+        if applying:
+            self.optimizer.step()
+            self.num_applied += 1
+
+    @torch.no_grad()
     def diagnostics(self) -> dict[str, float]:
         """Norms about the last step: `stale_grad_diff_norm` = ||g(t-1) - g(t)|| (from the
-        second step on) and `update_norm` = ||W(t+1) - W(t)|| (only after a watched step).
+        second step on; per-parameter delays: ||g(t-d) - g(t)|| over the delayed parameters
+        given a gradient) and `update_norm` = ||W(t+1) - W(t)|| (only after a watched step).
 
         Reads the gradients the last step left in `p.grad` (the applied g(t-1)): call it
         after `step()` and before the next `zero_grad()`, outside the timed step.
@@ -226,15 +351,21 @@ class DelayedOptimizer:
                        for p, b in zip(self.params, self._before, strict=True)]
             out["update_norm"] = torch.stack(squares).sum().sqrt().item()
             self._before = None
-        if self.num_applied and self.stale is not None:
+        latest = self.stale if self.delays is None else (self.queue[-1] if self.queue
+                                                              else None)
+        if self.num_applied and latest is not None:
             squares = [(p.grad - g).float().pow(2).sum()
-                       for p, g in zip(self.params, self.stale, strict=True)
+                       for p, g in zip(self.params, latest, strict=True)
                        if p.grad is not None and g is not None]
             if squares:
                 out["stale_grad_diff_norm"] = torch.stack(squares).sum().sqrt().item()
         return out
 
     def state_dict(self) -> dict:
+        if self.delays is not None:
+            return {"optimizer": self.optimizer.state_dict(), "delays": list(self.delays),
+                    "queue": [[_copy(g) for g in entry] for entry in self.queue],
+                    "num_steps": self.num_steps, "num_applied": self.num_applied}
         return {
             "optimizer": self.optimizer.state_dict(),
             "stale": None if self.stale is None else [_copy(g) for g in self.stale],
@@ -243,12 +374,44 @@ class DelayedOptimizer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if (self.delays is None) != ("delays" not in state) or \
+                ("delays" in state and list(state["delays"]) != self.delays):
+            raise ValueError(
+                f"delayed-optimizer state of per-parameter delays "
+                f"{_summary(state.get('delays'))}, this run's are "
+                f"{_summary(self.delays)}: not this run's checkpoint (optim.delay_profile "
+                "or optim.delay_stages differ)")
         self.optimizer.load_state_dict(state["optimizer"])
         devices = [p.device for p in self.params]
+        if self.delays is not None:
+            self.queue = [_to_devices(entry, devices) for entry in state["queue"]]
+            self.num_steps, self.num_applied = state["num_steps"], state["num_applied"]
+            self._shifted, self._watch, self._before = False, False, None
+            return
         self.stale = _to_devices(state["stale"], devices)
         self.correction.load_state_dict(state, devices)
         self.num_applied = state["num_applied"]
         self._shifted, self._watch, self._before = False, False, None
+
+
+def _delays_of(params: list[torch.Tensor], delays: Mapping[int, int]) -> list[int]:
+    """`delays` ({id(parameter): steps}) in `params` order, each an integer >= 0."""
+    out = []
+    for i, p in enumerate(params):
+        d = delays.get(id(p))
+        if d is None:
+            raise ValueError(f"per-parameter delays: the optimizer's parameter {i} "
+                             f"({tuple(p.shape)}) has no delay")
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"per-parameter delays must be integers >= 0, got {d!r} "
+                             f"for parameter {i}")
+        out.append(d)
+    return out
+
+
+def _summary(delays: list[int] | None) -> str:
+    """Per-parameter delays in a few words: 'none' (uniform) or their values."""
+    return "none (uniform)" if delays is None else str(sorted(set(delays)))
 
 
 def _copy(t: torch.Tensor | None) -> torch.Tensor | None:

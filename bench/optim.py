@@ -15,6 +15,10 @@ classified by module type, never by name, so the same rule works on any slice of
 `optim.delay: 1` wraps the optimizer in `algorithms.delay.DelayedOptimizer` (one-step
 gradient delay); `optim.delay_correction` corrects a delayed update, the emulation's or
 PipeDream-2BW's (algorithms/delay.py `DelayCorrection`; docs/algorithms.md).
+`optim.delay_profile: pipeline` gives the wrapper per-parameter delays instead, an
+asynchronous pipeline's: the module's `as_layers()` cut into `optim.delay_stages` virtual
+stages, stage s of P delayed by optim.delay x (P - 1 - s) steps
+(`algorithms.delay.pipeline_delays`; issue 47).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections import ChainMap
 import torch
 from torch import nn
 
-from algorithms.delay import DelayedOptimizer, rebind_parameters
+from algorithms.delay import DelayedOptimizer, pipeline_delays, rebind_parameters
 from bench.config.schema import OPTIMIZERS, Config, OptimConfig
 from bench.model import hidden_matrices
 
@@ -162,7 +166,11 @@ def make_optimizer_factory(cfg: Config):
     def make(module: nn.Module):
         optimizer = build_optimizer(module, o)
         if o.delay:
-            optimizer = DelayedOptimizer(optimizer, o.delay, o.delay_correction, o.ef_lambda)
+            delays = None  # the uniform profile: every parameter one step late
+            if o.delay_profile == "pipeline":
+                delays = pipeline_delays(module, o.delay_stages, o.delay)
+            optimizer = DelayedOptimizer(optimizer, o.delay, o.delay_correction, o.ef_lambda,
+                                         delays=delays)
         return optimizer
 
     return make
@@ -189,6 +197,10 @@ def describe_optimizer(optimizer, cfg: Config) -> dict | None:
     info.update(delay=delay, delay_correction=cfg.optim.delay_correction if delay else "none")
     if delay:
         info["delayed_by"] = "emulation" if cfg.optim.delay else "strategy"
+    if cfg.optim.delay and cfg.optim.delay_profile == "pipeline":
+        p = cfg.optim.delay_stages
+        info.update(delay_profile="pipeline", delay_stages=p,
+                    stage_delays=[cfg.optim.delay * (p - 1 - s) for s in range(p)])
     if info["delay_correction"] == "ef":
         info["ef_lambda"] = cfg.optim.ef_lambda
     return info

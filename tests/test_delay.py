@@ -12,19 +12,19 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from algorithms.delay import DelayedOptimizer, ef_correction
+from algorithms.delay import DelayedOptimizer, ef_correction, pipeline_delays, stage_delays
 from bench.config import load_config
 from bench.model import GPT, gpt_config
-from bench.optim import lr_at, make_optimizer_factory
+from bench.optim import build_optimizer, describe_optimizer, lr_at, make_optimizer_factory
 from tests.helpers import assert_same_params, max_change, params_of
 
 SEQ = 16
 BASE = ["model.seq_len=16", "optim.warmup_steps=2", "run.steps=6", "optim.grad_clip=0"]
 
 
-def tiny_gpt(seed: int = 0) -> GPT:
+def tiny_gpt(seed: int = 0, n_layer: int | None = None, **overrides) -> GPT:
     torch.manual_seed(seed)
-    return GPT(gpt_config("tiny", 256, SEQ))
+    return GPT(gpt_config("tiny", 256, SEQ, 0.0, n_layer, **overrides))
 
 
 def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -44,7 +44,7 @@ def train(model, optimizer, cfg, data, start: int = 0) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
         optimizer.zero_grad(set_to_none=True)
-        optimizer.begin_step()
+        getattr(optimizer, "begin_step", lambda: None)()  # a plain optimizer has none
         model(x, y)[1].backward()
         optimizer.step()
 
@@ -211,3 +211,279 @@ def test_wrapper_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError) as err:
         DelayedOptimizer(optimizer, **kwargs)
     assert message in str(err.value)
+
+
+# ------------------------------------------------ delay profiles (per-parameter delays, issue 47)
+
+PIPELINE = ["optim.delay=1", "optim.delay_profile=pipeline"]
+
+
+def with_delays(model, optimizer, delay: int | None = None, **kwargs) -> DelayedOptimizer:
+    """`optimizer` wrapped with per-parameter delays: all `delay`, or `delays=` as given."""
+    delays = kwargs.pop("delays", None)
+    if delays is None:
+        delays = {id(p): delay for p in model.parameters()}
+    return DelayedOptimizer(optimizer, delays=delays, **kwargs)
+
+
+def optimizer_states_equal(a, b) -> None:
+    """The wrapped optimizers' state dicts are equal, tensors bit for bit."""
+    def flat(state, prefix=""):
+        if isinstance(state, dict):
+            for k, v in state.items():
+                yield from flat(v, f"{prefix}.{k}")
+        elif isinstance(state, list | tuple):
+            for i, v in enumerate(state):
+                yield from flat(v, f"{prefix}[{i}]")
+        else:
+            yield prefix, state
+    fa, fb = dict(flat(a.state_dict())), dict(flat(b.state_dict()))
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        if isinstance(fa[k], torch.Tensor):
+            assert torch.equal(fa[k], fb[k]), k
+        else:
+            assert fa[k] == fb[k], k
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "sgd"])
+def test_per_parameter_delays_all_0_are_the_plain_optimizer_bit_for_bit(name):
+    cfg = cfg_of(f"optim.name={name}", *(["optim.momentum=0.9"] if name == "sgd" else []))
+    data = batches(5)
+    plain = tiny_gpt()
+    plain_opt = build_optimizer(plain, cfg.optim)
+    train(plain, plain_opt, cfg, data)
+    model = tiny_gpt()
+    delayed = with_delays(model, build_optimizer(model, cfg.optim), 0)
+    train(model, delayed, cfg, data)
+    assert max_change(named(plain), named(tiny_gpt())) > 1e-4  # training moved the weights
+    assert_same_params(params_of(model), params_of(plain), atol=0, rtol=0)
+    optimizer_states_equal(delayed.optimizer, plain_opt)
+    assert delayed.num_applied == 5 and delayed.queue == []  # nothing stored
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "nadamw"])
+def test_per_parameter_delays_all_1_are_the_uniform_path_bit_for_bit(name):
+    cfg = cfg_of(f"optim.name={name}", "optim.delay=1")
+    data = batches(6)
+    uniform = tiny_gpt()
+    uniform_opt = make_optimizer_factory(cfg)(uniform)
+    assert uniform_opt.delays is None  # the factory's uniform profile: the unchanged path
+    model = tiny_gpt()
+    per_param = with_delays(model, build_optimizer(model, cfg.optim), 1)
+    for step in range(len(data)):  # step by step: the diagnostics agree as well
+        for m, opt in ((uniform, uniform_opt), (model, per_param)):
+            opt.watch_next_step()
+            train(m, opt, cfg, data[step:step + 1], start=step)
+        assert uniform_opt.diagnostics() == per_param.diagnostics()
+        assert_same_params(params_of(model), params_of(uniform), atol=0, rtol=0)
+    assert per_param.num_applied == uniform_opt.num_applied == 5
+    optimizer_states_equal(per_param.optimizer, uniform_opt.optimizer)
+
+
+def expected_delays(model: GPT, num_stages: int) -> dict[str, int]:
+    """By hand, for 3 blocks: P = 2 cuts [embed, b0, b1 | b2, head] (the first stage takes
+    the extra block), P = 3 [embed, b0 | b1 | b2, head]; stage s of P is P - 1 - s steps
+    late; the tied wte (the head's `weight`) is the embedding's, the first stage's."""
+    stage_of_block = {2: {0: 0, 1: 0, 2: 1}, 3: {0: 0, 1: 1, 2: 2}}[num_stages]
+    out = {}
+    for name, _ in model.named_parameters():
+        if name.startswith("embed."):
+            stage = 0
+        elif name.startswith("head."):
+            stage = num_stages - 1
+        else:
+            stage = stage_of_block[int(name.split(".")[1])]
+        out[name] = num_stages - 1 - stage
+    return out
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_stage_delays_embedding_first_head_last_tied_weight_first_stages(num_stages):
+    model = tiny_gpt(n_layer=3)
+    assert model.head.weight is model.embed.wte.weight  # GPT-2's tied embedding/head
+    delays = stage_delays(model.as_layers(), num_stages)
+    by_name = {name: delays[id(p)] for name, p in model.named_parameters()}
+    assert by_name == expected_delays(model, num_stages)
+    assert delays[id(model.head.weight)] == num_stages - 1  # not the head's stage's 0
+    assert delays[id(model.head.ln_f.weight)] == 0
+    assert delays[id(model.embed.wpe.weight)] == num_stages - 1
+    # optim.delay scales every stage's delay
+    doubled = stage_delays(model.as_layers(), num_stages, delay=2)
+    assert doubled == {k: 2 * d for k, d in delays.items()}
+    # untied: the head's own weight takes the last stage's delay, 0
+    untied = tiny_gpt(n_layer=3, tie_embeddings=False)
+    delays = stage_delays(untied.as_layers(), num_stages)
+    assert delays[id(untied.head.weight)] == 0
+    assert delays[id(untied.embed.wte.weight)] == num_stages - 1
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_pipeline_profile_sgd_is_a_per_parameter_gradient_queue(num_stages):
+    """SGD by hand: W_i(t+1) = W_i(t) - lr(t) g_i(t - d_i) once t >= d_i, each parameter's
+    fresh gradients kept in its own queue; nothing before (the embedding's stage starts
+    P - 1 steps late)."""
+    cfg = cfg_of("optim.name=sgd", "optim.weight_decay=0", "optim.lr=0.3",
+                 "model.n_layer=3", *PIPELINE, f"optim.delay_stages={num_stages}")
+    steps = 6
+    data = batches(steps)
+    reference = tiny_gpt(n_layer=3)
+    delay = expected_delays(reference, num_stages)
+    w = named(reference)
+    queue: dict[str, list] = {k: [] for k in w}
+    for t in range(steps):
+        g = grad_at(reference, w, data[t])  # g(t) at W(t)
+        for k in w:
+            queue[k].append(g[k])
+        w = {k: (v - lr_at(t, cfg) * queue[k][t - delay[k]] if t >= delay[k] else v)
+             for k, v in w.items()}
+
+    model = tiny_gpt(n_layer=3)
+    optimizer = make_optimizer_factory(cfg)(model)
+    assert isinstance(optimizer, DelayedOptimizer) and optimizer.delays is not None
+    train(model, optimizer, cfg, data)
+    assert_same_params(named(model), w, atol=1e-6, rtol=1e-6)
+    start = named(tiny_gpt(n_layer=3))
+    assert all(max_change({k: w[k]}, {k: start[k]}) > 1e-5 for k in w)  # every stage moved
+    uniform = tiny_gpt(n_layer=3)
+    uniform_cfg = cfg_of("optim.name=sgd", "optim.weight_decay=0", "optim.lr=0.3",
+                         "model.n_layer=3", "optim.delay=1")
+    train(uniform, make_optimizer_factory(uniform_cfg)(uniform), uniform_cfg, data)
+    assert max_change(named(uniform), w) > 1e-4  # the profile is not the uniform delay
+    # each stored gradient is kept exactly d steps: sum_i d_i |p_i| numbers held
+    held = sum(g.numel() for entry in optimizer.queue for g in entry if g is not None)
+    assert held == sum(delay[k] * p.numel() for k, p in model.named_parameters())
+
+
+def test_pipeline_profile_first_steps_apply_only_the_undelayed_stages():
+    """P = 3: step 0 updates only the last stage, step 1 the last two; the optimizer
+    (AdamW) holds no state for a parameter before its first gradient."""
+    cfg = cfg_of("model.n_layer=3", *PIPELINE, "optim.delay_stages=3")
+    model = tiny_gpt(n_layer=3)
+    delay = expected_delays(model, 3)
+    optimizer = make_optimizer_factory(cfg)(model)
+    data = batches(3)
+    for t in range(3):
+        before = named(model)
+        train(model, optimizer, cfg, data[t:t + 1], start=t)
+        after = named(model)
+        for name, p in model.named_parameters():
+            moved = not torch.equal(before[name], after[name])
+            assert moved == (t >= delay[name]), (t, name)
+            assert (p in optimizer.state) == (t >= delay[name]), (t, name)
+    assert optimizer.num_applied == 3
+
+
+def test_pipeline_profile_step_with_nothing_to_apply_does_not_step_the_optimizer():
+    """Every parameter delayed (no stage of delay 0): the first step calls nothing."""
+    model = tiny_gpt()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    inner.step = lambda *a, **k: calls.append(1)
+    optimizer = with_delays(model, inner, 2)
+    train(model, optimizer, cfg_of(), batches(3))
+    assert calls == [1] and optimizer.num_applied == 1  # steps 0 and 1 apply nothing
+
+
+@pytest.mark.parametrize("extra", [["optim.name=adamw", "optim.delay_stages=2"],
+                                   ["optim.name=adamw", "optim.delay_stages=3"],
+                                   ["optim.name=muon", "optim.delay_stages=3"]])
+def test_pipeline_profile_resume_mid_run_is_bit_exact(extra):
+    """The checkpoint at step 3 holds gradients still queued (P = 3: two steps' worth)."""
+    cfg = cfg_of("model.n_layer=3", *PIPELINE, *extra)
+    data = batches(7)
+    model = tiny_gpt(n_layer=3)
+    train(model, make_optimizer_factory(cfg)(model), cfg, data)
+    uninterrupted = params_of(model)
+
+    first = tiny_gpt(n_layer=3)
+    optimizer = make_optimizer_factory(cfg)(first)
+    train(first, optimizer, cfg, data[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # plain data, as checkpoints load
+
+    resumed = tiny_gpt(seed=123, n_layer=3)
+    resumed.load_state_dict(saved["model"])
+    optimizer = make_optimizer_factory(cfg)(resumed)
+    optimizer.load_state_dict(saved["optimizer"])
+    train(resumed, optimizer, cfg, data[3:], start=3)
+    assert_same_params(params_of(resumed), uninterrupted, atol=0, rtol=0)
+    assert max_change(uninterrupted, params_of(tiny_gpt(n_layer=3))) > 1e-4
+
+
+def test_a_uniform_checkpoint_does_not_load_into_the_pipeline_profile():
+    data = batches(2)
+    model = tiny_gpt(n_layer=3)
+    cfg = cfg_of("model.n_layer=3", "optim.delay=1")
+    optimizer = make_optimizer_factory(cfg)(model)
+    train(model, optimizer, cfg, data)
+    profile = make_optimizer_factory(cfg_of("model.n_layer=3", *PIPELINE,
+                                            "optim.delay_stages=2"))(model)
+    with pytest.raises(ValueError, match="optim.delay_profile or optim.delay_stages differ"):
+        profile.load_state_dict(optimizer.state_dict())
+
+
+def test_pipeline_profile_diagnostics_and_summary():
+    cfg = cfg_of("model.n_layer=3", *PIPELINE, "optim.delay_stages=3")
+    model = tiny_gpt(n_layer=3)
+    optimizer = make_optimizer_factory(cfg)(model)
+    data = batches(3)
+    train(model, optimizer, cfg, data[:2])
+    before = named(model)
+    optimizer.watch_next_step()
+    train(model, optimizer, cfg, data[2:], start=2)
+    diagnostics = optimizer.diagnostics()
+    expected = torch.cat([(p - before[k]).flatten() for k, p in named(model).items()]).norm()
+    assert diagnostics["update_norm"] == pytest.approx(expected.item(), rel=1e-4)
+    assert diagnostics["stale_grad_diff_norm"] > 0
+    info = describe_optimizer(optimizer, cfg)
+    assert info["delay_profile"] == "pipeline" and info["stage_delays"] == [2, 1, 0]
+    assert "delay_profile" not in describe_optimizer(optimizer, cfg_of("optim.delay=1"))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["optim.delay_stages=1"], ["optim.delay_stages", "got 1", "from 2"]),
+    (["optim.delay_stages=4"], ["optim.delay_stages", "got 4", "number of blocks (3)"]),
+    (["optim.delay_profile=uniform", "optim.delay_stages=2"],
+     ["optim.delay_stages=2", "optim.delay_profile=pipeline"]),
+    (["optim.delay_stages=null"], ["optim.delay_stages", "got None", "from 2"]),
+    (["optim.delay=0", "optim.delay_stages=2"], ["optim.delay_profile=pipeline",
+                                                  "optim.delay is 0", "optim.delay=1"]),
+    (["optim.delay_stages=2", "optim.delay_correction=ef"],
+     ["optim.delay_correction='ef'", "one step of delay", "optim.delay_correction=none"]),
+    (["optim.delay_stages=3", "optim.delay_correction=predict"],
+     ["optim.delay_correction='predict'", "0 to 2 steps", "optim.delay_profile=uniform"]),
+    (["optim.delay_stages=2", "strategy.backend=deepspeed"],
+     ["optim.delay_profile=pipeline", "strategy.backend=deepspeed", "strategy.backend=torch"]),
+    (["optim.delay_profile=stages"], ["optim.delay_profile", "'stages'", "pipeline"]),
+])
+def test_pipeline_profile_refusals_name_the_key(overrides, expected):
+    with pytest.raises(ValueError) as err:
+        load_config("configs/ddp-tiny.yaml",
+                    ["model.n_layer=3", *PIPELINE, *overrides])
+    for part in expected:
+        assert part in str(err.value), (part, str(err.value))
+
+
+@pytest.mark.parametrize("config", ["configs/pipeline-1f1b-tiny.yaml", "configs/2bw-tiny.yaml"])
+def test_pipeline_profile_refused_where_the_optimizer_sees_one_stage(config):
+    with pytest.raises(ValueError) as err:
+        load_config(config, [*PIPELINE, "optim.delay_stages=2"])
+    assert "optim.delay" in str(err.value)
+    if "1f1b" in config:  # 2bw refuses optim.delay=1 itself
+        assert "one stage of a real pipeline" in str(err.value)
+
+
+def test_per_parameter_delays_refuse_corrections_and_a_stage_module():
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match="optim.delay_correction='ef' is defined for one step"):
+        with_delays(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, correction="ef")
+    with pytest.raises(ValueError, match="has no delay"):
+        DelayedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), delays={})
+    stage = torch.nn.Sequential(*model.as_layers()[:2])  # a pipeline stage: no as_layers
+    with pytest.raises(ValueError, match="optim.delay_profile='pipeline' cuts the whole"):
+        pipeline_delays(stage, 2)
+    with pytest.raises(ValueError, match="optim.delay_stages=3 cannot cut"):
+        pipeline_delays(model, 3)  # 2 blocks

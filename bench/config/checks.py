@@ -187,12 +187,57 @@ def validate(cfg: Config) -> None:
     check_tracking(cfg.tracking)
     check_extra_args(cfg.launch.torchrun_args)
     check_straggler(cfg.run.straggler, cfg.parallel.world_size)
+    check_delay_profile(cfg, blocks)
     cfg.strategy.check(cfg)  # the strategy's own cross-section rules (stages, world size, ...)
     if cfg.optim.delay_correction != "none" and cfg.strategy.update_delay(cfg) == 0:
         raise ValueError(f"optim.delay_correction={cfg.optim.delay_correction!r} corrects a "
                          f"delayed update, but strategy {cfg.strategy.name!r} with "
                          f"optim.delay=0 delays nothing: set optim.delay=1 (the emulation), "
                          "or use pipedream-2bw with strategy.delay=1")
+
+
+def check_delay_profile(cfg: Config, blocks: int) -> None:
+    """optim.delay_profile / optim.delay_stages (issue 47): the pipeline profile needs its
+    stages (2 .. the model's `blocks`), the emulation on (optim.delay 1), no correction
+    (defined for one step of delay), and an optimizer that sees the whole model
+    (`model.as_layers()`): a data-parallel strategy on the torch backend."""
+    o = cfg.optim
+    if o.delay_profile == "uniform":
+        if o.delay_stages is not None:
+            raise ValueError(f"optim.delay_stages={o.delay_stages} is read only by "
+                             "optim.delay_profile=pipeline, and the profile is 'uniform': "
+                             "valid: optim.delay_stages null, or optim.delay_profile=pipeline")
+        return
+    if o.delay_stages is None:
+        raise ValueError(f"optim.delay_profile=pipeline needs optim.delay_stages (the virtual "
+                         f"stages P), got None; valid: an integer from 2 to the model's "
+                         f"number of blocks ({blocks})")
+    if not 2 <= o.delay_stages <= blocks:
+        raise _fail("optim.delay_stages", o.delay_stages,
+                    f"an integer from 2 to the model's number of blocks ({blocks}): every "
+                    "virtual stage holds at least one block")
+    if o.delay == 0:
+        raise ValueError("optim.delay_profile=pipeline delays stage s by optim.delay x "
+                         "(P - 1 - s) steps, but optim.delay is 0 (nothing delayed); valid: "
+                         "optim.delay=1, or optim.delay_profile=uniform")
+    if o.delay_correction != "none":
+        raise ValueError(f"optim.delay_correction={o.delay_correction!r} is defined for one "
+                         f"step of delay, but optim.delay_profile=pipeline delays the stages "
+                         f"by 0 to {o.delay * (o.delay_stages - 1)} steps; valid: "
+                         "optim.delay_correction=none, or optim.delay_profile=uniform")
+    from algorithms.base import DataParallelStrategy, strategy_of
+
+    if not issubclass(strategy_of(cfg), DataParallelStrategy):
+        raise ValueError(f"optim.delay_profile=pipeline cuts the whole model "
+                         f"(model.as_layers()) into virtual stages, but strategy "
+                         f"{cfg.strategy.name!r} gives each rank's optimizer one stage of a "
+                         "real pipeline; valid: a data-parallel strategy (ddp, diloco, ...), "
+                         "or optim.delay_profile=uniform")
+    if getattr(cfg.strategy, "backend", "torch") == "deepspeed":
+        raise ValueError("optim.delay_profile=pipeline with strategy.backend=deepspeed: the "
+                         "engine steps its own optimizer (no delay wrapper sees the model's "
+                         "layers); valid: strategy.backend=torch, or optim.delay_profile="
+                         "uniform")
 
 
 GLOO_ON_CUDA = (

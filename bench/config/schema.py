@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from algorithms.base import STRATEGIES, config_class
 from algorithms.contract import StrategyConfig
-from algorithms.delay import CORRECTIONS
+from algorithms.delay import CORRECTIONS, DELAY_PROFILES
 from bench.config.typed import fail as _fail
 from bench.config.typed import from_mapping
 
@@ -180,6 +180,16 @@ class OptimConfig:
     are RECONSTRUCTIONS (docs/algorithms.md)."""
     ef_lambda: float = 1.0
     """Weight λ of the error-feedback correction (reconstruction; 0 = plain delay)."""
+    delay_profile: Literal["uniform", "pipeline"] = "uniform"
+    """How the optim.delay emulation delays each parameter: uniform (every parameter by
+    optim.delay steps); pipeline (an asynchronous pipeline's staleness: model.as_layers(),
+    [embedding, blocks..., head], cut by block count into optim.delay_stages = P virtual
+    stages, stage s delayed by optim.delay x (P - 1 - s) steps, the head's stage by none;
+    a tied embedding/head weight takes the first stage's delay). pipeline: data-parallel
+    strategies with strategy.backend torch, no delay correction (docs/algorithms.md)."""
+    delay_stages: int | None = None
+    """optim.delay_profile pipeline: the number P of virtual stages, from 2 to the model's
+    number of blocks; null with the uniform profile."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -190,6 +200,15 @@ class OptimConfig:
         if self.delay_correction not in CORRECTIONS:
             raise ValueError(f"optim.delay_correction must be one of {list(CORRECTIONS)}, "
                              f"got {self.delay_correction!r}")
+        if self.delay_profile not in DELAY_PROFILES:
+            raise ValueError(f"optim.delay_profile must be one of {list(DELAY_PROFILES)}, "
+                             f"got {self.delay_profile!r}")
+        stages = self.delay_stages
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
+                                   or stages < 2):
+            raise ValueError(f"optim.delay_stages must be null or an integer from 2 to the "
+                             f"model's number of blocks (the virtual pipeline's stages), "
+                             f"got {stages!r}")
         if self.muon_lr <= 0:
             raise ValueError(f"optim.muon_lr must be > 0, got {self.muon_lr!r}")
         if not 0 <= self.muon_momentum < 1:
