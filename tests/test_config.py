@@ -91,6 +91,21 @@ def test_hash_is_stable_across_processes():
     assert out.stdout.strip() == config_hash(load_config(DDP_TINY))
 
 
+RECORDED_HASHES = {DDP_TINY: "43f6762dbd76"}
+"""Identities of shipped configs as runs recorded them: a new config key must leave them
+unchanged at its default (bench/config/__init__.py `IDENTITY_DEFAULTS`), or every recorded
+run, sweep and checkpoint stops matching its config."""
+
+
+def test_a_new_key_at_its_default_keeps_recorded_identities():
+    for path, recorded in RECORDED_HASHES.items():
+        assert config_hash(load_config(path)) == recorded, path
+    profiled = load_config(DDP_TINY, ["optim.delay=1", "optim.delay_profile=pipeline",
+                                      "optim.delay_stages=2"])
+    delayed = load_config(DDP_TINY, ["optim.delay=1"])
+    assert config_hash(profiled) != config_hash(delayed)  # used, the key is identity
+
+
 def test_field_docs_feed_config_show():
     docs = field_docs(ModelConfig)
     assert docs["seq_len"] == "Context length in tokens."

@@ -109,8 +109,19 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+IDENTITY_DEFAULTS = {"optim.delay_profile": "uniform", "optim.delay_stages": None}
+"""Keys added after runs were recorded: left out of the identity while at these defaults,
+so that every config that does not use them keeps the hash (run ids, sweep resume, the
+run key of checkpoints) it had before they existed. A new key goes here too."""
+
+
 def identity_dict(cfg: Config) -> dict:
-    return without_keys(to_dict(cfg), NON_IDENTITY_KEYS)
+    data = without_keys(to_dict(cfg), NON_IDENTITY_KEYS)
+    for key, default in IDENTITY_DEFAULTS.items():
+        section, name = key.split(".")
+        if name in data.get(section, {}) and data[section][name] == default:
+            del data[section][name]
+    return data
 
 
 def config_hash(cfg: Config) -> str:
