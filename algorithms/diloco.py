@@ -37,7 +37,12 @@ from algorithms.ddp import clock_for, make_ddp
 from algorithms.memory import HOST, fsdp_terms, require_shard_ranks
 from algorithms.outer import WIRE_BYTES, WIRE_DTYPES, OuterOptimizer, RoundStats, replica_groups
 from algorithms.outer_rules import OuterRule, rule_class, rule_factory
-from algorithms.streaming import Fragments, StreamingSchedule, fragment_indices
+from algorithms.streaming import (
+    Fragments,
+    StreamingSchedule,
+    check_fragments,
+    fragment_indices,
+)
 from algorithms.traffic import (
     Traffic,
     Transfer,
@@ -76,8 +81,8 @@ class DiLoCoConfig(StrategyConfig):
     fragments: int = 1
     """Streaming DiLoCo (arXiv 2501.18512): P, the fragments the model is cut into (over
     its transformer blocks, by fragment_pattern). One fragment syncs every H/P inner steps,
-    round-robin, so each syncs every H steps (inner_steps must be a multiple of P) and a
-    sync sends about |θ|/P. 1 = DiLoCo (the whole model every H steps)."""
+    round-robin, so each syncs every H steps (gaps of floor(H/P) or ceil(H/P) steps when P
+    does not divide H; P <= H) and a sync sends about |θ|/P. 1 = DiLoCo (the whole model every H steps)."""
     fragment_pattern: Literal["strided", "sequential"] = "strided"
     """Which blocks form a fragment: strided (block b in fragment b mod P, the paper's) or
     sequential (P contiguous runs of blocks). The embedding goes with block 0's fragment,
@@ -113,14 +118,7 @@ class DiLoCoConfig(StrategyConfig):
             raise ValueError(f"strategy.bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if self.fragments < 1:
             raise ValueError(f"strategy.fragments must be >= 1, got {self.fragments!r}")
-        if self.inner_steps % self.fragments:
-            raise ValueError(f"strategy.inner_steps ({self.inner_steps}) must be a multiple of "
-                             f"strategy.fragments ({self.fragments}): each fragment syncs "
-                             "every inner_steps steps, one every inner_steps / fragments")
-        period = self.inner_steps // self.fragments
-        if not 0 <= self.overlap_steps < period:
-            raise ValueError(f"strategy.overlap_steps must be in [0, inner_steps / fragments "
-                             f"= {period}), got {self.overlap_steps!r}")
+        check_fragments(self.fragments, self.inner_steps, self.overlap_steps)
         if not 0 <= self.mix_alpha <= 1:
             raise ValueError(f"strategy.mix_alpha must be in [0, 1], got {self.mix_alpha!r}")
         if self.compression_row < 2 or self.compression_row % 2:

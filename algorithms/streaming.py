@@ -17,11 +17,13 @@ it; with `fragments: 1, overlap_steps: 0` it is DiLoCo's every-H-steps round exa
   fragment, the head (with the final norm) with block L-1's; a tied head weight is the
   embedding's and goes with it.
 - `StreamingSchedule(P, H, tau, T)`: fragment p's sync points are the steps s (steps
-  taken, 1-based) with s mod (H/P) = 0 and (s / (H/P) - 1) mod P = p, so one fragment
-  syncs every H/P steps, round-robin from fragment 0, and each every H steps. With tau > 0
-  a fragment's exchange is launched at the end of step s - tau, if s <= T. At the last step
-  T every fragment not synced there syncs too, blocking (the final round: no inner work is
-  lost, as DiLoCo's last shorter round).
+  taken, 1-based) with s mod H = floor((p + 1) H / P) mod H, so each fragment syncs every
+  H steps, round-robin from fragment 0, one every H/P steps when P divides H; otherwise
+  the gaps between consecutive fragments are floor(H/P) or ceil(H/P) (the paper's H = 100
+  with P = 8: 12 or 13 steps). With tau > 0 a fragment's exchange is launched at the end
+  of step s - tau, if s <= T; tau must be below the shortest gap. At the last step T every
+  fragment not synced there syncs too, blocking (the final round: no inner work is lost,
+  as DiLoCo's last shorter round).
 - `Fragments`: the fragments' outer optimizers seen as one: the replica's parameters and
   the global θ in the model's parameter order (evaluation, checkpoints), and the exchange
   in flight.
@@ -76,6 +78,20 @@ def fragment_indices(model: nn.Module, fragments: int, pattern: str) -> list[lis
     return groups
 
 
+def check_fragments(fragments: int, inner_steps: int, overlap_steps: int) -> None:
+    """The schedule's rules on `strategy.fragments`, `inner_steps`, `overlap_steps`: at most
+    one fragment syncs a step (P <= H), and an exchange is launched after the previous
+    fragment's sync (tau below the shortest gap, floor(H / P))."""
+    if not 1 <= fragments <= inner_steps:
+        raise ValueError(f"strategy.fragments ({fragments}) must be between 1 and "
+                         f"strategy.inner_steps ({inner_steps}): one fragment syncs a step "
+                         "at most")
+    gap = inner_steps // fragments
+    if not 0 <= overlap_steps < gap:
+        raise ValueError(f"strategy.overlap_steps must be in [0, floor(inner_steps / "
+                         f"fragments) = {gap}), got {overlap_steps!r}")
+
+
 @dataclass(frozen=True)
 class StreamingSchedule:
     """Which fragment syncs at the end of which step (module docstring)."""
@@ -86,23 +102,25 @@ class StreamingSchedule:
     total_steps: int
 
     def __post_init__(self):
-        if self.inner_steps % self.num_fragments:
-            raise ValueError(f"strategy.inner_steps ({self.inner_steps}) must be a multiple of "
-                             f"strategy.fragments ({self.num_fragments})")
-        if not 0 <= self.overlap_steps < self.period:
-            raise ValueError(f"strategy.overlap_steps must be in [0, inner_steps / fragments "
-                             f"= {self.period}), got {self.overlap_steps}")
+        check_fragments(self.num_fragments, self.inner_steps, self.overlap_steps)
 
     @property
     def period(self) -> int:
-        """H / P: steps between two syncs (of consecutive fragments)."""
+        """floor(H / P): the shortest gap between the syncs of consecutive fragments."""
         return self.inner_steps // self.num_fragments
+
+    def offset(self, fragment: int) -> int:
+        """Fragment `fragment`'s sync point within a round of H steps (1..H)."""
+        return (fragment + 1) * self.inner_steps // self.num_fragments
 
     def regular(self, step: int) -> int | None:
         """The fragment whose sync point `step` is (None: none)."""
-        if step < 1 or step > self.total_steps or step % self.period:
+        if step < 1 or step > self.total_steps:
             return None
-        return (step // self.period - 1) % self.num_fragments
+        within = (step - 1) % self.inner_steps + 1
+        p, r = self.num_fragments, self.inner_steps
+        fragment = -(-within * p // r) - 1  # the one fragment whose offset could be `within`
+        return fragment if self.offset(fragment) == within else None
 
     def launch(self, step: int) -> int | None:
         """The fragment whose exchange is launched at the end of `step` (overlap only)."""

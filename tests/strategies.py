@@ -178,7 +178,10 @@ ENTRIES = (
                 "streaming-topk-hier": Case(
                     ("strategy.inner_steps=4", "strategy.overlap_steps=0",
                      "strategy.outer_compression=topk", *GROUPS),
-                    config="configs/streaming-diloco-tiny.yaml")},
+                    config="configs/streaming-diloco-tiny.yaml"),
+                # H = 5 over P = 2: syncs 2 and 3 steps apart, the second overlapped
+                "streaming-uneven": Case(("strategy.inner_steps=5",),
+                                         config="configs/streaming-diloco-tiny.yaml")},
         projection={"diloco": Case(ROUNDS),
                     "streaming": Case(("strategy.inner_steps=4", "strategy.compression_row=32"),
                                       config="configs/streaming-diloco-tiny.yaml")},

@@ -46,6 +46,28 @@ def test_schedule_round_robin_overlap_and_final_round():
     assert all(one.launch(t) is None for t in range(1, 8))
 
 
+def test_a_schedule_whose_fragments_do_not_divide_h():
+    """H = 10 over P = 4: sync points 2, 5, 7, 10 in each round (gaps 2, 3, 2, 3); overlap
+    below the shortest gap. The paper's H = 100, P = 8: 12, 25, 37, ..., 100. When P
+    divides H it is the evenly spaced schedule."""
+    s = StreamingSchedule(num_fragments=4, inner_steps=10, overlap_steps=1, total_steps=21)
+    assert {t: s.regular(t) for t in range(1, 22) if s.regular(t) is not None} == {
+        2: 0, 5: 1, 7: 2, 10: 3, 12: 0, 15: 1, 17: 2, 20: 3}
+    assert [t for t in range(1, 22) if s.launch(t) is not None] == [1, 4, 6, 9, 11, 14, 16, 19]
+    assert s.syncs(21) == [0, 1, 2, 3]
+    paper = StreamingSchedule(8, 100, 5, 200)
+    assert [t for t in range(1, 101) if paper.regular(t) is not None] == [
+        12, 25, 37, 50, 62, 75, 87, 100]
+    even = StreamingSchedule(4, 12, 0, 24)
+    assert [t for t in range(1, 25) if even.regular(t) is not None] == list(range(3, 25, 3))
+    with pytest.raises(ValueError, match=r"overlap_steps must be in \[0, floor\(inner_steps "
+                                         r"/ fragments\) = 2\), got 2"):
+        StreamingSchedule(4, 10, 2, 21)
+    with pytest.raises(ValueError, match=r"fragments \(4\) must be between 1 and "
+                                         r"strategy.inner_steps \(3\)"):
+        StreamingSchedule(4, 3, 0, 21)
+
+
 def test_fragment_patterns():
     assert block_fragments(6, 3, "strided") == [0, 1, 2, 0, 1, 2]
     assert block_fragments(6, 4, "sequential") == [0, 0, 1, 2, 2, 3]
@@ -245,12 +267,12 @@ def test_peak_leaves_out_the_closing_step_unless_it_is_the_only_sync():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("strategy.fragments=3", "strategy.inner_steps (10) must be a multiple of "
-                             "strategy.fragments (3)"),
+    (["strategy.inner_steps=1", "strategy.overlap_steps=0"],
+     "strategy.fragments (2) must be between 1 and strategy.inner_steps (1)"),
     (["strategy.fragments=5", "strategy.overlap_steps=0"],
      "strategy.fragments (5) must be <= the model's number of blocks (2)"),
-    ("strategy.overlap_steps=5", "strategy.overlap_steps must be in [0, inner_steps / "
-                                 "fragments = 5), got 5"),
+    ("strategy.overlap_steps=5", "strategy.overlap_steps must be in [0, floor(inner_steps "
+                                 "/ fragments) = 5), got 5"),
     ("strategy.mix_alpha=1.5", "strategy.mix_alpha must be in [0, 1], got 1.5"),
     ("strategy.fragment_pattern=random", "strategy.fragment_pattern must be one of"),
     ("parallel.device=cuda", "strategy.overlap_steps=1 on CUDA (parallel.device 'cuda'): "
