@@ -14,8 +14,9 @@ rank holds, and asks the strategy for its terms (its class's `memory_terms`, alg
   muon 1 momentum on the hidden matrices + AdamW's 2 on the rest; lion 1; adan 4 (three
   moments and the previous gradient); soap 2 moments + per 2-D tensor the two
   Kronecker factors and their eigenbases (m^2 + n^2 each, dims <= 10000); nadamw 2; the
-  one-step delay wrapper's stored gradient; a delay correction's previous update (the
-  emulation's or PipeDream-2BW's);
+  one-step delay wrapper's stored gradient (the pipeline profile's: each parameter's
+  size x its delay); a delay correction's previous update (the emulation's or
+  PipeDream-2BW's);
 - activations: one microbatch's forward through the rank's layers on the meta device,
   counting every distinct storage autograd saves for backward (parameters excluded);
   attention counted as a fused kernel keeps it (q, k, v, output, log-sum-exp: no T x T
@@ -58,6 +59,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from algorithms.base import strategy_of
+from algorithms.delay import pipeline_delays
 from algorithms.memory import HOST, MemoryFacts
 from algorithms.partition import stage_bounds
 
@@ -139,7 +141,11 @@ def optimizer_terms(o, module: nn.Module) -> dict[str, int]:
                  "optimizer state (SOAP: Kronecker factors and eigenbases)": factors}
     else:  # an optimizer this plan does not know yet: assume AdamW's two states
         terms = {f"optimizer state ({name}: assumed 2 per parameter)": 2 * total}
-    if o.delay:
+    if o.delay and o.delay_profile == "pipeline":  # g(t-d) kept d steps: sum of d |p|
+        delays = pipeline_delays(module, o.delay_stages, o.delay)
+        terms["delay (pipeline profile): stored gradients"] = sum(
+            delays[id(p)] * _bytes(p) for p in params)
+    elif o.delay:
         terms["one-step delay: stored gradient"] = total
     if o.delay_correction != "none":  # the emulation's or PipeDream-2BW's delayed update
         terms[f"delay correction ({o.delay_correction}): previous update"] = total

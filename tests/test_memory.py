@@ -41,7 +41,7 @@ def _state_bytes(optimizer) -> int:
                 total += sum(t.numel() * t.element_size() for t in tensors
                              if torch.is_tensor(t) and t.dim() > 0)
     if isinstance(optimizer, DelayedOptimizer):
-        for kept in (optimizer.stale, optimizer.correction.previous):
+        for kept in (optimizer.stale, optimizer.correction.previous, *optimizer.queue):
             total += sum(t.numel() * t.element_size() for t in kept or [] if t is not None)
     return total
 
@@ -52,6 +52,7 @@ def _state_bytes(optimizer) -> int:
     dict(name="lion"), dict(name="adan"), dict(name="soap"), dict(name="nadamw"),
     dict(name="adamw", delay=1, delay_correction="ef"),
     dict(name="muon", delay=1, delay_correction="predict"),
+    dict(name="adamw", delay=1, delay_profile="pipeline", delay_stages=2),  # 2 blocks
 ])
 def test_optimizer_terms_are_the_optimizers_real_state(arch, overrides):
     """The plan's optimizer state == the bytes the real optimizer holds after two steps."""
