@@ -21,7 +21,8 @@
 #              this host is 10.77.0.1, where slurmctld listens), named in /etc/hosts.
 #              Their jobs see only eth0 and lo: gloo binds eth0 (GLOO_SOCKET_IFNAME).
 # Requeued jobs wait AuthInfo cred_expire (10 s here, 120 s by default) before they start
-# again; KillWait 15 s is the time a stopped job has to checkpoint before SIGKILL.
+# again; KillWait 30 s (Slurm's default) is the time a stopped job has to checkpoint and
+# close its attempt record before SIGKILL: 15 s was too short at load ~20 (issue 49).
 # Logs: /var/log/slurm/*.log. State: /var/spool/slurm*. Needs root (Debian/Ubuntu).
 set -euo pipefail
 
@@ -161,7 +162,7 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 # Short waits, so that cancelled and timed-out test jobs end quickly, yet a stopped job
 # has time to save its checkpoint.
-KillWait=15
+KillWait=30
 OverTimeLimit=0
 InactiveLimit=0
 MinJobAge=300
