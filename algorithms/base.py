@@ -63,25 +63,6 @@ def strategy_of(cfg) -> type[Strategy]:
     return strategy_class(cfg.strategy.name)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """This rank's peak memory: CUDA `max_memory_allocated`, else the peak resident set of
-    this process's own address space (Linux `VmHWM`). Not `ru_maxrss`: Linux carries the
-    parent's peak RSS across fork/vfork + exec into it, so a rank started by a large
-    launcher (a pytest process, torchrun's agent) would report the launcher's peak."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    import resource  # POSIX, not Linux: ru_maxrss (KiB on Linux, bytes on macOS)
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def set_lr(optimizer, lr: float) -> None:
     """The schedule's learning rate on every parameter group, times the group's `lr_scale`
     (Muon's matrices run at optim.muon_lr: their group carries muon_lr / lr)."""

@@ -17,7 +17,8 @@ work is on the device, and compute stays the synchronised wall time minus expose
 communication (`WALL`). `run.compute_clock: wall` (the shaped-link lab's setting) asks for
 the wall clock on CPU too: the loop calls `set_compute_clock` once, before any strategy
 makes a clock, so the loop's compute and the strategies' `work()` marks (DDP's bucket
-leads, Streaming DiLoCo's tails) are on one clock.
+leads, Streaming DiLoCo's tails) are on one clock. `peak_memory_bytes`: the rank's peak
+memory on its device, the other thing the loop measures of it.
 """
 
 from __future__ import annotations
@@ -112,3 +113,22 @@ Clock = HostClock | CudaClock
 def clock_for(device: torch.device) -> Clock:
     """The clock whose marks follow the work on `device` (module docstring)."""
     return CudaClock(device) if device.type == "cuda" else HostClock()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory: CUDA `max_memory_allocated`, else the peak resident set of
+    this process's own address space (Linux `VmHWM`). Not `ru_maxrss`: Linux carries the
+    parent's peak RSS across fork/vfork + exec into it, so a rank started by a large
+    launcher (a pytest process, torchrun's agent) would report the launcher's peak."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource  # POSIX, not Linux: ru_maxrss (KiB on Linux, bytes on macOS)
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -82,7 +82,8 @@ class DiLoCoConfig(StrategyConfig):
     """Streaming DiLoCo (arXiv 2501.18512): P, the fragments the model is cut into (over
     its transformer blocks, by fragment_pattern). One fragment syncs every H/P inner steps,
     round-robin, so each syncs every H steps (gaps of floor(H/P) or ceil(H/P) steps when P
-    does not divide H; P <= H) and a sync sends about |θ|/P. 1 = DiLoCo (the whole model every H steps)."""
+    does not divide H; P <= H) and a sync sends about |θ|/P. 1 = DiLoCo (the whole model
+    every H steps)."""
     fragment_pattern: Literal["strided", "sequential"] = "strided"
     """Which blocks form a fragment: strided (block b in fragment b mod P, the paper's) or
     sequential (P contiguous runs of blocks). The embedding goes with block 0's fragment,

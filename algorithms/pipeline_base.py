@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from algorithms.base import Strategy, begin_step, materialize, peak_memory_bytes, set_lr, unwrap
+from algorithms.base import Strategy, begin_step, materialize, set_lr, unwrap
+from algorithms.clocks import peak_memory_bytes
 from algorithms.comm import Communicator, Group
 from algorithms.contract import CriticalPath, StepStats, StrategyConfig, TrainSetup
 from algorithms.partition import PARTITIONS, split_layers

@@ -237,7 +237,7 @@ def test_cpu_peak_is_the_process_own_not_its_launchers():
     an exec'd child's ru_maxrss, so a rank launched from a 600 MB process (pytest after
     many tests, torchrun's agent) reported at least 600 MB whatever it did."""
     ballast = b"\x01" * (600 << 20)  # touched pages: the parent's RSS grows by 600 MB
-    code = ("import torch; from algorithms.base import peak_memory_bytes; "
+    code = ("import torch; from algorithms.clocks import peak_memory_bytes; "
             "print(peak_memory_bytes(torch.device('cpu')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,
                           capture_output=True, timeout=120, check=True)
@@ -257,7 +257,7 @@ def test_7b_plans_print_without_allocating_the_model():
     """`commbench config show` of the 7B config on 8 ranks: every layout's plan in a
     process whose peak RSS stays far below one 7B copy (27 GB in fp32)."""
     code = ("import sys, torch; from bench.cli import main; rc = main(sys.argv[1:]); "
-            "from algorithms.base import peak_memory_bytes; "
+            "from algorithms.clocks import peak_memory_bytes; "
             "print('peak', peak_memory_bytes(torch.device('cpu'))); sys.exit(rc)")
     totals = {}
     for name, overrides in SEVEN_B.items():

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from algorithms.base import mean_loss, peak_memory_bytes, strategy_class
-from algorithms.clocks import WALL, set_compute_clock, work_clock
+from algorithms.base import mean_loss, strategy_class
+from algorithms.clocks import WALL, peak_memory_bytes, set_compute_clock, work_clock
 from algorithms.comm import Communicator
 from algorithms.contract import StepStats, TrainSetup
 from algorithms.ledger import CommLedger
