@@ -257,6 +257,42 @@ def test_shipped_sweep_specs_are_valid(path):
     assert spec.runs and len({r.run_id for r in spec.runs}) == len(spec.runs)
 
 
+PLAN = {"name": "plan", "base": {"model": {"preset": "tiny", "seq_len": 32},
+                                  "data": {"tokenizer": "byte", "batch_size": 4}},
+        "hardware": {"compute_s_per_step": 0.05},
+        "world": {"replicas": 2, "gpus_per_replica": 1, "gpus_per_node": 1},
+        "network": {"profile": "eth-10g", "model": "gloo", "points": 3},
+        "tokens": 1.0e+5, "methods": {"ddp": {"strategy": {"name": "ddp"}}}}
+"""A what-if scenario that evaluates in about a second (a spec's `whatif:`)."""
+
+
+@pytest.mark.parametrize("value, scenario, message", [
+    ("missing.yaml", None, "whatif scenario 'missing.yaml' not found (looked for"),
+    (3, None, "whatif must be a what-if scenario path"),
+    ("plan.yaml", {"world": {"replicas": 0}}, "whatif scenario 'plan.yaml': world.replicas"),
+    ("plan.yaml", {"methods": {"x": {"strategy": {"name": "nosuch"}}}},
+     "whatif scenario 'plan.yaml': methods.x: strategy.name must be one of"),
+])
+def test_a_specs_whatif_scenario_is_checked_when_it_loads(tmp_path, value, scenario, message):
+    if scenario is not None:
+        (tmp_path / "plan.yaml").write_text(yaml.safe_dump({**PLAN, **scenario}))
+    with pytest.raises(ValueError) as err:
+        load_spec(write_spec(tmp_path, {"whatif": value}))
+    assert message in str(err.value) and "spec.yaml" in str(err.value)
+
+
+def test_a_specs_whatif_scenario_goes_into_the_sweeps_report(tmp_path, env):
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "plan.yaml").write_text(yaml.safe_dump(PLAN))
+    path = write_spec(tmp_path, {"name": "w", "whatif": "plans/plan.yaml"})
+    assert load_spec(path).whatif == tmp_path / "plans" / "plan.yaml"
+    assert load_spec(write_spec(tmp_path, {"name": "w"}, "plain.yaml")).whatif is None
+    result = run_sweep(path, runner=fake_runner)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert result.ok and "## What-if: plan (at 400 Gbit/s)" in md
+    assert "| ddp | 2 |" in md  # the method's row: 2 GPUs
+
+
 def test_missing_spec_file(tmp_path):
     with pytest.raises(ValueError, match="sweep spec not found"):
         load_spec(tmp_path / "nope.yaml")

@@ -18,6 +18,11 @@ directory, a folder of sweeps, or single runs) and writes to `out_dir`:
     delay_study.csv     final loss and gap to sync per optimizer/delay cell (delay studies)
     figures/*.png
 
+Each ok run's bandwidth for 90% utilisation (its own what-if, its first profile's
+inter-node link swept) is a column of the runs and a section per group; a sweep whose spec
+names a what-if scenario (`whatif:`) gets that scenario's table (build_report's `whatif`):
+bench/study/report/planner.py.
+
 The report opens with the answer (bench/study/report/verdict.py): per method, one sentence per
 clock (measured here, then each network profile) with its speedup and final-loss gap to
 DDP in words, what the seeds resolve, and which runs shared cores
@@ -62,6 +67,7 @@ from bench.study.report import (
     contention,
     figures,
     load,
+    planner,
     render,
     studies,
     tables,
@@ -111,16 +117,19 @@ def _how_measured(runs: pd.DataFrame) -> str:
 
 
 def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                 target_loss: float | None = None) -> Path:
+                 target_loss: float | None = None,
+                 whatif: str | os.PathLike | None = None) -> Path:
     """Write the report of every run under `results_dir` into `out_dir`; returns report.html.
 
     `target_loss` overrides the target validation loss (default: the sweep spec's, else the
-    DDP baseline's final validation loss, the highest over its seeds). Raises ValueError
+    DDP baseline's final validation loss, the highest over its seeds). `whatif`: a what-if
+    scenario whose table the report shows (a sweep spec's `whatif:`). Raises ValueError
     when `results_dir` does not exist or holds no run records."""
     if target_loss is not None and not math.isfinite(target_loss):
         raise ValueError(f"--target-loss must be a finite validation loss, got {target_loss}")
     results_dir, out_dir = Path(results_dir), Path(out_dir)
     res = load_results(results_dir)
+    res.runs = planner.with_bandwidth(results_dir, res.runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "figures").mkdir(exist_ok=True)
 
@@ -163,7 +172,9 @@ def build_report(results_dir: str | os.PathLike, out_dir: str | os.PathLike,
             drawn[name] = _save(fig, out_dir, name)
 
     profile_text = algoperf.summary_text(profile, cases)
-    blocks = _blocks(results_dir, res, sets, comm, evals, drawn, profiles, profile_text)
+    planned = planner.whatif_blocks(whatif, out_dir) if whatif is not None else []
+    blocks = _blocks(results_dir, res, sets, comm, evals, drawn, profiles, profile_text,
+                     planned)
     title = f"commbench report: {results_dir.resolve().name}"
     files.write_text(out_dir / "report.md", render.to_markdown(blocks, out_dir))
     html_path = out_dir / "report.html"
@@ -315,7 +326,7 @@ def _comparison_blocks(one: _OneSet, profiles: list[str]) -> list[tuple]:
 
 def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataFrame,
             evals: pd.DataFrame, drawn: dict, profiles: list[str],
-            profile_text: str = "") -> list:
+            profile_text: str = "", whatif: list[tuple] = ()) -> list:
     runs = res.runs
     counts = runs["status"].value_counts()
     status_text = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "failed", "diverged",
@@ -367,6 +378,8 @@ def _blocks(results_dir: Path, res: Results, sets: list[_OneSet], comm: pd.DataF
                             "all-reduce: 2(n−1)/n × payload); n/a: not recorded (older "
                             "records). Averages over the group's ok runs."))
         blocks.append(("table", tables.comm_table(comm, profiles)))
+    blocks += planner.bandwidth_blocks(runs)
+    blocks += whatif
     planned = runs[runs["memory_estimate_bytes"].notna()] if "memory_estimate_bytes" in runs \
         else runs.iloc[:0]
     if not planned.empty:

@@ -231,6 +231,8 @@ def runs_table(runs: pd.DataFrame, set_numbers: dict[str, int] | None = None) ->
     })
     if set_numbers:
         table["validation set"] = runs["val_set"].map(set_numbers)
+    if "bw_for_90pct" in runs:  # bench/study/report/planner.py COLUMN
+        table["bw for 90% (own what-if)"] = runs["bw_for_90pct"].to_numpy()
     if "compute_clock" in runs:
         flags = contention.flags(runs)
         table["ranks/core"] = [render.num(v, 3) if math.isfinite(v) else

@@ -172,8 +172,9 @@ def run_sweep(spec_path: str | os.PathLike, *, dry_run: bool = False, retry_fail
         from bench.study.report import build_report
 
         try:
-            # the spec's target_loss reaches the report through sweep.json
-            result.report = build_report(sweep_dir, spec.report_dir)
+            # the spec's target_loss reaches the report through sweep.json, its what-if
+            # scenario (`whatif:`) from the spec itself
+            result.report = build_report(sweep_dir, spec.report_dir, whatif=spec.whatif)
         except ValueError as err:
             print(f"no report: {err}")
         else:

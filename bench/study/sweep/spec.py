@@ -5,7 +5,12 @@
 The spec format is documented in bench/study/sweep/__init__.py. Parsing checks everything
 before a run starts: unknown keys, empty or malformed axes, a key set in two places, zip
 lists of different lengths, a missing base config, and every run's resolved config
-(validated as `commbench run` would). Errors name the spec file, the key and what is valid.
+(validated as `commbench run` would), and the what-if scenario the spec's `whatif:` key
+names (its table goes into the sweep's report). Errors name the spec file, the key and
+what is valid. Besides the keys listed there (`SPEC_KEYS`):
+
+    whatif: ../whatif/streaming-diloco-paper.yaml   # optional: a what-if scenario, relative
+                                                    # to this file; its table in the report
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from bench.config.typed import (
 from bench.launch.executors import ExecutorSpec
 
 SPEC_KEYS = ("name", "description", "base", "set", "grid", "zip", "seeds", "variants",
-             "target_loss", "output_dir", "report_dir", "executor")
+             "target_loss", "output_dir", "report_dir", "executor", "whatif")
 MAX_RUNS = 10_000
 """Runs per sweep at most (seeds x grid points x variants): every run's config is built and
 validated before anything starts, so a typo that multiplies the grid (10^6 runs) would
@@ -74,6 +79,9 @@ class SweepSpec:
     report_dir: Path
     executor: ExecutorSpec
     description: str = ""
+    whatif: Path | None = None
+    """A what-if scenario (configs/whatif/*.yaml) whose table the sweep's report shows
+    (`whatif:` in the spec, relative to the spec's folder; checked when the spec loads)."""
     runs: list[SweepRun] = field(default_factory=list)
 
     @property
@@ -215,9 +223,35 @@ def _parse_spec(raw: dict, path: Path, cli: dict[str, Any]) -> SweepSpec:
         output_dir=Path(output_dir), report_dir=Path(report_dir),
         executor=_parse_executor(raw.get("executor")),
         description=str(description or ""),
+        whatif=whatif_scenario(raw.get("whatif"), path),
     )
     spec.runs = expand(spec)
     return spec
+
+
+def whatif_scenario(value: Any, path: Path) -> Path | None:
+    """The spec's `whatif:` key: a what-if scenario file, relative to the spec's folder
+    (as `base`), loaded and every method's run config built as `commbench whatif` would
+    (bench/study/whatif/scenario.py); None when the key is absent. ValueError naming the
+    key when the file is missing or the scenario invalid."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"whatif must be a what-if scenario path (e.g. "
+                         f"../whatif/streaming-diloco-paper.yaml), got {value!r}")
+    scenario_path = Path(os.path.normpath(path.parent / value))
+    if not scenario_path.is_file():
+        raise ValueError(f"whatif scenario {value!r} not found (looked for "
+                         f"{str(scenario_path)!r}; a path is relative to the spec's folder)")
+    from bench.study.whatif.scenario import load_scenario, method_config
+
+    try:
+        scenario = load_scenario(str(scenario_path))
+        for name in scenario.methods:
+            method_config(scenario, name)
+    except ValueError as err:
+        raise ValueError(f"whatif scenario {value!r}: {err}") from None
+    return scenario_path
 
 
 def _parse_executor(data: Any) -> ExecutorSpec:

@@ -8,14 +8,17 @@ bandwidth of the sweep (`price` on the profile with the swept tier replaced). Re
 step time, exposed communication, compute utilisation and time for the token budget at
 `network.at`; the bandwidth needed for each target utilisation (bisection,
 `bandwidth_for`); utilisation against bandwidth as a figure. Every assumption is listed
-with the result (`assumptions`).
+with the result (`assumptions`). A measured run's own what-if
+(`measured_whatif`, `commbench whatif --run`) and the bandwidth it needs for a target
+utilisation on its first profile (`measured_bandwidth_for`: the sweep report's column,
+bench/study/report/planner.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from algorithms.base import strategy_of
@@ -30,6 +33,7 @@ from bench.study.whatif.engine import (
     price,
     synthetic_facts,
     traffic_facts,
+    with_tier,
 )
 from bench.study.whatif.scenario import (
     Scenario,
@@ -216,7 +220,43 @@ def assumptions(s: Scenario) -> list[str]:
 def _bw(bps: float) -> str:
     if math.isinf(bps):
         return "> range"
-    return f"{bps * 8 / 1e9:.3g} Gbit/s"
+    gbit = bps * 8 / 1e9
+    return f"{gbit:.3g} Gbit/s" if gbit < 1000 else f"{gbit:,.0f} Gbit/s"
+
+
+def format_bandwidth(bps: float, low: float, high: float) -> str:
+    """A needed bandwidth (bytes/s, `bandwidth_for`'s answer over [low, high]) as the
+    what-if prints it: Gbit/s; "> HIGH" when the range falls short, "≤ LOW" when its low
+    end already reaches the target."""
+    if math.isinf(bps):
+        return f"> {_bw(high)}"
+    if bps <= low:
+        return f"≤ {_bw(low)}"
+    return _bw(bps)
+
+
+def table_rows(s: Scenario, results: list[MethodResult]):
+    """One row per method (a DataFrame of display strings): GPUs, step time, exposed
+    communication, utilisation and time for the token budget at `network.at`, the
+    bandwidth for each target utilisation."""
+    import pandas as pd
+
+    head = ["method", "GPUs", "step s", "exposed comm s", "utilisation",
+            f"time for {s.tokens:.3g} tokens", *(f"bw for {t:.0%}" for t in s.targets)]
+    rows = [[r.name, str(r.world), f"{r.at['step_s']:.4g}", f"{r.at['comm_s']:.3g}",
+             f"{r.at['utilisation']:.1%}", f"{r.at['total_s'] / 3600:.3g} h",
+             *(_bw(r.needed[t]) for t in s.targets)] for r in results]
+    return pd.DataFrame(rows, columns=head)
+
+
+def notes(s: Scenario, results: list[MethodResult]) -> list[str]:
+    """The assumptions, then each method's own notes ("method: note"), in words."""
+    return [*assumptions(s), *(f"{r.name}: {note}" for r in results for note in r.notes)]
+
+
+def at_bandwidth(results: list[MethodResult]) -> str:
+    """The bandwidth the table's step times are given at, as printed."""
+    return _bw(results[0].at["bandwidth_Bps"] if results else 0)
 
 
 def table(s: Scenario, results: list[MethodResult]) -> str:
@@ -224,24 +264,15 @@ def table(s: Scenario, results: list[MethodResult]) -> str:
     from the scenario (its name, profile path, method names, run directory) is escaped
     as the report's pages are (bench/study/report/render.py `md_text`, `markdown_table`): a
     scenario file travels, and markdown renderers keep inline HTML."""
-    import pandas as pd
-
     from bench.study.report.render import markdown_table, md_text
 
     def item(text: str) -> str:
         return "- " + md_text(" ".join(str(text).split()))
 
-    at = results[0].at["bandwidth_Bps"] if results else 0
-    head = ["method", "GPUs", "step s", "exposed comm s", "utilisation",
-            f"time for {s.tokens:.3g} tokens", *(f"bw for {t:.0%}" for t in s.targets)]
-    rows = [[r.name, str(r.world), f"{r.at['step_s']:.4g}", f"{r.at['comm_s']:.3g}",
-             f"{r.at['utilisation']:.1%}", f"{r.at['total_s'] / 3600:.3g} h",
-             *(_bw(r.needed[t]) for t in s.targets)] for r in results]
-    lines = [f"# what-if: {md_text(s.name)} (at {_bw(at)})", "", "Assumptions:"]
-    lines += [item(a) for a in assumptions(s)]
-    for r in results:
-        lines += [item(f"{r.name}: {note}") for note in r.notes]
-    lines += ["", markdown_table(pd.DataFrame(rows, columns=head))]
+    lines = [f"# what-if: {md_text(s.name)} (at {at_bandwidth(results)})", "",
+             "Assumptions:"]
+    lines += [item(a) for a in notes(s, results)]
+    lines += ["", markdown_table(table_rows(s, results))]
     return "\n".join(lines)
 
 
@@ -307,6 +338,25 @@ def settles(cfg) -> frozenset[int]:
     return frozenset(out)
 
 
+def _measured(cfg, summary: dict):
+    """A measured run's own what-if, the pieces every use shares: (a function pricing
+    profile -> its `Plan`, the collective model's backend). Each rank's median compute per
+    step kind (summary.json `compute_per_step`), the strategy's traffic description
+    (`strategy_of(cfg).traffic`), every step priced (`exact`), cut where the loop settles
+    its clocks (`settles`). A plan depends on the profile only through its symmetry, so
+    one made on a profile serves it with its inter tier swapped (`with_tier`)."""
+    world = cfg.parallel.world_size
+    medians = [{k: v["median_s"][rank] for k, v in summary["compute_per_step"].items()
+                if v["median_s"][rank] is not None} for rank in range(world)]
+    backend = (summary.get("projection_model") or "gloo").split()[0]
+    traffic = strategy_of(cfg).traffic(cfg, traffic_facts(cfg))
+
+    def plan_on(profile) -> Plan:
+        return plan(traffic, Compute(measured=medians), world, summary["ranks_per_node"],
+                    profile, exact=True, cuts=settles(cfg))
+    return plan_on, backend
+
+
 def measured_whatif(cfg, summary: dict) -> dict[str, dict]:
     """A measured run's own what-if: its config, model, world and profiles, each rank's
     median compute per step kind (summary.json `compute_per_step`), every step priced
@@ -315,18 +365,71 @@ def measured_whatif(cfg, summary: dict) -> dict[str, dict]:
     check that the strategy's traffic description says what its code sends)."""
     from bench.network import get_profile
 
-    world = cfg.parallel.world_size
-    medians = [{k: v["median_s"][rank] for k, v in summary["compute_per_step"].items()
-                if v["median_s"][rank] is not None} for rank in range(world)]
-    backend = (summary.get("projection_model") or "gloo").split()[0]
-    traffic = strategy_of(cfg).traffic(cfg, traffic_facts(cfg))
+    plan_on, backend = _measured(cfg, summary)
     out = {}
     for name in cfg.network.profiles:
         profile = get_profile(name)
-        p = plan(traffic, Compute(measured=medians), world, summary["ranks_per_node"],
-                 profile, exact=True, cuts=settles(cfg))
-        r = price(p, profile, backend)
+        r = price(plan_on(profile), profile, backend)
         recorded = (summary.get("projected_robust") or {}).get(name, {}).get("total_s")
         out[name] = {"whatif_s": r.total_s, "recorded_s": recorded,
                      "utilisation": r.utilisation}
     return out
+
+
+MEASURED_RANGE = ("10Mbit/s", "1Tbit/s")
+"""The inter-node bandwidths `measured_bandwidth_for` sweeps (the sweep report's column):
+wide, since a CPU run's compute per step is far from a GPU's."""
+
+
+@dataclass
+class MeasuredBandwidth:
+    """The bandwidth a measured run needs for a target utilisation (`measured_bandwidth_for`)."""
+
+    bandwidth_Bps: float
+    """Bytes/s of the swept tier: math.inf when even `high_Bps` falls short; `low_Bps`
+    when `low_Bps` already reaches the target (`bandwidth_for`)."""
+    target: float
+    profile: str
+    """The run's first network profile, whose inter-node tier is swept."""
+    low_Bps: float
+    high_Bps: float
+    utilisation_at_high: float
+    """The utilisation at `high_Bps`: below the target, what no bandwidth in the range
+    buys (latency, or traffic that cannot overlap, bounds it)."""
+
+    def text(self) -> str:
+        return format_bandwidth(self.bandwidth_Bps, self.low_Bps, self.high_Bps)
+
+
+def measured_bandwidth_for(cfg, summary: dict, target: float = 0.9,
+                           bandwidths: tuple = MEASURED_RANGE) -> MeasuredBandwidth:
+    """The smallest bandwidth of the inter-node tier of the run's first network profile
+    (`with_tier`, swept over `bandwidths`) at which the run's own what-if (as
+    `measured_whatif` prices it: its measured compute per step kind, world, ranks per
+    node and traffic description) reaches `target` utilisation (`bandwidth_for`).
+    Compute is what the run measured on its machine: for a CPU run, the bandwidth at which
+    *that* compute stays `target` busy. ValueError when the run names no profile or all
+    its ranks share one node (no traffic crosses the swept tier)."""
+    from bench.network import get_profile
+
+    if not cfg.network.profiles:
+        raise ValueError("the run names no network profile (network.profiles) to sweep")
+    world, per_node = cfg.parallel.world_size, summary["ranks_per_node"]
+    if world <= per_node:
+        raise ValueError(f"its {world} ranks share one node (ranks_per_node {per_node}): no "
+                         "traffic crosses the swept inter-node tier")
+    low, high = (parse_bandwidth(b, f"bandwidths[{i}]") for i, b in enumerate(bandwidths))
+    name = cfg.network.profiles[0]
+    profile = get_profile(name)
+    plan_on, backend = _measured(cfg, summary)
+    p = plan_on(profile)
+    seen: dict[float, float] = {}
+
+    def utilisation(bandwidth: float) -> float:
+        if bandwidth not in seen:
+            tier = replace(profile.inter, bandwidth_Bps=bandwidth)
+            seen[bandwidth] = price(p, with_tier(profile, profile.inter, tier),
+                                    backend).utilisation
+        return seen[bandwidth]
+    needed = bandwidth_for(target, utilisation, low, high)
+    return MeasuredBandwidth(needed, target, name, low, high, utilisation(high))
