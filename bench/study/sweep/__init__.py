@@ -19,6 +19,7 @@ A spec names a base run config and what varies around it:
       ddp: {strategy.name: ddp}
       diloco-H10: {strategy.name: diloco, strategy.inner_steps: 10}
     target_loss: 3.2               # for the report (default: DDP's final validation loss)
+    whatif: ../whatif/x.yaml       # optional: the report adds this scenario's what-if table
     output_dir: results            # relative to the working directory
     report_dir: reports/h-sweep    # default reports/NAME
     executor: {name: local, max_parallel: 1}
