@@ -287,7 +287,12 @@ def fake_runner(cfg, run_dir, progress=True) -> dict:
     """A run in milliseconds: DiLoCo's loss is 0.1 below DDP's for every seed; the
     validation set's id stands for its size (a real run hashes the tokens)."""
     loss = 2.0 + 0.05 * cfg.run.seed + (0.0 if cfg.strategy.name == "diloco" else 0.1)
-    rows = [val_row(5, 100, 1.0, {}, loss + 0.5), val_row(10, 200, 2.0, {}, loss)]
+    return fake_run(cfg, run_dir, loss, [val_row(5, 100, 1.0, {}, loss + 0.5)])
+
+
+def fake_run(cfg, run_dir, loss: float, earlier_rows=()) -> dict:
+    """A recorded ok run of `cfg` ending at validation loss `loss` (after `earlier_rows`)."""
+    rows = [*earlier_rows, val_row(10, 200, 2.0, {}, loss)]
     n, seq_len = cfg.run.val_sequences, cfg.model.seq_len
     summary = make_summary(status="ok", run_name=cfg.run.name, config_hash=config_hash(cfg),
                            strategy=cfg.strategy.name, world_size=cfg.parallel.world_size,
@@ -424,15 +429,7 @@ def delay_runner(cfg, run_dir, progress=True) -> dict:
     loss = 2.0 + 0.05 * cfg.run.seed + 0.2 * cfg.optim.delay
     if cfg.optim.delay_correction == "ef":
         loss -= 0.1
-    rows = [val_row(10, 200, 2.0, {}, loss)]
-    n, seq_len = cfg.run.val_sequences, cfg.model.seq_len
-    summary = make_summary(status="ok", run_name=cfg.run.name, config_hash=config_hash(cfg),
-                           strategy=cfg.strategy.name, world_size=cfg.parallel.world_size,
-                           steps=10, total_tokens=200, wall_s=2.0, final_val_loss=loss,
-                           val_set={"id": f"{n:06d}{seq_len:06d}", "sequences": n,
-                                    "seq_len": seq_len, "tokens": n * seq_len})
-    write_fake_run(run_dir, to_yaml(cfg), rows, summary)
-    return {**summary, "run_dir": str(run_dir)}
+    return fake_run(cfg, run_dir, loss)
 
 
 def claims_dir_with_a_toy(tmp_path: Path, monkeypatch) -> Path:
