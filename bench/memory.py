@@ -59,7 +59,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from algorithms.base import strategy_of
-from algorithms.delay import pipeline_delays
+from algorithms.delay import stage_delays
 from algorithms.memory import HOST, MemoryFacts
 from algorithms.partition import stage_bounds
 
@@ -142,7 +142,8 @@ def optimizer_terms(o, module: nn.Module) -> dict[str, int]:
     else:  # an optimizer this plan does not know yet: assume AdamW's two states
         terms = {f"optimizer state ({name}: assumed 2 per parameter)": 2 * total}
     if o.delay and o.delay_profile == "pipeline":  # g(t-d) kept d steps: sum of d |p|
-        delays = pipeline_delays(module, o.delay_stages, o.delay)
+        layers = module.as_layers() if hasattr(module, "as_layers") else list(module)
+        delays = stage_delays(layers, o.delay_stages, o.delay)  # rank_facts: a ModuleList
         terms["delay (pipeline profile): stored gradients"] = sum(
             delays[id(p)] * _bytes(p) for p in params)
     elif o.delay:

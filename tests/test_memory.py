@@ -69,6 +69,22 @@ def test_optimizer_terms_are_the_optimizers_real_state(arch, overrides):
     assert sum(optimizer_terms(o, model).values()) == _state_bytes(optimizer)
 
 
+def test_the_plan_of_a_pipeline_delay_profile_before_launch():
+    """The plan `commbench run` makes before launch (layers in a ModuleList, not the model)
+    holds each stage's gradients for its delay: configs/ddp-delay-pipeline-tiny.yaml's 4
+    blocks in 4 stages, delays 3, 2, 1, 0 (the tied embedding with the first stage)."""
+    from algorithms.delay import stage_delays
+
+    cfg = load_config(str(ROOT / "configs/ddp-delay-pipeline-tiny.yaml"))
+    terms = plan(cfg).ranks[0].terms
+    model = build_model(model_config("gpt2", "tiny", 256, 128, n_layer=4))
+    delays = stage_delays(model.as_layers(), 4, 1)
+    expected = sum(delays[id(p)] * p.numel() * 4 for p in {id(p): p for p in
+                                                            model.parameters()}.values())
+    assert sorted(set(delays.values())) == [0, 1, 2, 3]
+    assert terms["delay (pipeline profile): stored gradients"] == expected
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_meta_activation_count_matches_what_cpu_autograd_keeps(arch, precision):
