@@ -237,8 +237,6 @@ class DelayedOptimizer:
         self.queue: list[list[torch.Tensor | None]] = []
         """Per-parameter delays: the last max(delays) steps' stored gradients, oldest
         first (queue[-d] holds g(t-d) at step t); an entry is dropped (None) once used."""
-        self.num_steps = 0
-        """Per-parameter delays: steps taken (t of the next step)."""
         if delays is not None:
             self.delays = _delays_of(self.params, delays)
             if self.correction.kind != "none":
@@ -329,7 +327,6 @@ class DelayedOptimizer:
         self.queue.append(fresh)
         # entries older than the largest delay have been used by every parameter
         del self.queue[:max(0, len(self.queue) - max(self.delays))]
-        self.num_steps += 1
         if watch:
             self._before = [p.detach().clone() for p in self.params]
         if applying:
@@ -365,7 +362,7 @@ class DelayedOptimizer:
         if self.delays is not None:
             return {"optimizer": self.optimizer.state_dict(), "delays": list(self.delays),
                     "queue": [[_copy(g) for g in entry] for entry in self.queue],
-                    "num_steps": self.num_steps, "num_applied": self.num_applied}
+                    "num_applied": self.num_applied}
         return {
             "optimizer": self.optimizer.state_dict(),
             "stale": None if self.stale is None else [_copy(g) for g in self.stale],
@@ -385,11 +382,9 @@ class DelayedOptimizer:
         devices = [p.device for p in self.params]
         if self.delays is not None:
             self.queue = [_to_devices(entry, devices) for entry in state["queue"]]
-            self.num_steps, self.num_applied = state["num_steps"], state["num_applied"]
-            self._shifted, self._watch, self._before = False, False, None
-            return
-        self.stale = _to_devices(state["stale"], devices)
-        self.correction.load_state_dict(state, devices)
+        else:
+            self.stale = _to_devices(state["stale"], devices)
+            self.correction.load_state_dict(state, devices)
         self.num_applied = state["num_applied"]
         self._shifted, self._watch, self._before = False, False, None
 

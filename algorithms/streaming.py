@@ -104,11 +104,6 @@ class StreamingSchedule:
     def __post_init__(self):
         check_fragments(self.num_fragments, self.inner_steps, self.overlap_steps)
 
-    @property
-    def period(self) -> int:
-        """floor(H / P): the shortest gap between the syncs of consecutive fragments."""
-        return self.inner_steps // self.num_fragments
-
     def offset(self, fragment: int) -> int:
         """Fragment `fragment`'s sync point within a round of H steps (1..H)."""
         return (fragment + 1) * self.inner_steps // self.num_fragments

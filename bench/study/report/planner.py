@@ -32,14 +32,6 @@ COLUMN_profile (the profile swept), COLUMN_at_max (the utilisation at the range'
 COLUMN_note (why none)."""
 
 
-def _range() -> tuple[float, float]:
-    from bench.network.profiles import parse_bandwidth
-    from bench.study.whatif.report import MEASURED_RANGE
-
-    low, high = MEASURED_RANGE
-    return parse_bandwidth(low, "low"), parse_bandwidth(high, "high")
-
-
 def _run_dir(results_dir: Path, run_id: str) -> Path:
     """The run's directory: `run_id` is relative to results_dir, or results_dir's own
     name when results_dir is the run (bench/study/report/load.py)."""
@@ -68,9 +60,9 @@ def run_bandwidth(run_dir: Path) -> tuple[float, str, float, str]:
 def with_bandwidth(results_dir: Path, runs: pd.DataFrame) -> pd.DataFrame:
     """`runs` with the COLUMN columns: each ok run's bandwidth for TARGET utilisation;
     other runs get none (no note: they contribute no numbers anywhere)."""
-    low, high = _range()
-    from bench.study.whatif.report import format_bandwidth
+    from bench.study.whatif.report import format_bandwidth, measured_range
 
+    low, high = measured_range()
     rows = [(math.nan, "", math.nan, "") if status != "ok" else
             run_bandwidth(_run_dir(results_dir, str(run_id)))
             for run_id, status in zip(runs["run_id"], runs["status"], strict=True)]
@@ -85,9 +77,9 @@ def with_bandwidth(results_dir: Path, runs: pd.DataFrame) -> pd.DataFrame:
 def group_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per group, the median over its ok seeds with a value (bandwidths above the range
     count as infinite), beside each seed's."""
-    from bench.study.whatif.report import format_bandwidth
+    from bench.study.whatif.report import format_bandwidth, measured_range
 
-    low, high = _range()
+    low, high = measured_range()
     ok = runs[runs["status"] == "ok"]
     rows = []
     for (sweep, label), part in ok.groupby(["sweep", "label"], sort=False):

@@ -381,6 +381,11 @@ MEASURED_RANGE = ("10Mbit/s", "1Tbit/s")
 wide, since a CPU run's compute per step is far from a GPU's."""
 
 
+def measured_range(bandwidths: tuple = MEASURED_RANGE) -> tuple[float, float]:
+    """`bandwidths` (low, high) in bytes/s."""
+    return tuple(parse_bandwidth(b, f"bandwidths[{i}]") for i, b in enumerate(bandwidths))
+
+
 @dataclass
 class MeasuredBandwidth:
     """The bandwidth a measured run needs for a target utilisation (`measured_bandwidth_for`)."""
@@ -418,7 +423,7 @@ def measured_bandwidth_for(cfg, summary: dict, target: float = 0.9,
     if world <= per_node:
         raise ValueError(f"its {world} ranks share one node (ranks_per_node {per_node}): no "
                          "traffic crosses the swept inter-node tier")
-    low, high = (parse_bandwidth(b, f"bandwidths[{i}]") for i, b in enumerate(bandwidths))
+    low, high = measured_range(bandwidths)
     name = cfg.network.profiles[0]
     profile = get_profile(name)
     plan_on, backend = _measured(cfg, summary)
