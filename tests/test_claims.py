@@ -473,6 +473,8 @@ def test_a_study_follows_the_claims_on_the_results_page(tmp_path, monkeypatch):
                runner=runner, results_page=tmp_path / "results.md", studies=[str(study)])
     assert sum(a[0].run.name.startswith("adamw") for a in calls) == 9
     page = (tmp_path / "results.md").read_text()
+    assert page.index("**Of 1 claim at the tiny scale: 1 not reproduced.**") < page.index(
+        "Each claim's rule was written")  # the answer in words before the methodology
     assert "# Studies" in page and "Study delay-toy" in page and "One-step delay" in page
     assert "| delayed + EF | 3 (3) | 2.15 ± 0.12 (n=3) | 0.1 ± 0 (n=3; paired) | 50.0% |" in page
     assert "| 0.2 ± 0 (n=3; paired) |" in page and "9 recorded ok" in page

@@ -130,8 +130,15 @@ def _blocks(results: list[ClaimResult], steps: dict[str, pd.DataFrame], scale: s
         "claim": r.claim.name, "verdict": r.verdict, "seeds": r.seeds or "—",
         "why": r.reason or "",
     } for r in results])
+    counts = pd.Series([r.verdict for r in results]).value_counts()
+    answer = (f"**Of {len(results)} claim{'s' * (len(results) != 1)} at the {scale} scale: "
+              + ", ".join(f"{n} {verdict}" for verdict, n in counts.items()) + ".** "
+              "Each verdict's seeds are in the table; each rule's smallest resolvable "
+              "effect, stated before its runs, is in the claim's section.")
     blocks: list[tuple] = [
         ("h1", f"commbench claims ({scale} scale)"),
+        ("p", answer),
+        ("table", summary),
         *([("p", preface)] if preface else []),
         ("p", "Each claim's rule was written in its file (configs/claims/) before its runs. "
               "Ours: mean and 95% Student-t interval of the per-seed contrast, paired by seed. "
@@ -142,7 +149,6 @@ def _blocks(results: list[ClaimResult], steps: dict[str, pd.DataFrame], scale: s
               "effect this scale's seeds resolve, beside the paper's own value of the same "
               "contrast. Results at this scale say nothing certain about the papers' "
               "scale."),
-        ("table", summary),
     ]
     for r in results:
         claim = r.claim
