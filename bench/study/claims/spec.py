@@ -295,9 +295,11 @@ def load_claim(path: str | os.PathLike) -> Claim:
 
 
 def find_claims(claims_dir: str | os.PathLike, names: list[str] | None = None) -> list[Claim]:
-    """The claims in `claims_dir` (all, or those named), sorted by file name."""
+    """The claims in `claims_dir` (all, or those named), in file-name order with numbers
+    read as numbers (9-x before 10-y)."""
     claims_dir = Path(claims_dir)
-    files = sorted(claims_dir.glob("*.yaml"))
+    files = sorted(claims_dir.glob("*.yaml"),
+                   key=lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)])
     if not files:
         raise ValueError(f"no claim files (*.yaml) in {str(claims_dir)!r}")
     claims = [load_claim(f) for f in files]
