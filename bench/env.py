@@ -86,6 +86,16 @@ def cores_available() -> int:
         return os.cpu_count() or 1
 
 
+def share_cores(local_ranks: int) -> int:
+    """Give this rank its share of the node's cores as torch's intra-op threads, on every
+    device, and return it. CPU ranks compute with them; GPU ranks need them for host work
+    (DiLoCo's offloaded outer step, checkpoints), and torchrun starts every rank with
+    OMP_NUM_THREADS=1 when a node runs more than one, which would leave that on one core."""
+    threads = max(1, cores_available() // max(1, local_ranks))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def ranks_per_core(local_ranks: int, device: torch.device) -> float | None:
     """This node's ranks per CPU core they may use, on CPU devices (None on a GPU, where
     ranks compute on their own devices): above 1, ranks wait for cores, which wall

@@ -8,6 +8,7 @@ tests/test_loop_measures.py `test_a_wait_for_a_core_is_not_compute`; the ratio a
 """
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +106,21 @@ def test_ranks_per_core_on_cpu_only(monkeypatch):
     assert ranks_per_core(4, torch.device("cpu")) == 2.0
     assert ranks_per_core(1, torch.device("cpu")) == 0.5
     assert ranks_per_core(8, torch.device("cuda", 0)) is None
+
+
+def test_each_rank_gets_its_share_of_the_cores_on_any_device(monkeypatch):
+    """Issue 46: a GPU node's ranks start with OMP_NUM_THREADS=1 (torchrun), which left
+    DiLoCo's offloaded outer step on one core; main() now shares the cores out on every
+    device (it used to on CPU only)."""
+    from bench.env import share_cores
+    monkeypatch.setattr("bench.env.cores_available", lambda: 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert share_cores(8) == 2 and torch.get_num_threads() == 2
+        assert share_cores(32) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    source = Path(__file__).parents[1].joinpath("bench/run/train.py").read_text()
+    main = source[source.index("def main("):]
+    assert "share_cores(" in main.split("try:")[0]  # before any device branch

@@ -48,12 +48,12 @@ from bench.data.batches import BatchStream, validation_set
 from bench.data.tokenizers import get_tokenizer
 from bench.env import (
     capture_env,
-    cores_available,
     fault_injection,
     inject_fault,
     peak_flops,
     ranks_per_core,
     resolve_device,
+    share_cores,
     straggle,
     synchronize,
 )
@@ -418,9 +418,7 @@ def main(run_dir: str) -> int:
     device, backend = resolve_device(cfg)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s))
     rank = dist.get_rank()
-    if device.type == "cpu":  # the node's cores shared out among its ranks
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        torch.set_num_threads(max(1, cores_available() // local_ranks))
+    share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
     try:
         stop = StopRequest(rank, dist.get_world_size(), cfg.checkpoint.timeout_s)
         handle_signals(stop)
