@@ -21,13 +21,15 @@ What reaches the ledger (algorithms/comm.py), and how:
   CPU, where gloo blocks the calling thread; CUDA events around the op on FSDP's
   communication stream, read after the step). They carry no `lead_s`: the network model
   prices them as exposed. On the CPU that is what happens (gloo runs them synchronously);
-  on a GPU FSDP2 overlaps them with compute, which the projection does not credit.
+  on a GPU FSDP2 overlaps them with compute, which the projection does not credit. Under
+  `network.emulate` each op synchronises the device first, so its modelled time starts
+  when the device reaches it.
 - Gradient clipping's global norm: one all-reduce of a scalar (phase "clip").
 - NOT recorded: the full-state gathers that write `final.pt` (end of run, `export_state`)
   and checkpoints' local copies (no communication).
-The step's exposed communication (`comm_s`) is the recorded ops' seconds: on the CPU the
-time the host was blocked in them; on CUDA the ops' durations on the communication
-stream, an upper bound on what was exposed (not measured separately).
+The step's exposed communication (`comm_s`) is the recorded ops' seconds where they block
+the host (CPU; any device under emulation); on a GPU it is 0 and the step's compute is the
+whole step, an upper bound, as is the projection built on it (`_Recorder`).
 """
 
 from __future__ import annotations
@@ -54,44 +56,70 @@ SHARDS = ("none", "fsdp")
 
 
 class _Recorder:
-    """Times FSDP's collectives on the device clock; their ledger records are written by
-    `flush` (after a device synchronise on CUDA)."""
+    """Times FSDP's collectives; their ledger records are written by `flush` (after a
+    device synchronise on CUDA).
+
+    What counts as the step's exposed communication (the module docstring): the ops'
+    seconds where they block the host (the CPU, where gloo runs them synchronously, and
+    any device under `network.emulate`, whose modelled link holds the host); none on a GPU
+    otherwise, where FSDP2 overlaps them with compute on its own stream and how much of
+    them was exposed is not measured. There the step's compute is an upper bound (the
+    whole step) and the projection, pricing every op as exposed, one too; subtracting the
+    ops' durations instead would understate compute and make every projection of a
+    sharded run optimistic (issue 46)."""
 
     def __init__(self, comm: Communicator, group: Group | None):
         self.comm, self.group = comm, group
         self.clock = clock_for(comm.device)
-        self.pending: list[tuple[str, int, object, object, str, int]] = []
+        self.pending: list[tuple[str, int, float, str, int]] = []
+        self.marks: list[tuple[object, object]] = []
+        """The device clock's (start, end) of each pending op not timed on the host."""
+
+    @property
+    def blocking(self) -> bool:
+        """Whether the ops hold the host (their seconds are exposed communication)."""
+        return self.comm.device.type == "cpu" or self.comm.delay is not None
 
     def timed(self, op: str, nbytes: int, call):
-        start_host = time.perf_counter()
+        if self.comm.delay is not None:
+            # emulation: the modelled link starts when the device reaches the op, not when
+            # the host queues it (it would otherwise overlap kernels that have not run)
+            self.comm.synchronize()
+            start_host = time.perf_counter()
+            work = call()
+            if work is not None:
+                work.wait()
+            self.comm.synchronize()
+            seconds = self.comm.hold(op, nbytes, start_host, self.group)
+            self.pending.append((op, nbytes, seconds, self.comm.current_phase, self.comm.step))
+            return None
         start = self.clock.mark()
         work = call()
         if work is not None:  # an explicitly asynchronous op: its wait ends it
             work.wait()
-        end = self.clock.mark()
-        if self.comm.delay is not None:  # emulation: the op takes its modelled time
-            self.comm.hold(op, nbytes, start_host, self.group)
-            end = self.clock.mark()
-        self.pending.append((op, nbytes, start, end, self.comm.current_phase, self.comm.step))
+        self.marks.append((start, self.clock.mark()))
+        self.pending.append((op, nbytes, -1.0, self.comm.current_phase, self.comm.step))
         return None
 
     def flush(self) -> float:
-        """Write the pending records to the ledger; return the seconds of the current
-        phase's ones (the step's exposed communication)."""
+        """Write the pending records to the ledger; return the step's exposed seconds: the
+        current phase's ops' seconds where they block the host, else 0 (class docstring)."""
         if not self.pending:
             return 0.0
         self.clock.synchronize()
+        marks = iter(self.marks)
         phase, seconds = self.comm.current_phase, 0.0
-        for op, nbytes, start, end, op_phase, step in self.pending:
-            elapsed = self.clock.seconds(start, end)
+        for op, nbytes, elapsed, op_phase, step in self.pending:
+            if elapsed < 0:
+                elapsed = self.clock.seconds(*next(marks))
             with self.comm.phase(op_phase):
                 saved, self.comm.step = self.comm.step, step
                 self.comm.record(op, nbytes, elapsed, self.group)
                 self.comm.step = saved
             if op_phase == phase:
                 seconds += elapsed
-        self.pending = []
-        return seconds
+        self.pending, self.marks = [], []
+        return seconds if self.blocking else 0.0
 
 
 class _RecordedAllGather(DefaultAllGather):

@@ -175,3 +175,73 @@ def test_resume_onto_another_world_size_is_refused(tmp_path):
                                                   "parallel.world_size=2"])
     with pytest.raises(ValueError, match="parallel.world_size 4 -> 2"):
         check_resume(other, run)
+
+
+class _FakeComm:
+    """What `_Recorder` reads of a Communicator, logging the calls that matter."""
+
+    def __init__(self, device: str, delay):
+        import contextlib
+        self.device, self.delay, self.current_phase, self.step = torch.device(device), delay, \
+            "train", 7
+        self.calls, self.records = [], []
+        self.phase = lambda name: contextlib.nullcontext()
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+
+    def hold(self, op, nbytes, started, group):
+        self.calls.append("hold")
+        return 0.25
+
+    def record(self, op, nbytes, seconds, group):
+        self.records.append((op, nbytes, seconds))
+
+
+class _FakeDeviceClock:
+    """Marks at 1, 2, 3, ... seconds: each timed op lasts 1 s on the 'device'."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def mark(self):
+        self.t += 1.0
+        return self.t
+
+    def synchronize(self):
+        pass
+
+    def seconds(self, start, end):
+        return end - start
+
+
+def test_fsdp_ops_on_a_gpu_are_not_counted_as_exposed(monkeypatch):
+    """Issue 46: on a GPU FSDP2's collectives run on their own stream, overlapping compute.
+    Their durations go to the ledger, but the step's exposed seconds are 0 (the step's
+    compute is then the whole step, an upper bound), not their sum (which understated
+    compute and made every sharded projection optimistic). On the CPU, where gloo blocks
+    the host, their sum is exposed."""
+    from algorithms import shard
+    monkeypatch.setattr(shard, "clock_for", lambda device: _FakeDeviceClock())
+    for device, exposed in (("cuda", 0.0), ("cpu", 2.0)):
+        comm = _FakeComm(device, delay=None)
+        recorder = shard._Recorder(comm, None)
+        recorder.timed("all_gather", 64, lambda: None)
+        recorder.timed("reduce_scatter", 128, lambda: None)
+        assert recorder.flush() == exposed, device
+        assert comm.records == [("all_gather", 64, 1.0), ("reduce_scatter", 128, 1.0)]
+
+
+def test_an_emulated_fsdp_op_starts_when_the_device_reaches_it(monkeypatch):
+    """Issue 46: under `network.emulate` the modelled transfer is held from when the device
+    reaches the op (a synchronise before the host clock starts), not from when the host
+    queued it; its host seconds are exposed on any device."""
+    from algorithms import shard
+    monkeypatch.setattr(shard, "clock_for", lambda device: _FakeDeviceClock())
+    comm = _FakeComm("cuda", delay=object())
+    recorder = shard._Recorder(comm, None)
+    ran = []
+    recorder.timed("all_gather", 64, lambda: ran.append(comm.calls.copy()))
+    assert ran == [["synchronize"]]  # the device had drained before the op was queued
+    assert comm.calls == ["synchronize", "synchronize", "hold"]
+    assert recorder.flush() == 0.25 and comm.records == [("all_gather", 64, 0.25)]
