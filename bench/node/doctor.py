@@ -1,18 +1,25 @@
 """`commbench doctor`: the first command to run on a new GPU node or cluster.
 
-    commbench doctor [--world-size N] [--out doctor-report.md] [--keep DIR]
+    commbench doctor [--world-size N] [--out doctor-report.md] [--keep DIR] [--only NAMES]
+    commbench doctor --nnodes N --node-rank R --rdzv-endpoint HOST:PORT   # on every node
 
 Checks, one line each in a pass / fail / skip table (with the error's last line), written
 to `--out` so it can be attached to a bug report:
 - environment: torch, CUDA, NCCL and DeepSpeed versions, the GPUs;
+- network interfaces: the variables that choose them, the host's, and warnings
+  (bench/node/doctor_nodes.py);
 - devices: one GPU per rank for `--world-size` ranks on this node;
 - collectives: all_reduce, broadcast, all_gather, send/recv and a batched exchange on the
-  run's backend (NCCL on GPUs, gloo on CPU), results checked, through torchrun;
+  run's backend (NCCL on GPUs, gloo on CPU), results checked, through torchrun; with
+  `--nnodes N`, across the nodes, with the all-reduce's bus bandwidth (doctor_nodes.py);
 - timing: CUDA-event time of a matmul loop against host time after a synchronise;
 - bf16 autocast: a GPT forward under autocast gives bf16 activations;
 - short runs through the real launcher (`bench.launch.run.run_config`, 2 ranks, a few steps of
-  a tiny GPT): DDP, DiLoCo, GASLoC, a 2-stage pipeline (torch 1F1B), PipeDream-2BW,
-  DeepSpeed ZeRO-1, compile with DDP, and a checkpoint then `--resume`.
+  a tiny GPT): DDP, DDP sharded by FSDP2, DiLoCo, DiLoCo with an int8 outer exchange,
+  streaming DiLoCo (2 fragments, fp4), GASLoC, a 2-stage pipeline (torch 1F1B),
+  PipeDream-2BW, DeepSpeed ZeRO-1, and a checkpoint then `--resume`;
+- compile with DDP: a compiled run whose first gradient bucket must be launched before
+  the backward ends (bench/node/doctor_overlap.py).
 On a machine without a GPU the CPU subset runs (gloo; compile and the timing check need a
 GPU) and the table lists what was skipped and why. On a node with one GPU (or
 `--world-size 1`) everything runs on one rank: NCCL's collectives at world size 1, the
@@ -34,6 +41,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.node.doctor_nodes import check_interfaces, validate_nodes
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
 
@@ -68,8 +77,13 @@ class Context:
     """What the checks share: the machine and where the short runs go."""
 
     world_size: int
+    """Ranks on this node."""
     gpus: int
     work_dir: Path
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: str | None = None
+    """torchrun's c10d rendezvous across nodes (HOST:PORT); None on one node."""
 
     @property
     def device(self) -> str:
@@ -106,70 +120,26 @@ def check_devices(ctx: Context) -> str:
 
 
 def check_collectives(ctx: Context) -> str:
-    """The ranks' collectives and p2p through torchrun (`_collectives_worker`)."""
+    """The ranks' collectives and p2p through torchrun (doctor_nodes.py
+    `collectives_worker`), on every node's ranks with `--nnodes`."""
     out = ctx.work_dir / "collectives.txt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ctx.world_size}", "-m", "bench.node.doctor", "--worker", str(out)]
+    return torchrun(ctx, ["bench.node.doctor_nodes", str(out)], out, across_nodes=True)
+
+
+def torchrun(ctx: Context, program: list[str], out: Path, across_nodes: bool = False) -> str:
+    """`program` (a module and its arguments) on this node's ranks through torchrun, or on
+    every node's (`across_nodes` with `--nnodes`); the text it wrote to `out`, or a
+    RuntimeError with its error line."""
+    from bench.node.doctor_nodes import torchrun_args
+
+    nodes = (ctx.nnodes, ctx.node_rank, ctx.endpoint) if across_nodes else (1, 0, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           *torchrun_args(*nodes, ctx.world_size, os.environ), "-m", *program]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(_last_error(proc.stdout + proc.stderr))
     return out.read_text().strip()
-
-
-def _collectives_worker(out: str) -> int:
-    """One rank under torchrun: every op the strategies use, checked against its result."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=60))
-    try:
-        t = torch.full((1024,), float(rank + 1), device=device)
-        dist.all_reduce(t)
-        assert t[0].item() == world * (world + 1) / 2, f"all_reduce gave {t[0].item()}"
-        b = torch.full((8,), float(rank), device=device)
-        dist.broadcast(b, src=world - 1)
-        assert b[0].item() == world - 1, f"broadcast gave {b[0].item()}"
-        parts = [torch.empty(4, device=device) for _ in range(world)]
-        dist.all_gather(parts, torch.full((4,), float(rank), device=device))
-        assert [p[0].item() for p in parts] == list(range(world)), "all_gather order"
-        if world == 1:  # no peer to send to
-            dist.barrier()
-            Path(out).write_text(f"{backend}, 1 rank: all_reduce, broadcast, all_gather "
-                                 "correct; send/recv not checked (needs 2 ranks)")
-            return 0
-        nxt, prev = (rank + 1) % world, (rank - 1) % world
-        got = torch.empty(16, device=device)
-        if rank % 2 == 0:
-            dist.send(torch.full((16,), float(rank), device=device), nxt)
-            dist.recv(got, prev)
-        else:
-            dist.recv(got, prev)
-            dist.send(torch.full((16,), float(rank), device=device), nxt)
-        assert got[0].item() == prev, f"send/recv gave {got[0].item()}"
-        got2 = torch.empty(16, device=device)
-        ops = [dist.P2POp(dist.isend, torch.full((16,), float(rank), device=device), nxt),
-               dist.P2POp(dist.irecv, got2, prev)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        if cuda:
-            torch.cuda.synchronize(device)
-        assert got2[0].item() == prev, f"batched exchange gave {got2[0].item()}"
-        dist.barrier()
-        if rank == 0:
-            Path(out).write_text(f"{backend}, {world} ranks: all_reduce, broadcast, all_gather, "
-                                 "send/recv, batch_isend_irecv correct")
-    finally:
-        dist.destroy_process_group()
-    return 0
 
 
 def check_timing(ctx: Context) -> str:
@@ -221,7 +191,13 @@ run shares."""
 
 RUNS: dict[str, tuple[str, list[str], int]] = {
     "run ddp": ("configs/ddp-tiny.yaml", [], 1),
+    "run ddp + fsdp": ("configs/ddp-tiny.yaml", ["parallel.shard=fsdp"], 2),
     "run diloco": ("configs/diloco-tiny.yaml", ["strategy.inner_steps=2"], 1),
+    "run diloco int8 exchange": ("configs/diloco-tiny.yaml", [
+        "strategy.inner_steps=2", "strategy.outer_compression=int8",
+        "strategy.compression_row=16"], 1),
+    "run streaming diloco (2 fragments, fp4)": ("configs/streaming-diloco-tiny.yaml", [
+        "strategy.inner_steps=4", "run.steps=4"], 1),
     "run gasloc": ("configs/gasloc-tiny.yaml", ["strategy.inner_steps=2"], 2),
     "run pipeline 1f1b (2 stages)": ("configs/pipeline-1f1b-tiny.yaml",
                                      ["parallel.num_microbatches=2"], 2),
@@ -230,7 +206,12 @@ RUNS: dict[str, tuple[str, list[str], int]] = {
     "run deepspeed zero-1": ("configs/ddp-tiny.yaml", ["strategy.backend=deepspeed",
                                                        "strategy.zero_stage=1"], 1),
 }
-"""name: (config, overrides, the ranks it needs: a gossip peer, two pipeline stages)."""
+"""name: (config, overrides, the ranks it needs: a gossip peer, two pipeline stages, two
+shards)."""
+
+ON_CUDA = {"run streaming diloco (2 fragments, fp4)": ["strategy.overlap_steps=0"]}
+"""Overrides on GPUs: streaming DiLoCo's overlapped exchange is refused on CUDA for now
+(configs/streaming-diloco-tiny.yaml, docs/algorithms.md); its fragments still run."""
 
 
 def short_run(ctx: Context, name: str, config: str, overrides: list[str],
@@ -241,6 +222,7 @@ def short_run(ctx: Context, name: str, config: str, overrides: list[str],
     from bench.launch.run import run_config
 
     settings = [*RUN_SETTINGS, f"parallel.world_size={min(2, ctx.world_size)}", *overrides,
+                *(ON_CUDA.get(name, []) if ctx.gpus else []),
                 f"run.name={_slug(name)}",
                 f"run.output_dir={ctx.work_dir / 'runs'}",
                 f"parallel.device={ctx.device}", "parallel.backend=auto"]
@@ -257,7 +239,8 @@ def short_run(ctx: Context, name: str, config: str, overrides: list[str],
         raise RuntimeError(str(summary.get("error", summary["status"])).splitlines()[0])
     loss = summary.get("final_val_loss")
     return (f"{summary['steps']} steps, val loss {loss:.3f}, "
-            f"{summary.get('throughput_tokens_per_s') or 0:,.0f} tok/s steady")
+            f"{summary.get('throughput_tokens_per_s') or 0:,.0f} tok/s steady, "
+            f"{(summary.get('comm_bytes_total') or 0) / 2**10:,.0f} KiB communicated")
 
 
 def check_deepspeed_installed() -> None:
@@ -276,9 +259,28 @@ def run_check(name: str, config: str, overrides: list[str]) -> Callable[[Context
     return run
 
 
-def check_compile(ctx: Context) -> str:
-    return short_run(ctx, "run ddp + compile", "configs/ddp-tiny.yaml",
-                     ["model.compile=true", "model.precision=bf16"])
+OVERLAP_SETTINGS = ["run.steps=6", "run.warmup_steps=2", "run.log_every=1", "run.val_every=0",
+                    "run.val_sequences=8", "model.n_layer=4", "model.n_embd=128",
+                    "model.seq_len=32", "data.batch_size=4", "strategy.bucket_cap_mb=1",
+                    "network.profiles=[nvlink]", "checkpoint.final=false",
+                    "parallel.timeout_s=120", "parallel.backend=auto"]
+"""DDP with 4 buckets a step (3.3 MB of fp32 gradients, 1 MiB buckets: DDP's and the
+compiler's first bucket cap), 2 warm-up steps for compilation, 4 judged."""
+
+
+def check_overlap(ctx: Context, compile: bool = True) -> str:
+    """DDP (compiled in bf16 by default) through the real loop under torchrun; fails when
+    its first gradient bucket is launched only after the backward ended
+    (bench/node/doctor_overlap.py)."""
+    from bench.node.doctor_overlap import read_verdict
+
+    out = ctx.work_dir / "overlap.json"
+    settings = [*OVERLAP_SETTINGS, f"parallel.world_size={ctx.world_size}",
+                f"parallel.device={ctx.device}", f"model.compile={str(compile).lower()}",
+                f"model.precision={'bf16' if compile else 'fp32'}"]
+    torchrun(ctx, ["bench.node.doctor_overlap", str(out), _repo_path("configs/ddp-tiny.yaml"),
+                   *settings], out)
+    return read_verdict(out)
 
 
 def check_resume(ctx: Context) -> str:
@@ -288,14 +290,15 @@ def check_resume(ctx: Context) -> str:
 
 CHECKS: list[Check] = [
     Check("environment", check_environment),
+    Check("network interfaces", check_interfaces),
     Check("one GPU per rank", check_devices, needs_gpu="the ranks run on CPU here"),
     Check("collectives and p2p", check_collectives),
     Check("CUDA events vs host timing", check_timing, needs_gpu="CUDA events"),
     Check("bf16 autocast", check_bf16),
     *(Check(name, run_check(name, config, overrides), min_ranks=ranks)
       for name, (config, overrides, ranks) in RUNS.items()),
-    Check("compile with DDP", check_compile, needs_gpu="torch.compile's GPU path; the order "
-          "compile(DDP(model)) is pinned by the test suite on CPU"),
+    Check("compile with DDP, bucket overlap", check_overlap, needs_gpu="torch.compile's GPU "
+          "path; the order compile(DDP(model)) is pinned by the test suite on CPU"),
     Check("checkpoint and resume", check_resume),
 ]
 
@@ -349,7 +352,9 @@ def format_report(results: list[Result], ctx: Context) -> str:
         "",
         f"{time.strftime('%Y-%m-%d %H:%M:%S')} on {md_text(platform.node())} "
         f"({md_text(platform.platform())}), "
-        f"{ctx.world_size} ranks, device {ctx.device}, {ctx.gpus} GPUs.",
+        f"{ctx.world_size} ranks, device {ctx.device}, {ctx.gpus} GPUs"
+        + (f"; node {ctx.node_rank} of {ctx.nnodes} (rendezvous {md_text(ctx.endpoint)})."
+           if ctx.nnodes > 1 else "."),
         "",
         "| check | result | time | detail |",
         "|---|---|---|---|",
@@ -397,21 +402,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="doctor-report.md", help="the report to write")
     p.add_argument("--keep", metavar="DIR", help="keep the short runs under DIR (default: a "
                    "temporary directory, removed at the end)")
+    p.add_argument("--only", metavar="NAMES", help="comma-separated checks to run, each a "
+                   "check's name or the start of names (e.g. 'environment,collectives,run')")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the collectives check "
+                   "spans (run doctor on each; the short runs stay on each node)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank, 0 to "
+                   "NNODES-1 (default: SLURM_NODEID)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", default=None, help="torchrun's "
+                   "c10d rendezvous, the same on every node (e.g. the first node:29400)")
+
+
+def select_checks(only: str | None, checks: list[Check]) -> list[Check]:
+    """The checks `--only` names (each entry a name or the start of names), in their
+    order; a ValueError naming an entry that matches none, with the names."""
+    if only is None:
+        return checks
+    entries = [e.strip().lower() for e in only.split(",") if e.strip()]
+    for entry in entries:
+        if not any(c.name.lower().startswith(entry) for c in checks):
+            raise ValueError(f"doctor --only: {entry!r} starts no check's name; the checks: "
+                             + ", ".join(c.name for c in checks))
+    return [c for c in checks if any(c.name.lower().startswith(e) for e in entries)]
 
 
 def run_cli(args) -> int:
+    nodes = validate_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, dict(os.environ))
+    checks = select_checks(args.only, CHECKS)
+    if args.world_size is not None and args.world_size < 1:
+        raise ValueError(f"doctor --world-size must be >= 1, got {args.world_size}")
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     world = args.world_size if args.world_size is not None else (gpus or 2)
-    if world < 1:
-        raise ValueError(f"doctor --world-size must be >= 1, got {world}")
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="commbench-doctor-"))
     work.mkdir(parents=True, exist_ok=True)
-    ctx = Context(world, gpus, work)
+    ctx = Context(world, gpus, work, *nodes)
     print("| check | result | time | detail |\n|---|---|---|---|", flush=True)
     try:
-        results = run_checks(CHECKS, ctx, echo=lambda row: print(row, flush=True))
+        results = run_checks(checks, ctx, echo=lambda row: print(row, flush=True))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -421,8 +449,3 @@ def run_cli(args) -> int:
     print(f"wrote {args.out}")
     return 1 if any(r.status == FAIL for r in results) else 0
 
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        sys.exit(_collectives_worker(sys.argv[2]))
-    sys.exit("usage: commbench doctor (this module's --worker is torchrun's program)")
