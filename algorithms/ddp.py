@@ -32,6 +32,8 @@ The clock is what makes this honest on both devices:
 Emulation (`network.emulate`): a bucket's future completes only once a modelled link,
 carrying the buckets one after another, has carried it (a timer thread, so backward's
 compute goes on meanwhile); the wait then shows in the exposed seconds as on a real link.
+On CUDA the link starts when the device has produced the bucket (an event waited on by a
+thread), not when the host queued it.
 On CUDA the future the hook returns is a CUDA future on the bucket's device
 (`device_future`): DDP's wait on it orders its stream after the events `set_result`
 records, and the timer thread completes it on the bucket's device and on the stream that
@@ -44,9 +46,10 @@ How communication is measured (deepspeed backend): see algorithms/zero.py.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -143,6 +146,18 @@ def current_stream(device: torch.device):
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
+def device_reached(device: torch.device):
+    """A wait for the device to reach this point of the current stream (an event recorded
+    now, waited on by another thread), or None on CPU, where the host runs the work and
+    is there already. The emulated link of a bucket starts then: the host queues a bucket
+    while the GPU is still computing earlier layers (issue 46)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.synchronize
+
+
 @contextlib.contextmanager
 def on_stream(device: torch.device, stream):
     """Run the block on `device` and `stream` (another thread's device and stream: CUDA
@@ -169,6 +184,8 @@ class _Bucket:
     link_done: float = 0.0
     """Emulation: host time the modelled link has carried it (queued behind earlier
     buckets by the emulation policy's per-link timeline)."""
+    link_known: threading.Event = field(default_factory=threading.Event)
+    """Emulation: set once `link_done` is known (on CUDA, once the device reached it)."""
 
 
 class DDPCommHook:
@@ -185,6 +202,8 @@ class DDPCommHook:
         self.size = len(comm.group_ranks(group))
         self.pending: list[_Bucket] = []
         """This step's buckets, in launch order (DDP launches them in bucket order)."""
+        self._starts: queue.Queue | None = None
+        """Emulation on CUDA: buckets waiting for the device to reach them."""
 
     def hook(self, state, bucket):
         buffer = bucket.buffer()
@@ -207,13 +226,19 @@ class DDPCommHook:
 
         Buckets share one link: the emulation policy queues bucket k behind bucket k-1 on
         its per-link timeline (bench.network.delay_policy), so the seconds it returns run
-        from this bucket's launch to its modelled end. The wait runs on a timer thread:
+        from this bucket's launch to its modelled end; on CUDA the launch is when the
+        device reached the bucket, not when the host queued it (`device_reached`), else
+        the modelled link would carry it while the GPU still computed it (issue 46), and
+        DDP would be favoured over methods whose ops synchronise first. The wait runs on
+        a timer thread:
         holding the thread that completes the all-reduce would, when it completes at once,
         hold autograd and turn the modelled network time into compute.
         """
-        seconds = self.comm.modelled_seconds("all_reduce", entry.nbytes, self.group,
-                                             started=launched)
-        entry.link_done = launched + seconds
+        reached = device_reached(device)
+        if reached is None:  # CPU: the device is where the host is
+            self._start_link(entry, launched)
+        else:  # the link starts once the GPU has produced the bucket, in launch order
+            self._link_starts().put((entry, reached))
         result = device_future(device)
 
         def finish(fut):
@@ -229,14 +254,40 @@ class DDPCommHook:
                     entry.done = self.clock.mark()
                     result.set_result(reduced)
 
-            wait = entry.link_done - time.perf_counter()
-            if wait > 0:
-                threading.Timer(wait, complete).start()
-            else:
+            def after_the_link():
+                entry.link_known.wait()
+                time.sleep(max(0.0, entry.link_done - time.perf_counter()))
                 complete()
+
+            if entry.link_known.is_set() and entry.link_done <= time.perf_counter():
+                complete()
+            else:
+                threading.Thread(target=after_the_link, daemon=True).start()
 
         work.get_future().add_done_callback(finish)
         return result
+
+    def _start_link(self, entry: _Bucket, started: float) -> None:
+        seconds = self.comm.modelled_seconds("all_reduce", entry.nbytes, self.group,
+                                             started=started)
+        entry.link_done = started + seconds
+        entry.link_known.set()
+
+    def _link_starts(self) -> queue.Queue:
+        """The buckets whose links start when the device reaches them: one thread waits
+        for each in launch order, so the per-link timeline queues them as DDP launched
+        them."""
+        if self._starts is None:
+            self._starts = queue.Queue()
+
+            def worker():
+                while True:
+                    entry, reached = self._starts.get()
+                    reached()
+                    self._start_link(entry, time.perf_counter())
+
+            threading.Thread(target=worker, daemon=True, name="emulated-link").start()
+        return self._starts
 
     def end_step(self, backward_end) -> float:
         """Record this step's buckets in the ledger; return the exposed seconds."""
@@ -348,6 +399,14 @@ class DDP(DataParallelStrategy):
         if self.zero is None:
             return super().state_dict()
         return {**self.zero.state_dict(), "step_index": self.step_index}
+
+    def state_scopes(self) -> dict[str, str]:
+        """Which ranks hold each `state_dict` key bit-identically (checkpoints write it once
+        per scope, bench/run/dcp_state.py): torch DDP's model, optimizer and step count on
+        every rank ("world"); ZeRO's and FSDP's are each rank's own shards (not named)."""
+        if self.zero is not None or self.sharded is not None:
+            return {}
+        return {"model": "world", "optimizer": "world", "step_index": "world"}
 
     def load_state_dict(self, state: dict) -> None:
         if self.zero is None:

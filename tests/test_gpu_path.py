@@ -427,6 +427,50 @@ def test_emulated_hook_completes_each_bucket_through_the_device_helpers():
         torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
 
 
+def _emulated_ddp_behind_the_host(rank, world):
+    import time
+
+    from algorithms import ddp
+
+    reached, starts = [], []
+
+    def device_reached(device):  # a stand-in for a CUDA event: the GPU is 50 ms behind
+        def wait():
+            time.sleep(0.05)
+            reached.append(time.perf_counter())
+        return wait
+
+    ddp.device_reached = device_reached
+    comm = Communicator(rank, world, "cpu", delay=lambda record: 0.01)
+    modelled = comm.modelled_seconds
+
+    def logged(op, nbytes, group=None, peers=None, started=None):
+        starts.append(started)
+        return modelled(op, nbytes, group, peers, started)
+
+    comm.modelled_seconds = logged
+    strategy = ddp.DDP(ddp.DDPConfig(bucket_cap_mb=0.01), tiny_setup(rank, world, comm=comm))
+    for step in range(2):
+        strategy.train_step(tiny_batch(2 * step + rank))
+    seconds = [r.seconds for r in comm.ledger.records if r.op == "all_reduce"]
+    return reached, starts, seconds
+
+
+@pytest.mark.timeout(120)
+def test_an_emulated_bucket_starts_its_link_when_the_device_reaches_it():
+    """Issue 46: on CUDA the host queues a bucket while the GPU still computes it; the
+    emulated link started at the host's queueing, so the modelled transfer overlapped
+    kernels that had not run and DDP was favoured. Now each bucket's link starts when the
+    device has reached it (`device_reached`, an event on CUDA; a 50 ms stand-in here),
+    in launch order, and the bucket completes no earlier."""
+    for reached, starts, seconds in run_distributed(_emulated_ddp_behind_the_host, 2,
+                                                    timeout=100):
+        assert len(reached) > 2 and len(starts) == len(reached)
+        assert all(s >= r for s, r in zip(starts, reached, strict=True))
+        assert starts == sorted(starts)
+        assert seconds and min(seconds) >= 0.05
+
+
 # ------------------------------------------------------------------ warm-up
 
 
