@@ -41,6 +41,7 @@ STRATEGIES: dict[str, str] = {
     "pier": "algorithms.pier:Pier",
     "sparseloco": "algorithms.outer_rules.sparseloco:SparseLoCo",
     "noloco": "algorithms.outer_rules.noloco:NoLoCo",
+    "demo": "algorithms.outer_rules.demo:DeMo",
     "gasloc": "algorithms.gasloc:GASLoC",
     "gossip": "algorithms.gasloc:Gossip",
     "pipeline": "algorithms.pipeline:Pipeline",

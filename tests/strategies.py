@@ -241,6 +241,24 @@ ENTRIES = (
         memory={},
     ),
     Entry(
+        name="demo", config="configs/demo-tiny.yaml", short=ROUNDS, layout="data-parallel",
+        groups=False, shards=False,  # replica groups run (demo-hier); fragments are refused
+        matrix={"demo": {"strategy.inner_steps": 2}},
+        golden={},
+        resume={"2-demo": Case(  # H = 4, checkpoint at 6: mid-round, m_i non-zero
+                    ("run.steps=8", "strategy.inner_steps=4", "checkpoint.every=6"),
+                    checkpoint_step=6)},
+        stop={},
+        fsdp={},
+        fsdp_resume={},
+        whatif={"demo": Case(()),  # an exchange every step, the tiny GPT's real blocks
+                "demo-hier": Case(("strategy.inner_steps=3", *GROUPS,
+                                   "network.ranks_per_node=2"))},
+        projection={},
+        checkpointing={},
+        memory={},
+    ),
+    Entry(
         name="gasloc", config="configs/gasloc-tiny.yaml", short=ROUNDS, layout="data-parallel",
         groups=False, shards=False,
         matrix={"gasloc": {"strategy.inner_steps": 2}},

@@ -16,7 +16,7 @@ finite, its records are written, the what-if's traffic description of its config
 has none, refused naming a key), and where it checkpoints, a resume from step 2 ends
 bit-identical to the uninterrupted run.
 
-The product (41,803,776 combinations) is too large to validate (0.5 ms a combination) or
+The product (44,126,208 combinations) is too large to validate (0.5 ms a combination) or
 train, so the rows are generated greedily, validating only what is built: a tuple counts
 as refused when no completion tried (`cover`'s `candidates`) is accepted. tox -e matrix
 checks that no pair the pairwise search refused is in a combination the 3-wise search
@@ -521,7 +521,7 @@ def test_every_accepted_triple_of_values_runs(pairwise, tmp_path):
     """tox -e matrix: a 3-wise cover (every three values some accepted combination has,
     in a trained row; triples holding a pair the pairwise cover refused left out), and no
     pair the pairwise cover refused in a combination the 3-wise search accepted. The full
-    product (41,803,776 combinations) is out of reach: at 0.5 ms a validation and ~1 s a
+    product (44,126,208 combinations) is out of reach: at 0.5 ms a validation and ~1 s a
     trained row (estimates, not run), about 35 minutes to validate and weeks to train."""
     triples = cover(3, refused_below=pairwise.refused)
     accepted = [c for c, reason in triples.verdicts.items() if reason is None]

@@ -31,6 +31,7 @@ from algorithms.comm import Communicator
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.gasloc import round_peers
 from algorithms.outer_rules import RULES, rule_class
+from algorithms.outer_rules.demo import DeMoConfig
 from algorithms.outer_rules.noloco import NoLoCo, NoLoCoConfig
 from algorithms.outer_rules.sparseloco import ChunkCodec, SparseLoCo, SparseLoCoConfig
 from tests.distributed import run_distributed
@@ -71,7 +72,8 @@ def _global(strategy) -> torch.Tensor:
 
 def test_every_rule_says_its_state_shards_and_sends():
     configs = {"sgd": DiLoCoConfig(), "adam": DiLoCoConfig(outer_optimizer="adam"),
-               "sparseloco": SparseLoCoConfig(), "noloco": NoLoCoConfig()}
+               "sparseloco": SparseLoCoConfig(), "noloco": NoLoCoConfig(),
+               "demo": DeMoConfig()}
     assert set(configs) == set(RULES)
     for name, config in configs.items():
         rule = rule_class(name)

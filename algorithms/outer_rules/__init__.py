@@ -44,6 +44,7 @@ RULES: dict[str, str] = {
     "adam": "algorithms.outer_rules.adam:AdamRule",
     "sparseloco": "algorithms.outer_rules.sparseloco:SparseLoCoRule",
     "noloco": "algorithms.outer_rules.noloco:NoLoCoRule",
+    "demo": "algorithms.outer_rules.demo:DeMoRule",
 }
 """Rule name (`strategy.outer_optimizer`) -> "module:Class"."""
 
