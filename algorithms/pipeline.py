@@ -17,7 +17,8 @@ Ledger (docs/algorithms.md, Pipelines). torch's schedules call `batch_isend_irec
 recorded once it has been waited on, as `send` (bytes sent), `recv` (bytes received) or
 `exchange` (both directions, bytes sent), with the time from issue to the end of its
 wait; under `network.emulate` the batch is held until its modelled time from issue has
-passed (`Communicator.hold`). The time spent blocked in the waits is the step's `idle_s`,
+passed (`Communicator.hold`), issue being when the device reached it (a synchronise
+first). The time spent blocked in the waits is the step's `idle_s`,
 timed on the device's clock (`P2PRecorder`: CUDA events, since NCCL's wait does not block
 the host).
 """
@@ -284,6 +285,10 @@ class _Batch:
 
     def __init__(self, recorder: P2PRecorder, ops: list, num_works: int):
         self.recorder, self.remaining = recorder, num_works
+        if recorder.comm.delay is not None:
+            # emulation: the modelled link starts when the device reaches the transfer,
+            # not when the host queued it ahead of the GPU (issue 46); a no-op on CPU
+            recorder.comm.synchronize()
         self.host_start = time.perf_counter()
         self.start = recorder.clock.mark()
         self.end = None

@@ -427,6 +427,37 @@ def test_emulated_hook_completes_each_bucket_through_the_device_helpers():
         torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
 
 
+def test_an_emulated_pipeline_transfer_starts_when_the_device_reaches_it():
+    """Issue 46: torch's 1F1B/GPipe queue their sends ahead of the GPU; under emulation the
+    modelled hop was timed from the host's queueing. The batch now synchronises the device
+    before its host clock starts (a no-op on CPU), as the FSDP recorder and DDP hook do."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from algorithms.pipeline import P2PRecorder, _Batch
+
+    calls = []
+
+    class Comm:
+        device, delay = torch.device("cpu"), object()
+
+        def synchronize(self):
+            calls.append("synchronize")
+
+    recorder = P2PRecorder(Comm())
+    send = SimpleNamespace(op=dist.isend, tensor=torch.ones(4), peer=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("algorithms.pipeline.time.perf_counter",
+                      lambda: calls.append("host clock") or 0.0)
+        _Batch(recorder, [send], 1)
+    assert calls[0] == "synchronize" and calls[1:] and set(calls[1:]) == {"host clock"}
+    calls.clear()
+    Comm.delay = None  # without emulation nothing waits for the device
+    _Batch(recorder, [send], 1)
+    assert calls == []
+
+
 def _emulated_ddp_behind_the_host(rank, world):
     import time
 
