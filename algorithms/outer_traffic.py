@@ -1,8 +1,11 @@
 """What a DiLoCo-family outer round sends when it streams, overlaps or compresses: the
 what-if's description of Streaming DiLoCo (arXiv 2501.18512) and of the compressed
-outer exchanges, as `algorithms/traffic.py` describes the plain round.
+outer exchanges, as `algorithms/traffic.py` describes the plain round. One schedule for
+the family, each strategy's exchange (`Exchange`): DiLoCo's average (below), Pier's the
+same after its lazy start (`warmup_steps`), SparseLoCo's all-gather of each fragment's
+coded payload, NoLoCo's pairwise exchange per fragment (their files).
 
-    pytest tests/test_whatif_streaming.py
+    pytest tests/test_whatif_streaming.py tests/test_outer_traffic.py
 
 Plain numbers (the model's `TrafficFacts`, the strategy's config); the records they
 stand for are the ones algorithms/diloco.py, algorithms/outer.py and algorithms/comm.py
@@ -22,6 +25,8 @@ write (tests/test_whatif.py holds them against real runs' ledgers):
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from algorithms.streaming import StreamingSchedule, block_fragments
 from algorithms.traffic import Traffic, Transfer, cross_of, outer_notes, replica_inner, shard_rows
@@ -62,15 +67,38 @@ def exchange_transfer(config, numel: int, group: tuple[int, ...] | None, replica
                     group, overlap_steps=overlap_steps, word_bytes=1)
 
 
-def streaming_outer(config, cfg, facts, wire_bytes: int):
+Exchange = Callable[[int, int, int, int, int], list[Transfer]]
+"""(rank, fragment, its round, its elements on this rank, overlap steps) -> what `rank`
+records for that fragment's sync: the exchange of a strategy whose round sends otherwise
+than DiLoCo's average (SparseLoCo's all-gather, NoLoCo's pairwise exchange). `round`
+counts the fragment's own syncs before this one (`StreamingSchedule.syncs_before`)."""
+
+
+def average_exchange(config, cfg, wire_bytes: int) -> Exchange:
+    """DiLoCo's exchange (`exchange_transfer`) across the ranks holding `rank`'s position
+    in every replica."""
+    p = cfg.parallel
+    world, g = p.world_size, p.group_size
+
+    def exchange(rank: int, fragment: int, round_: int, numel: int, overlap: int):
+        return [exchange_transfer(config, numel, cross_of(rank, g, world), world // g,
+                                  wire_bytes, overlap)]
+    return exchange
+
+
+def streaming_outer(config, cfg, facts, wire_bytes: int, exchange: Exchange | None = None,
+                    warmup_steps: int = 0):
     """(rank, step) -> the outer transfers `rank` records in loop step `step` (0-based):
-    for each fragment synced at the end of it, its exchange (overlapped by τ where it
-    was launched early). Nothing with one replica."""
+    for each fragment synced at the end of it, its exchange (`exchange`, default
+    DiLoCo's; overlapped by τ where it was launched early). Nothing with one replica, nor
+    at a sync within the first `warmup_steps` (Pier's lazy start fills its momentum
+    locally: nothing launched, nothing sent)."""
     p = cfg.parallel
     world, g, steps = p.world_size, p.group_size, cfg.run.steps
     replicas = world // g
     schedule = StreamingSchedule(config.fragments, config.inner_steps, config.overlap_steps,
                                  steps)
+    exchange = exchange or average_exchange(config, cfg, wire_bytes)
     sharded = p.shard == "fsdp"
     cache: dict[int, list[int]] = {}
 
@@ -82,30 +110,38 @@ def streaming_outer(config, cfg, facts, wire_bytes: int):
         return cache[index]
 
     def outer(rank: int, step: int) -> list[Transfer]:
-        if replicas == 1:
-            return []
         taken = step + 1
+        if replicas == 1 or taken <= warmup_steps:
+            return []
         regular = schedule.regular(taken)
-        group = cross_of(rank, g, world)
         out = []
         for fragment in schedule.syncs(taken):
             launched = (fragment == regular and config.overlap_steps > 0
                         and schedule.launch(taken - config.overlap_steps) == fragment)
-            out.append(exchange_transfer(config, numels(rank)[fragment], group, replicas,
-                                         wire_bytes, config.overlap_steps if launched else 0))
+            out += exchange(rank, fragment, schedule.syncs_before(fragment, taken),
+                            numels(rank)[fragment], config.overlap_steps if launched else 0)
         return out
     return outer
 
 
-def streaming_traffic(config, cfg, facts, wire_bytes: int) -> Traffic:
-    """DiLoCo with fragments, overlap or a codec: every step the replica's inner traffic
-    (algorithms/traffic.py `replica_inner`), then `streaming_outer`'s syncs; the pattern
-    repeats every H steps."""
+def streaming_traffic(config, cfg, facts, wire_bytes: int, exchange: Exchange | None = None,
+                      warmup_steps: int = 0, warm_inner: Callable | None = None,
+                      notes: list[str] | None = None) -> Traffic:
+    """DiLoCo's family with fragments, overlap or a codec: every step the replica's inner
+    traffic (algorithms/traffic.py `replica_inner`; in the first `warmup_steps`,
+    `warm_inner`'s: Pier's lazy start), then `streaming_outer`'s syncs; the pattern
+    repeats every H steps (in each phase: the lazy start, then the rounds)."""
     inner = replica_inner(cfg, facts, config.bucket_cap_mb)
-    outer = streaming_outer(config, cfg, facts, wire_bytes)
-    return Traffic(cfg.run.steps, lambda rank, step: [*inner(rank), *outer(rank, step)],
-                   period=config.inner_steps,
-                   notes=[*outer_notes(cfg), *streaming_notes(config)])
+    outer = streaming_outer(config, cfg, facts, wire_bytes, exchange, warmup_steps)
+    steps = cfg.run.steps
+
+    def transfers(rank: int, step: int) -> list[Transfer]:
+        mine = warm_inner(rank) if step < warmup_steps else inner(rank)
+        return [*mine, *outer(rank, step)]
+
+    phases = [(0, warmup_steps), (warmup_steps, steps)] if 0 < warmup_steps < steps else []
+    return Traffic(steps, transfers, period=config.inner_steps, phases=phases,
+                   notes=[*outer_notes(cfg), *streaming_notes(config), *(notes or [])])
 
 
 def streaming_notes(config) -> list[str]:

@@ -17,7 +17,8 @@ import torch
 from algorithms.contract import StepStats, TrainSetup
 from algorithms.ddp import make_ddp
 from algorithms.diloco import DiLoCo, DiLoCoConfig
-from algorithms.outer import RoundStats
+from algorithms.outer import WIRE_BYTES, RoundStats
+from algorithms.outer_traffic import streaming_traffic
 from algorithms.traffic import (
     Traffic,
     Transfer,
@@ -201,12 +202,13 @@ class Pier(DiLoCo):
 
     @classmethod
     def traffic(cls, cfg, facts) -> Traffic:
-        """DiLoCo's after the lazy start. During it (its rounds send nothing): DDP over all
-        ranks (phase "inner"): the world's buckets, or, sharded, the replica's FSDP2
+        """DiLoCo's after the lazy start (fragments, overlap or a codec: Streaming
+        DiLoCo's, algorithms/outer_traffic.py `streaming_traffic`). During it (its syncs
+        fill the momentum locally, send nothing, launch nothing): DDP over all ranks
+        (phase "inner"): the world's buckets, or, sharded, the replica's FSDP2
         collectives, one all-reduce of the gradient shards across the replicas, then the
         clipping norm's."""
         config = cfg.strategy
-        cls.require_plain_outer(config)
         p = cfg.parallel
         world, g, M = p.world_size, p.group_size, p.num_microbatches
         inner = replica_inner(cfg, facts, config.bucket_cap_mb)
@@ -230,10 +232,15 @@ class Pier(DiLoCo):
 
             def warm(rank: int) -> list[Transfer]:
                 return buckets
+        lazy = round(config.warmup_fraction * cfg.run.steps)
+        if (config.fragments, config.overlap_steps, config.outer_compression) != (1, 0, "none"):
+            return streaming_traffic(config, cfg, facts, WIRE_BYTES[config.outer_grad_dtype],
+                                     warmup_steps=lazy, warm_inner=warm,
+                                     notes=[f"Pier: the first {lazy} steps DDP over all "
+                                            "ranks, their syncs local momentum fills"])
         return local_update_traffic(cfg, config.inner_steps, inner,
                                     lambda rank: cls.outer_transfers(cfg, facts, rank),
-                                    round(config.warmup_fraction * cfg.run.steps), warm,
-                                    outer_notes(cfg))
+                                    lazy, warm, outer_notes(cfg))
 
     # ------------------------------------------------------------- the run
 

@@ -132,6 +132,13 @@ class StreamingSchedule:
             synced += [f for f in range(self.num_fragments) if f != regular]
         return synced
 
+    def syncs_before(self, fragment: int, step: int) -> int:
+        """How many times `fragment` synced at the end of the steps before `step` (its
+        regular sync points offset, offset + H, ... below `step`; the final round is the
+        last step and precedes none): the index of a sync at `step` among the fragment's
+        own (NoLoCo's per-fragment round, which seeds its pairs)."""
+        return max(0, -(-(step - self.offset(fragment)) // self.inner_steps))
+
     def all_synced(self, step: int) -> bool:
         """Whether every fragment synced at the end of `step` (or nothing has run yet)."""
         return step == 0 or len(self.syncs(step)) == self.num_fragments

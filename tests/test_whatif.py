@@ -215,16 +215,21 @@ CASES = {  # (config, overrides): tests/strategies.py `whatif`
 
 def settings(case: str) -> tuple[str, list[str]]:
     path, extra = CASES[case]
-    return path, [f"run.steps={STEPS}", "run.log_every=3", "run.val_every=6",
-                  "run.val_sequences=4", "checkpoint.final=false", "data.batch_size=2",
-                  "network.profiles=[nvlink, ib-400g]", *extra]
+    return path, run_settings(extra)
 
 
-def train(rank, world_size, run_dir, case):
+def run_settings(extra: list[str]) -> list[str]:
+    """A real run's overrides: STEPS steps of batch 2, the two profiles, then `extra`."""
+    return [f"run.steps={STEPS}", "run.log_every=3", "run.val_every=6",
+            "run.val_sequences=4", "checkpoint.final=false", "data.batch_size=2",
+            "network.profiles=[nvlink, ib-400g]", *extra]
+
+
+def train(rank, world_size, run_dir, path, overrides):
     from bench.config import load_config
     from bench.run.train import TRAIN_PHASES, Trainer
 
-    cfg = load_config(*settings(case))
+    cfg = load_config(path, overrides)
     trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo", keep_records=True)
     summary = trainer.run()
     records = sorted((r.step, r.phase, r.op, r.nbytes, r.group_size)
@@ -233,21 +238,31 @@ def train(rank, world_size, run_dir, case):
 
 
 def check_run(case, tmp_path):
+    check_config(*settings(case), tmp_path)
+
+
+def check_config(path: str, overrides: list[str], tmp_path, world: int = 4) -> list:
+    """Train `path` with `overrides` on `world` gloo ranks; each rank's ledger (training
+    phases) equals its traffic description record for record, and the what-if of the
+    run's own model, world, profiles and median compute is its recorded projection.
+    Returns each rank's (summary, records)."""
     from bench.config import load_config
     from bench.study.whatif.engine import as_records, traffic_facts
 
-    results = run_distributed(train, 4, str(tmp_path), case, timeout=240)
-    cfg = load_config(*settings(case))
+    results = run_distributed(train, world, str(tmp_path), path, overrides, timeout=240)
+    cfg = load_config(path, overrides)
     traffic = strategy_of(cfg).traffic(cfg, traffic_facts(cfg))
+    steps = cfg.run.steps
     for rank, (_, recorded) in enumerate(results):
         described = sorted(  # a step's order is not priced (FSDP2 interleaves its ops)
             (r.step, r.phase, r.op, r.nbytes, r.group_size)
-            for step in range(STEPS) for t in traffic.transfers(rank, step)
-            for r in as_records(t, rank, step, 4, cfg.network.ranks_per_node or 1))
+            for step in range(steps) for t in traffic.transfers(rank, step)
+            for r in as_records(t, rank, step, world, cfg.network.ranks_per_node or 1))
         assert described == recorded, f"rank {rank}"
     summary = results[0][0]
     for name, row in measured_whatif(cfg, summary).items():
         assert row["whatif_s"] == pytest.approx(row["recorded_s"], rel=1e-6), name
+    return results
 
 
 @pytest.mark.slow  # ~35 s each on a loaded 2-core machine

@@ -28,6 +28,7 @@ from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.gasloc import round_peers
 from algorithms.outer_rules import Sends
 from algorithms.outer_rules.sgd import SGDRule
+from algorithms.outer_traffic import Exchange, streaming_traffic
 from algorithms.traffic import (
     Traffic,
     Transfer,
@@ -172,29 +173,47 @@ class NoLoCo(DiLoCo):
     def traffic(cls, cfg, facts) -> Traffic:
         """Every step the replica's inner traffic (phase "inner"); a round's last step adds
         one exchange (phase "outer") of Δ_i and φ_i in fp32 (2 |θ|) with the round's peer
-        (`round_peers`, seeded as the run is): the ranks holding the same position in the
-        two paired replicas."""
+        (`pair_exchange`). With fragments: Streaming DiLoCo's schedule
+        (algorithms/outer_traffic.py), each sync that exchange of the fragment's (Δ, φ),
+        paired by the fragment's own round count."""
         config = cfg.strategy
+        if config.fragments > 1:  # overlap and codecs: refused (NoLoCoRule.check)
+            return streaming_traffic(config, cfg, facts, 4, exchange=cls.pair_exchange(cfg),
+                                     notes=["noloco: each fragment's (Δ, φ) exchanged with "
+                                            "its round's peer; a fragment's k-th sync "
+                                            "pairs as round k"])
         cls.require_plain_outer(config)
         p = cfg.parallel
         g, world, steps, H = p.group_size, p.world_size, cfg.run.steps, config.inner_steps
-        replicas, nbytes = world // g, 2 * facts.param_bytes
-        inner = replica_inner(cfg, facts, config.bucket_cap_mb)
+        inner, exchange = replica_inner(cfg, facts, config.bucket_cap_mb), cls.pair_exchange(cfg)
 
         def transfers(rank: int, step: int) -> list[Transfer]:
             out = inner(rank)
-            if replicas == 1 or not round_ends(step, H, steps):
+            if world == g or not round_ends(step, H, steps):
                 return out
-            peers = round_peers("random-matching", replicas, config.seed, step // H)[rank // g]
-            if not peers:
-                return out
-            peer = peers[0] * g + rank % g
-            return [*out, Transfer("outer", "exchange", (nbytes,), peers=(peer,),
-                                   peer_nbytes=(nbytes,))]
+            return [*out, *exchange(rank, 0, step // H, facts.param_bytes // 4, 0)]
 
         plain = local_update_traffic(cfg, H, inner, lambda rank: [], notes=outer_notes(cfg))
         return Traffic(steps, transfers, period=plain.period, phases=plain.phases,
                        notes=plain.notes)
+
+    @classmethod
+    def pair_exchange(cls, cfg) -> Exchange:
+        """A round's exchange of (Δ_i, φ_i) in fp32 (2 x 4 bytes per element) with the
+        peer of `rank`'s replica in that round's matching (`round_peers`, seeded as the
+        run is; each fragment's rule counts its own rounds): the rank holding the same
+        position in the paired replica; nothing when the replica sits out."""
+        config, p = cfg.strategy, cfg.parallel
+        g, replicas = p.group_size, p.world_size // p.group_size
+
+        def exchange(rank: int, fragment: int, round_: int, numel: int, overlap: int):
+            peers = round_peers("random-matching", replicas, config.seed, round_)[rank // g]
+            if not peers:
+                return []
+            nbytes = 8 * numel
+            return [Transfer("outer", "exchange", (nbytes,), peers=(peers[0] * g + rank % g,),
+                             peer_nbytes=(nbytes,))]
+        return exchange
 
     def in_sync(self) -> bool:
         return False  # each replica its own φ: the evaluated model is their mean

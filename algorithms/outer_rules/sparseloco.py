@@ -29,7 +29,8 @@ import torch
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.outer_rules import Sends
 from algorithms.outer_rules.sgd import SGDRule
-from algorithms.traffic import Transfer, cross_of
+from algorithms.outer_traffic import Exchange, streaming_traffic
+from algorithms.traffic import Traffic, Transfer, cross_of
 
 MAX_CHUNK = 2 ** 15
 """A chunk's offsets travel as int16."""
@@ -260,12 +261,37 @@ class SparseLoCo(DiLoCo):
         return terms
 
     @classmethod
+    def traffic(cls, cfg, facts) -> Traffic:
+        """DiLoCo's, its exchange `payload_gather`'s; with fragments or overlap, Streaming
+        DiLoCo's schedule (algorithms/outer_traffic.py) with that exchange per fragment:
+        each fragment's rule codes its own flat buffer (its chunks, its payload)."""
+        config = cfg.strategy
+        if (config.fragments, config.overlap_steps) == (1, 0):
+            return super().traffic(cfg, facts)
+        return streaming_traffic(config, cfg, facts, 4, exchange=cls.payload_gather(cfg),
+                                 notes=["sparseloco: each fragment's chunk-wise top-k "
+                                        "payload all-gathered across the replicas"])
+
+    @classmethod
+    def payload_gather(cls, cfg) -> Exchange:
+        """One all-gather of a fragment's coded payload (its `ChunkCodec` of `numel`
+        elements) across the ranks holding `rank`'s position in every replica (phase
+        "outer"), launched `overlap` steps early; bytes as coded (word 1: no planner's
+        dtype rescales them)."""
+        config, p = cfg.strategy, cfg.parallel
+
+        def gather(rank: int, fragment: int, round_: int, numel: int, overlap: int):
+            codec = ChunkCodec(numel, config.chunk_size, config.topk_per_chunk,
+                               config.value_format)
+            return [Transfer("outer", "all_gather", (codec.payload_bytes,),
+                             cross_of(rank, p.group_size, p.world_size),
+                             overlap_steps=overlap, word_bytes=1)]
+        return gather
+
+    @classmethod
     def outer_transfers(cls, cfg, facts, rank: int) -> list[Transfer]:
         """One all-gather of this rank's coded payload across the replicas (phase "outer")."""
-        config, p = cfg.strategy, cfg.parallel
+        p = cfg.parallel
         if p.world_size // p.group_size == 1:
             return []
-        codec = ChunkCodec(facts.param_bytes // 4, config.chunk_size, config.topk_per_chunk,
-                           config.value_format)
-        return [Transfer("outer", "all_gather", (codec.payload_bytes,),
-                         cross_of(rank, p.group_size, p.world_size))]
+        return cls.payload_gather(cfg)(rank, 0, 0, facts.param_bytes // 4, 0)
