@@ -452,6 +452,28 @@ class DiLoCo(DataParallelStrategy):
         return {**super().state_dict(), "outer": self.outer.state_dict(),
                 "round": self.round}
 
+    def state_scopes(self) -> dict[str, str]:
+        """Which ranks hold each `state_dict` key bit-identically (checkpoints write it once
+        per scope, bench/run/dcp_state.py). The inner model and optimizer differ between
+        replicas: a replica's ranks share them unsharded ("replica@R", R its first rank),
+        under FSDP each rank holds its own shards. The outer state (global θ, outer
+        momentum) is every replica's: the whole on every rank ("world"), under FSDP the
+        J-th shard on each replica's J-th rank ("shard@J"). Named for plain DiLoCo only (one
+        fragment, no overlap, no codec, outer sgd or adam); any other state, and any
+        subclass's, is each rank's own (always correct, only not deduplicated)."""
+        g, rank = self.setup.group_size, self.comm.rank  # replicas: ranks [r g, (r + 1) g)
+        scopes = {"round": "world"}
+        if self.sharded is None:
+            first = rank - rank % g
+            scopes.update(model=f"replica@{first}", optimizer=f"replica@{first}")
+        plain = (type(self) is DiLoCo and self.config.fragments == 1
+                 and self.config.overlap_steps == 0 and self.config.codec() is None
+                 and self.config.outer_optimizer in ("sgd", "adam"))
+        if plain:
+            scopes["outer"] = ("world" if self.sharded is None
+                               else f"shard@{rank % g}")
+        return scopes
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.outer.load_state_dict(state["outer"], self.comm, self.launch_group)

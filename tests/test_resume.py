@@ -15,12 +15,18 @@ off the logging grid; the long ones (44 steps, every family) run under `tox -e s
 import os
 
 import pytest
-import torch
 
 from tests import strategies
 from tests.distributed import run_distributed
 from tests.helpers import assert_same_params, params_of
 from tests.local_updates import make_trainer
+
+
+def saved_step(run) -> int:
+    """The step of the run's complete checkpoint (bench/run/dcp_state.py)."""
+    from bench.run import dcp_state
+
+    return int(dcp_state.latest(run)[1]["step"])
 
 
 def launch_timeout(case) -> int:
@@ -42,7 +48,7 @@ def straight_then_resumed(rank, world_size, config, overrides, run_dir):
     os.environ["COMMBENCH_RESUME"] = "1"
     try:
         resumed = make_trainer(world_size, config, overrides, run_dir)
-        step = torch.load(resumed.records.state_checkpoint(resumed.rank), weights_only=False)["step"]
+        step = saved_step(resumed.records)
         resumed.run()
     finally:
         del os.environ["COMMBENCH_RESUME"]
@@ -104,7 +110,7 @@ def straight_stopped_resumed(rank, world_size, config, overrides, base):
     os.environ["COMMBENCH_RESUME"] = "1"
     try:
         resumed = make_trainer(world_size, config, overrides, f"{base}/cut")
-        saved = torch.load(resumed.records.state_checkpoint(rank), weights_only=False)["step"]
+        saved = saved_step(resumed.records)
         resumed.run()
     finally:
         del os.environ["COMMBENCH_RESUME"]

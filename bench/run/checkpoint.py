@@ -1,17 +1,21 @@
-"""Checkpoints of a run: each rank's resumable state, and the final evaluation model.
+"""Checkpoints of a run: its resumable state, and the final evaluation model.
 
-    commbench run configs/ddp-tiny.yaml --set checkpoint.every=50   # state-rank{N}.pt
+    commbench run configs/ddp-tiny.yaml --set checkpoint.every=50   # checkpoints/state-step50/
     commbench run --resume RUN_DIR                                  # continue from it
 
-Every rank saves its own state (the strategy's `state_dict`, the loop state, the torch
-RNG and the CommLedger's aggregates) at the same step, atomically, first beside the previous one
-(state-rankN.pt.next), and replaces the previous one only when all ranks have saved; by
-default 4 times per run (`checkpoint.every: null` = every run.steps // 4 steps). Before a
-resume touches any record, the launcher checks with `verify_states` that every rank's
-file loads and holds the same step. On resume each rank restores its state, and rank 0
-drops the metrics rows logged after the checkpoint (the steps are trained again). A run
-that starts from step 0 (new, or resumed without a checkpoint) starts with no metrics
-rows and no stale state files, so no step is ever recorded twice.
+The state (every rank's strategy `state_dict`, loop state, torch RNG and CommLedger
+aggregates) is saved at one step through torch.distributed.checkpoint, in
+checkpoints/state-step{N}/ (bench/run/dcp_state.py: the format, what is written once, which
+layouts resume onto which); by default 4 times per run (`checkpoint.every: null` = every
+run.steps // 4 steps). A checkpoint is complete when rank 0 has written its complete.json,
+after every rank saved; only then are the older ones removed, and a directory without it is
+never resumed from. Before a resume touches any record, the launcher checks with
+`verify_states` that a complete checkpoint exists (per-rank state-rankN.pt files, the
+format before DCP, are still read: every rank's must load and hold the same step). On
+resume each rank restores its state, and rank 0 drops the metrics rows logged after the
+checkpoint (the steps are trained again). A run that starts from step 0 (new, or resumed
+without a checkpoint) starts with no metrics rows and no stale checkpoints, so no step is
+ever recorded twice.
 checkpoints/final.pt holds the eval model's weights, its GPT config and tokenizer name:
 what `commbench eval` and `export` load. Rank 0 receives the ranks' parts one at a time
 (never every part on every rank: an all-gather of the whole model runs out of memory on
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from algorithms.base import Strategy
 from algorithms.ledger import CommLedger
+from bench.run import dcp_state
 from bench.run.records import RunDir
 
 if TYPE_CHECKING:
@@ -57,7 +62,22 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
     may hold two files, its saved state and one being saved (a stop in the middle of a
     save): the latest step that every rank holds wins; the files of a first save that not
     every rank finished (a full disk) count as none. A missing, unreadable or truncated
-    file, or ranks with no step in common, raise ValueError naming the file."""
+    file, or ranks with no step in common, raise ValueError naming the file.
+
+    A DCP checkpoint (bench/run/dcp_state.py) wins over per-rank files (an older format):
+    its latest complete directory's step; one of another world size only when its state is
+    replicated on every rank (else ValueError naming both)."""
+    found = dcp_state.latest(run)
+    if found is not None:
+        path, info = found
+        saved = int(info.get("world_size", 0))
+        if saved != world_size and not info.get("replicated"):
+            raise ValueError(
+                f"--resume {run.path}: checkpoint {path} was written by "
+                f"{dcp_state.describe(info.get('layout', {}))}, not {world_size} ranks; only a "
+                "state replicated on every rank (DDP, backend torch, unsharded) resumes onto "
+                "another world size")
+        return int(info["step"])
     per_rank: list[dict[int, Path]] = []
     problems, seen = [], False
     for rank in range(world_size):
@@ -104,7 +124,12 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
 
 def adopt_states(run: RunDir, world_size: int, step: int) -> None:
     """Make every rank's state-rankN.pt the one at `step` (after `verify_states`): a
-    save that every rank finished is kept, one that some did not is dropped."""
+    save that every rank finished is kept, one that some did not is dropped. A DCP
+    checkpoint: the complete one at `step` is kept, every other state-stepN removed."""
+    found = dcp_state.latest(run)
+    if found is not None and int(found[1]["step"]) == step:
+        dcp_state.remove_except(run, found[0])
+        return
     for rank in range(world_size):
         pending = run.pending_state_checkpoint(rank)
         try:  # another node's launcher may adopt the same files at the same time
@@ -132,9 +157,51 @@ def state_identity(run: RunDir, rank: int, world_size: int) -> dict[str, Any]:
 _RUN_KEYS: dict[tuple, tuple[str, str]] = {}
 
 
-def run_key(run: RunDir) -> tuple[str, str]:
+LAYOUT_KEYS = ("parallel.world_size", "parallel.group_size", "data.batch_size")
+"""The identity keys a resume onto another layout may change (`layout_change_problem`)."""
+
+
+def layout_change_problem(old: Config, new: Config) -> str | None:
+    """Why a run recorded with config `old` cannot resume with `new`'s LAYOUT_KEYS (world
+    size, replica groups, per-rank batch), or None when it can: only DDP with backend
+    torch, unsharded, one stage (its whole state is replicated on every rank: written once,
+    read by any world size, bench/run/dcp_state.py), keeping the global batch (the data
+    position is the step; a step's samples are the global batch's, whatever its split).
+    For the launcher's `check_resume`, before anything starts; the ranks check the
+    checkpoint's own layout again when they load it."""
+    def value(cfg, dotted):
+        section, key = dotted.split(".")
+        return getattr(getattr(cfg, section), key)
+
+    changed = [k for k in LAYOUT_KEYS if value(old, k) != value(new, k)]
+    if not changed:
+        return None
+
+    def words(cfg) -> str:
+        p = cfg.parallel
+        return (f"{cfg.strategy.name} on {p.world_size} ranks (parallel.group_size "
+                f"{p.group_size}, data.batch_size {cfg.data.batch_size}: global batch "
+                f"{cfg.data.batch_size * p.world_size})")
+
+    head = (f"{', '.join(changed)} differ: the checkpoint was written by {words(old)}, this "
+            f"resume asks {words(new)}; ")
+    p = old.parallel
+    if not (old.strategy.name == "ddp" and getattr(old.strategy, "backend", "torch") == "torch"
+            and p.shard == "none" and p.num_stages == 1):
+        return head + ("only DDP with strategy.backend torch, parallel.shard none and one "
+                       "stage resumes onto another layout (its state is replicated on every "
+                       "rank); this strategy's state is per replica, shard or rank")
+    before = old.data.batch_size * p.world_size
+    if new.data.batch_size * new.parallel.world_size != before:
+        return head + (f"the global batch must stay {before} (the data position is the step): "
+                       f"set data.batch_size to {before} / parallel.world_size")
+    return None
+
+
+def run_key(run: RunDir, without_layout: bool = False) -> tuple[str, str]:
     """(12 hex digits of the recorded config's identity minus run.steps, the layout in
-    words) of the run at `run`; ("", "") without a readable config.yaml."""
+    words) of the run at `run`; ("", "") without a readable config.yaml. `without_layout`:
+    minus LAYOUT_KEYS too (a DCP checkpoint's key; its layout is checked on its own)."""
     import hashlib
     import json
 
@@ -144,11 +211,14 @@ def run_key(run: RunDir) -> tuple[str, str]:
         stat = run.config.stat()
     except OSError:
         return "", ""
-    cache = (str(run.config), stat.st_mtime_ns, stat.st_size)
+    cache = (str(run.config), stat.st_mtime_ns, stat.st_size, without_layout)
     if cache not in _RUN_KEYS:
         cfg = from_dict(load_raw(run.config))
         identity = identity_dict(cfg)
         identity.get("run", {}).pop("steps", None)
+        for dotted in LAYOUT_KEYS if without_layout else ():
+            section, key = dotted.split(".")
+            identity.get(section, {}).pop(key, None)
         blob = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
         p = cfg.parallel
         layout = (f"{cfg.strategy.name}, world {p.world_size}, groups of {p.group_size}, "
@@ -212,19 +282,19 @@ def resume_requested() -> bool:
 
 def save_state(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
                loop_state: dict[str, Any], group=None) -> None:
-    """Save this rank's state after `step` steps; returns when every rank has saved
-    (waiting on `group`, the `barrier_group`; None: the default group)."""
+    """Save the run's state after `step` steps as a DCP checkpoint (bench/run/dcp_state.py:
+    a value replicated on several ranks is written once); returns when it is complete on
+    disk (waiting on `group`, the `barrier_group`; None: the default group)."""
     try:
         state = strategy.state_dict()
     except NotImplementedError:
         raise NotImplementedError(f"strategy {type(strategy).__name__} cannot save its state "
                                   "(state_dict); set checkpoint.every=0") from None
-    payload = {"step": step, "strategy": state, "loop": loop_state,
-               "ledger": ledger.state_dict(), **rng_states(strategy.comm.device),
-               "identity": state_identity(run, rank, dist.get_world_size())}
-    run.save_torch(payload, run.pending_state_checkpoint(rank))
-    dist.barrier(group=group)  # every rank's new state is on disk: it may replace the old
-    os.replace(run.pending_state_checkpoint(rank), run.state_checkpoint(rank))
+    own = {"loop": loop_state, "ledger": ledger.state_dict(),
+           **rng_states(strategy.comm.device)}
+    key, words = run_key(run, without_layout=True)
+    dcp_state.save(run, rank, step, strategy, state, own,
+                   {"run": key, "layout_words": words}, group)
 
 
 def save_periodic(run: RunDir, rank: int, step: int, strategy: Strategy, ledger: CommLedger,
@@ -263,9 +333,37 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
     """Restore this rank's saved state when resuming; the saved loop state, or None.
 
     A collective (on `group`, the `barrier_group`: loading a large state takes time).
-    Without a checkpoint to resume from (a new run, or `--resume` of a run that saved
-    none), rank 0 removes earlier metrics rows and state files first: the run starts at
-    step 0 with a clean record."""
+    The latest complete DCP checkpoint (bench/run/dcp_state.py), else per-rank
+    state-rankN.pt files (an older format). Without a checkpoint to resume from (a new
+    run, or `--resume` of a run that saved none), rank 0 removes earlier metrics rows and
+    checkpoints first: the run starts at step 0 with a clean record."""
+    found = dcp_state.latest(run) if resume_requested() else None
+    if not all_agree(found is not None, group):
+        raise RuntimeError("resume: some ranks see a complete checkpoint under "
+                           f"{run.checkpoints} and some do not (rank {rank}: "
+                           f"{'found' if found else 'none'}): is the run directory shared?")
+    if found is not None:
+        path, info = found
+        key, words = run_key(run, without_layout=True)
+        if key and info.get("run") and info["run"] != key:
+            raise RuntimeError(f"resume: checkpoint {path} belongs to another run (run key "
+                               f"{info['run']}: {info.get('layout_words')}), not this run's "
+                               f"({key}: {words})")
+        own = dcp_state.load(path, info, rank, strategy, group)
+        set_rng_states(own, strategy.comm.device)
+        if "ledger" in own:
+            ledger.load_state_dict(own["ledger"])
+        step = int(info["step"])
+        if rank == 0:  # drop rows logged after the checkpoint; they will be redone
+            run.write_metrics([r for r in run.read_metrics() if r["step"] <= step])
+        dist.barrier(group=group)
+        return own["loop"]
+    return _load_rank_files(run, rank, strategy, ledger, group)
+
+
+def _load_rank_files(run: RunDir, rank: int, strategy: Strategy,
+                     ledger: CommLedger, group=None) -> dict[str, Any] | None:
+    """`load_state` from per-rank state-rankN.pt files (the format before DCP)."""
     path = run.state_checkpoint(rank)
     found = resume_requested() and path.exists()
     if not all_agree(found, group):
@@ -276,6 +374,7 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
             run.write_metrics([])
             for stale in run.state_files():
                 stale.unlink()
+            dcp_state.remove_except(run, None)
         dist.barrier(group=group)
         return None
     try:
