@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from algorithms.shard import local
+from bench.run import dcp_state
 from tests import strategies
 from tests.distributed import run_distributed
 from tests.helpers import assert_bad_config, assert_same_params, max_change
@@ -120,8 +121,7 @@ def _straight_then_resumed(rank, world_size, root):
         os.environ["COMMBENCH_RESUME"] = "1"
         try:
             resumed = make_trainer(world_size, config, overrides, run_dir)
-            step = torch.load(resumed.records.state_checkpoint(rank),
-                              weights_only=False)["step"]
+            step = dcp_state.latest(resumed.records)[1]["step"]
             resumed.run()
         finally:
             del os.environ["COMMBENCH_RESUME"]
