@@ -136,3 +136,21 @@ def test_noloco_streaming_by_hand():
         r = priced(s, "noloco", network)
         assert r.total_s == pytest.approx(4 * (H * C + P * t), rel=1e-12)
         assert r.utilisation == pytest.approx(H * C / (H * C + P * t), rel=1e-12)
+
+
+def test_pier_streaming_by_hand():
+    """16 steps, lazy start round(0.25 x 16) = 4: those steps are DDP over both ranks, one
+    bucket of both blocks (8 x BLOCK bytes) exposed in full each, their syncs sending
+    nothing; then one fragment's all-reduce (4 x BLOCK bytes) every H/P steps, priced as
+    3 rounds of H (the phase's 12 steps; the last step's final syncs are not in the
+    priced period, as for DiLoCo)."""
+    s = scenario({"pier": {"strategy": {"name": "pier", "inner_steps": H, "fragments": P,
+                                        "warmup_fraction": 0.25, "schedule": "constant"}}},
+                 "tokens=8192", blocks=2)
+    for network, bandwidth in ((net(), B), (slow(1000), B / 1000)):
+        ddp, fragment = 2 * A + 8 * BLOCK / bandwidth, 2 * A + 4 * BLOCK / bandwidth
+        total = 4 * (C + ddp) + 3 * (H * C + P * fragment)
+        r = priced(s, "pier", network)
+        assert r.steps == 16
+        assert r.total_s == pytest.approx(total, rel=1e-12)
+        assert r.utilisation == pytest.approx(16 * C / total, rel=1e-12)
