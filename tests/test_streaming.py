@@ -280,17 +280,3 @@ def test_peak_leaves_out_the_closing_step_unless_it_is_the_only_sync():
 ])
 def test_bad_streaming_config_fails_before_launch(override, message):
     assert_bad_config(STREAMING_TINY, override, message)
-
-
-def test_whatif_refuses_streaming_options_rather_than_pricing_them_as_diloco():
-    """Pier's traffic description is DiLoCo's whole-model fp32 round after its lazy start:
-    a streaming or compressed Pier is refused (pricing it as that round would over-state
-    its bytes). DiLoCo's own are described: tests/test_whatif_streaming.py."""
-    from algorithms.pier import Pier, PierConfig
-
-    for strategy, config in ((Pier, PierConfig),):
-        for key, value in (("fragments", 2), ("overlap_steps", 1),
-                           ("outer_compression", "int8")):
-            cfg = SimpleNamespace(strategy=config(inner_steps=4, **{key: value}))
-            with pytest.raises(ValueError, match=f"strategy.{key}=.* has no traffic desc"):
-                strategy.traffic(cfg, None)
