@@ -254,8 +254,8 @@ def test_bad_claim_files_name_the_key(tmp_path, changes, message):
 
 def test_shipped_claim_files_load():
     claims = find_claims(REPO / "configs" / "claims")
-    assert len(claims) == 10
-    assert [c.path.name.split("-")[0] for c in claims] == [str(i) for i in range(1, 11)]
+    assert len(claims) == 12
+    assert [c.path.name.split("-")[0] for c in claims] == [str(i) for i in range(1, 13)]
     assert all(c.rules and "tiny" in c.scales for c in claims)
 
 
