@@ -235,6 +235,13 @@ class Strategy:
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError
 
+    def state_scopes(self) -> dict[str, str]:
+        """`state_dict` key -> the ranks holding it bit-identically: "world", "replica@R"
+        (R the replica's first rank), "shard@J" (every replica's J-th rank); a checkpoint
+        writes such a value once (bench/run/dcp_state.py). Default: none named, every key
+        is its rank's own (always correct, written once per rank)."""
+        return {}
+
     def close(self) -> None:
         """Release process groups or engines; called once at the end of the run."""
 

@@ -100,6 +100,44 @@ def state_file(step: int, truncate: int | None = None) -> bytes:
     return buffer.getvalue()[:truncate]
 
 
+def dcp_checkpoint(step: int = 2, world: int = 2, run: str | None = None,
+                   identities: dict[int, int] | None = None,
+                   skeleton_step: int | None = None) -> dict[str, bytes]:
+    """Files of a DCP checkpoint r/checkpoints/state-step{step}/ (bench/run/dcp_state.py) as
+    a finished save leaves it: each rank's skeleton (saved rank `identities[r]`'s, else
+    r's: a file swapped between ranks; of `skeleton_step`: copied from another checkpoint)
+    and its own state, all in one __0_0.distcp (written here in one process), and
+    complete.json (`run`: its run key)."""
+    import tempfile
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from bench.run import dcp_state
+
+    leaves: dict = {}
+    for rank in range(world):
+        tree = {"strategy": [], "own": dcp_state.flatten(
+            {"loop": {"step": step}, "rng": torch.get_rng_state()}, f"rank{rank}/own", leaves),
+            "identity": {"rank": (identities or {}).get(rank, rank), "run": run,
+                         "step": step if skeleton_step is None else skeleton_step}}
+        leaves[f"rank{rank}/skeleton"] = torch.frombuffer(bytearray(json.dumps(tree).encode()),
+                                                          dtype=torch.uint8)
+    where = f"r/checkpoints/state-step{step}"
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(leaves, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1), no_dist=True)
+        files = {f"{where}/{p.name}": p.read_bytes() for p in Path(tmp).iterdir()}
+    info = {"step": step, "world_size": world, "replicated": False, "run": run}
+    files[f"{where}/complete.json"] = json.dumps(info).encode()
+    return files
+
+
+def cut(files: dict[str, bytes], name: str, keep: int) -> dict[str, bytes]:
+    """`files` with the one whose name ends with `name` cut to `keep` bytes (torn)."""
+    return {k: v[:keep] if k.endswith(name) else v for k, v in files.items()}
+
+
 RESUME = ["run", "--resume", "{tmp}/r", "--quiet"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 LRS = [i / 1e5 for i in range(1, 101)]
@@ -252,9 +290,12 @@ CASES = [
          ["--resume", "{tmp}/r", "optim.lr 0.003 -> 0.01", "Only run.steps may grow"],
          files=recorded_run()),
     Case("resume-world-size", RESUME + ["--set", "parallel.world_size=4"],
-         ["parallel.world_size 2 -> 4", "Only run.steps"], files=recorded_run()),
+         ["parallel.world_size differ", "ddp on 2 ranks", "ddp on 4 ranks",
+          "global batch must stay 16", "data.batch_size to 16 / parallel.world_size"],
+         files=recorded_run()),
     Case("resume-other-config-file", ["run", DDP_TINY, "--resume", "{tmp}/r", "--quiet"],
-         ["--resume", "{tmp}/r", "parallel.world_size 2 -> 4", "run.val_sequences 8 -> 64"],
+         ["--resume", "{tmp}/r", "parallel.world_size differ", "global batch must stay 16",
+          "These keys differ too", "run.val_sequences 8 -> 64"],
          files=recorded_run()),
     Case("resume-fewer-steps", RESUME + ["--set", "run.steps=2"],
          ["--resume", "run.steps can only grow", "recorded 4, got 2"], files=recorded_run()),
@@ -273,6 +314,31 @@ CASES = [
     Case("resume-checkpoint-missing", RESUME,
          ["{tmp}/r/checkpoints/state-rank1.pt", "is missing", "parallel.world_size 2"],
          files=recorded_run(checkpoints={0: state_file(2)})),
+    # ---- the same attacks on DCP checkpoints (checkpoints/state-stepN/, issue 46)
+    Case("resume-dcp-other-run", RESUME,
+         ["{tmp}/r/checkpoints/state-step2 belongs to another run", "run key 0123456789ab"],
+         files={**recorded_run(), **dcp_checkpoint(run="0123456789ab")}),
+    Case("resume-dcp-swapped-rank", RESUME,
+         ["{tmp}/r/checkpoints/state-step2/__0_0.distcp holds rank 0's state",
+          "not rank 1's", "swapped between ranks"],
+         files={**recorded_run(), **dcp_checkpoint(identities={1: 0})}),
+    Case("resume-dcp-other-step", RESUME,
+         ["state-step4/__0_0.distcp holds rank 0's state of step 2", "not rank 0's of step 4"],
+         files={**recorded_run(), **dcp_checkpoint(step=4, skeleton_step=2)}),
+    Case("resume-dcp-torn-data", RESUME,
+         ["{tmp}/r/checkpoints/state-step2/__0_0.distcp is truncated"],
+         files={**recorded_run(), **cut(dcp_checkpoint(), "__0_0.distcp", 300)}),
+    Case("resume-dcp-torn-metadata", RESUME,
+         ["{tmp}/r/checkpoints/state-step2/.metadata is corrupt or truncated"],
+         files={**recorded_run(), **cut(dcp_checkpoint(), ".metadata", 100)}),
+    Case("resume-dcp-corrupt-complete", RESUME,
+         ["{tmp}/r/checkpoints/state-step2/complete.json is corrupt", "delete that"],
+         files={**recorded_run(), **dcp_checkpoint(),
+                "r/checkpoints/state-step2/complete.json": b'{"step": "two"}'}),
+    Case("resume-dcp-no-metadata", RESUME,
+         ["{tmp}/r/checkpoints/state-step2 has a complete.json but no .metadata"],
+         files={**recorded_run(), **{k: v for k, v in dcp_checkpoint().items()
+                                     if not k.endswith(".metadata")}}),
     Case("resume-other-data", RESUME,
          ["--resume {tmp}/r: its data differ from the run's", "text sha256 0123456789ab",
           "data.corpus 'embedded' now holds", "the same tokens"],

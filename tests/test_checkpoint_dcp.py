@@ -9,6 +9,7 @@ Real gloo groups through the real loop (bench.run.train.Trainer), tiny configs, 
 import contextlib
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -153,15 +154,25 @@ def test_ddp_written_on_4_ranks_resumes_on_2_with_the_same_global_batch(tmp_path
     # every rank writing its own would be 12 (DCP adds ~1.5 kB per item)
     assert 3 * one_copy <= written < 5 * one_copy, (written, one_copy)
     # an unfinished later save (a crash mid-write): ignored, and removed by the resume
-    partial = dcp_state.directory(run, 5)
+    partial = run.state_dir(5)
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"partial")
-    no_marker = dcp_state.directory(run, 4)
+    no_marker = run.state_dir(4)
     no_marker.mkdir()
     (no_marker / ".metadata").write_bytes(b"x")
     assert checkpoint.verify_states(run, 2) == 3
+    # two ranks' files swapped (in a copy): refused naming a file, whatever lies at the
+    # offsets the metadata name (another rank's skeleton, or no tensor at all)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(path, swapped)
+    (swapped / "__0_0.distcp").rename(swapped / "was0")
+    (swapped / "__1_0.distcp").rename(swapped / "__0_0.distcp")
+    (swapped / "was0").rename(swapped / "__1_0.distcp")
+    with pytest.raises(ValueError, match=r"swapped/__[01]_0.distcp (is corrupt|is trunc|holds "
+                                         r"rank [01]'s state of step 3)"):
+        dcp_state.check(swapped, info, 2)
     checkpoint.adopt_states(run, 2, 3)
-    assert [p for _, p in dcp_state.directories(run)] == [path]
+    assert [p for _, p in run.state_dirs()] == [path]
 
     results = run_distributed(_ddp_on_two, 2, str(root), timeout=240)
     saved_model = {k.removeprefix("world/strategy.model."): v for k, v in model.items()}
@@ -215,18 +226,20 @@ def test_the_ranks_layout_rule_names_both_layouts():
 
 
 def test_a_world_size_change_of_a_per_rank_state_is_refused_before_launch(tmp_path):
-    """verify_states (the launcher's check) reads complete.json only."""
+    """verify_states (the launcher's check) refuses from complete.json alone, before it
+    reads the DCP files (here not even a valid .metadata)."""
     run = RunDir(tmp_path)
-    path = dcp_state.directory(run, 6)
+    path = run.state_dir(6)
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"x")
     layout = {"strategy": "DiLoCo", "world_size": 4, "group_size": 2, "num_stages": 1,
               "shard": "fsdp", "global_batch": 32}
     (path / "complete.json").write_text(json.dumps(
         {"step": 6, "world_size": 4, "layout": layout, "replicated": False}))
-    assert checkpoint.verify_states(run, 4) == 6
     with pytest.raises(ValueError, match="DiLoCo on 4 ranks .* not 2 ranks"):
         checkpoint.verify_states(run, 2)
+    with pytest.raises(ValueError, match=r"state-step6/.metadata is corrupt or truncated"):
+        checkpoint.verify_states(run, 4)
 
 
 def test_a_state_tree_survives_flattening():

@@ -147,6 +147,36 @@ def test_a_stop_during_a_checkpoint_save_leaves_a_resumable_step(tmp_path, rank1
     assert run.state_files() == [run.state_checkpoint(0), run.state_checkpoint(1)]
 
 
+def _write(root: Path, files: dict[str, bytes]) -> None:
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(content)
+
+
+@pytest.mark.parametrize("torn", ["no-complete", "removed-halfway", "only-torn"])
+def test_a_stop_during_a_dcp_save_leaves_the_last_complete_step(tmp_path, torn):
+    """DCP checkpoints (checkpoints/state-stepN/): a save cut short has no complete.json
+    (rank 0 writes it after every rank saved), so the resume takes the last complete one
+    and removes the torn one; a checkpoint removed halfway loses its complete.json first
+    and reads the same. With no complete checkpoint left the run restarts at step 0."""
+    from tests.test_bad_input import dcp_checkpoint
+
+    run = RunDir(tmp_path / "r")
+    if torn != "only-torn":
+        _write(tmp_path, dcp_checkpoint(step=2))
+    later = dcp_checkpoint(step=4)
+    if torn == "no-complete":  # every rank's files, no marker: a stop before rank 0 wrote it
+        later = {k: v for k, v in later.items() if not k.endswith("complete.json")}
+    else:  # a marker-less remainder: .metadata gone too (a crash mid-save or mid-removal)
+        later = {k: v[:100] for k, v in later.items() if k.endswith(".distcp")}
+    _write(tmp_path, later)
+    step = checkpoint.verify_states(run, 2)
+    assert step == (None if torn == "only-torn" else 2)
+    if step:
+        checkpoint.adopt_states(run, 2, step)
+        assert [s for s, _ in run.state_dirs()] == [2]
+
+
 # --------------------------------------------------------------------------- straggler
 
 
@@ -206,7 +236,7 @@ def train_stateless(rank, world_size, run_dir, every):
         "network.profiles=[nvlink]"])
     cfg.strategy = SleepConfig()
     summary = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo").run()
-    return summary["status"], RunDir(run_dir).state_files()
+    return summary["status"], [*RunDir(run_dir).state_files(), *RunDir(run_dir).state_dirs()]
 
 
 @pytest.mark.timeout(150)

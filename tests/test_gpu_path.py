@@ -836,11 +836,22 @@ def test_netprobe_nccl_refused_without_a_gpu_per_rank(capsys):
 
 
 class ExportOnly:
-    """A strategy stand-in for the checkpoint functions: its state, its export, its device."""
+    """A strategy stand-in for the checkpoint functions: its state, its export, its device,
+    and what a checkpoint records of its layout (bench/run/dcp_state.py `layout_of`)."""
 
     def __init__(self, rank, world, device="cpu"):
+        from types import SimpleNamespace
+
         self.comm = Communicator(rank, world, device)
         self.rank = rank
+        self.setup = SimpleNamespace(group_size=1, num_stages=1, shard="none",
+                                     rank_batch_size=4)
+
+    def data_shard(self):
+        return self.rank, self.comm.world_size
+
+    def state_scopes(self):
+        return {}
 
     def export_state(self):
         # rank r holds "w{r}"; every rank also offers "shared" (rank 0's wins)
@@ -881,7 +892,7 @@ def test_final_export_gathers_on_rank_0_only(tmp_path):
     assert saved["model"]["shared"].item() == 0.0 and saved["model"]["w2"].tolist() == [2, 2]
 
 
-def _slow_checkpoint_write(rank, world, run_dir):
+def _slow_checkpoint_write(rank, world, run_dir, on_training_group):
     import os
     import time
     from datetime import timedelta
@@ -889,7 +900,7 @@ def _slow_checkpoint_write(rank, world, run_dir):
     import torch.distributed as dist
 
     from algorithms.comm import CommLedger
-    from bench.run import checkpoint
+    from bench.run import checkpoint, dcp_state
     from bench.run.records import RunDir
 
     # the training group times out after 2 s, as parallel.timeout_s would
@@ -899,23 +910,40 @@ def _slow_checkpoint_write(rank, world, run_dir):
                             world_size=world, timeout=timedelta(seconds=2))
     run = RunDir(run_dir)
     run.prepare()
-    save = run.save_torch
-    if rank == 1:  # a slow filesystem: this rank's write takes longer than the timeout
-        def slow(payload, path):
-            time.sleep(5)
-            save(payload, path)
-        run.save_torch = slow
-    group = checkpoint.barrier_group(60)  # checkpoint.timeout_s
-    checkpoint.save_state(run, rank, 4, ExportOnly(rank, world), CommLedger(), {}, group)
-    return run.state_checkpoint(rank).exists()
+    if rank == 1:  # a slow filesystem: this rank's DCP write takes longer than the timeout
+        class SlowWriter(dcp_state.FileSystemWriter):
+            def write_data(self, plan, planner):
+                time.sleep(5)
+                return super().write_data(plan, planner)
+        dcp_state.FileSystemWriter = SlowWriter
+    # checkpoint.timeout_s's group, or (the failure this guards against) the training group
+    group = None if on_training_group else checkpoint.barrier_group(60)
+    started = time.monotonic()
+    try:
+        checkpoint.save_state(run, rank, 4, ExportOnly(rank, world), CommLedger(), {}, group)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"[:2000], time.monotonic() - started
+    found = dcp_state.latest(run)
+    return found is not None and found[1]["step"] == 4, time.monotonic() - started
 
 
-@pytest.mark.slow  # a launch of ~10-50 s; tox -e slow
-@pytest.mark.timeout(60)
+@pytest.mark.slow  # two launches of ~20-40 s each; tox -e slow
+@pytest.mark.timeout(240)
 def test_checkpoint_waits_have_their_own_timeout(tmp_path):
     """A multi-GB state written slower than parallel.timeout_s timed the other ranks out
-    in the barrier after the save; they wait on a group with checkpoint.timeout_s."""
-    assert run_distributed(_slow_checkpoint_write, 2, str(tmp_path), timeout=50) == [True] * 2
+    in the collectives of the save (DCP's gathers, the completion barrier); they wait on
+    a group with checkpoint.timeout_s. Rank 1's DCP write is slowed by 5 s against a 2 s
+    training-group timeout: the save completes on both ranks, and the same save on the
+    training group times rank 0 out (so the slowdown lands where the waits are)."""
+    results = run_distributed(_slow_checkpoint_write, 2, str(tmp_path / "own"), False,
+                              timeout=110)
+    assert [ok for ok, _ in results] == [True, True]
+    assert all(seconds >= 5 for _, seconds in results)  # rank 0 waited for rank 1's write
+    results = run_distributed(_slow_checkpoint_write, 2, str(tmp_path / "short"), True,
+                              timeout=110)
+    error, seconds = results[0]
+    assert isinstance(error, str) and "timed out" in error.lower(), error
+    assert seconds < 5  # timed out by the 2 s group, before rank 1's write ended
 
 
 def _cuda_rng_round_trip(rank, world, run_dir):
@@ -1207,6 +1235,7 @@ def _ledger_runs(rank, world, run_dir):
     import json
 
     from bench.config import load_config
+    from bench.run import dcp_state
     from bench.run.records import RunDir
     from bench.run.train import Trainer
 
@@ -1224,7 +1253,7 @@ def _ledger_runs(rank, world, run_dir):
             trainer.strategy.close()
             keys = ("comm_bytes_total", "comm_wire_bytes_total", "projected",
                     "activation_bytes_per_boundary")
-            saved = torch.load(RunDir(path).state_checkpoint(rank), weights_only=False)
+            saved = dcp_state.read(dcp_state.latest(RunDir(path))[0], rank)["own"]
             comm_rows = [json.loads(line) for line in RunDir(path).comm.read_text().splitlines()]
             out[name, keep] = ({k: summary.get(k) for k in keys},
                                [{k: v for k, v in row.items() if k != "seconds"}

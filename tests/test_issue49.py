@@ -355,3 +355,39 @@ def test_deepspeed_backend_without_deepspeed_is_refused_before_launch(monkeypatc
             preflight(cfg)
         assert "strategy.backend" in str(err.value) and "not installed" in str(err.value)
     preflight(load_config(REPO / "configs/ddp-tiny.yaml", []))  # torch's DDP: no DeepSpeed
+
+
+# ------------------------------------------- the same identity in DCP checkpoints (issue 46)
+
+
+def _dcp_files(tmp_path: Path, **kwargs) -> dict:
+    """recorded_run's files with a DCP checkpoint at step 2 keyed to this run's config."""
+    from bench.run.checkpoint import run_key
+    from bench.run.records import RunDir
+
+    (tmp_path / "r").mkdir(exist_ok=True)
+    (tmp_path / "r" / "config.yaml").write_text(matrix._fill(matrix.RECORDED, tmp_path))
+    key, _ = run_key(RunDir(tmp_path / "r"), without_layout=True)
+    assert key
+    return {**recorded_run(), **matrix.dcp_checkpoint(run=key, **kwargs)}
+
+
+def test_a_dcp_checkpoint_of_this_run_is_accepted(tmp_path):
+    from bench.run.checkpoint import verify_states
+    from bench.run.records import RunDir
+
+    for name, content in _dcp_files(tmp_path).items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content) if isinstance(content, bytes) else \
+            path.write_text(matrix._fill(content, tmp_path))
+    assert verify_states(RunDir(tmp_path / "r"), 2) == 2
+
+
+def test_a_dcp_checkpoint_whose_rank_1_skeleton_is_rank_0s_is_refused(tmp_path, capsys):
+    """This run's checkpoint (its run key), but rank 1's part is rank 0's (a file copied
+    between ranks): refused before launch, naming the file, nothing changed."""
+    case = Case("dcp-swapped", matrix.RESUME,
+                ["{tmp}/r/checkpoints/state-step2/__0_0.distcp holds rank 0's state",
+                 "not rank 1's"], files=_dcp_files(tmp_path, identities={1: 0}))
+    matrix.test_bad_input_fails_cleanly_and_changes_nothing(case, tmp_path, capsys)

@@ -209,3 +209,73 @@ def test_only_the_command_line_imports_eval():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             offenders += [f"{path}: {n}" for n in names if n == "eval" or n.startswith("eval.")]
     assert offenders == []
+
+
+# ------------------------------------------------- resuming onto another layout (issue 46)
+
+
+def _recorded(tmp_path: Path, config: str, *sets: str, status: str = "failed") -> RunDir:
+    """A run directory holding `config` (with `sets`) as recorded, killed or failed."""
+    from bench.config import load_config, to_yaml
+    from tests.fakes import write_fake_run
+
+    cfg = load_config(config, list(sets))
+    return write_fake_run(tmp_path / "run", to_yaml(cfg), summary={"status": status})
+
+
+def test_resume_checks_the_layout_rule_before_anything_starts(tmp_path):
+    """check_resume (the launcher) lets torch DDP change world size with the global batch
+    kept, and refuses every other layout change naming both layouts (no processes)."""
+    from bench.config import load_config
+    from bench.launch.run import check_resume
+
+    run = _recorded(tmp_path, "configs/ddp-tiny.yaml")
+    header = check_resume(load_config("configs/ddp-tiny.yaml", [
+        "parallel.world_size=2", "data.batch_size=16"]), run)
+    assert header["resumed_from_step"] == 0  # no checkpoint here: restarts at step 0
+    with pytest.raises(ValueError, match="global batch must stay 32"):
+        check_resume(load_config("configs/ddp-tiny.yaml", ["parallel.world_size=2"]), run)
+    with pytest.raises(ValueError, match=r"these keys differ .*model.n_layer"):
+        check_resume(load_config("configs/ddp-tiny.yaml", [
+            "parallel.world_size=2", "data.batch_size=16", "model.n_layer=1"]), run)
+    diloco = _recorded(tmp_path / "d", "configs/diloco-tiny.yaml")
+    with pytest.raises(ValueError, match="diloco on 4 ranks .* diloco on 2 ranks"):
+        check_resume(load_config("configs/diloco-tiny.yaml", [
+            "parallel.world_size=2", "data.batch_size=16"]), diloco)
+
+
+@pytest.mark.slow  # three launches, ~60 s; the rule itself is tested above without any
+@pytest.mark.timeout(400)
+def test_a_ddp_run_resumes_on_half_the_ranks_through_the_command_line(tmp_path):
+    """`commbench run --resume DIR --set parallel.world_size=2 --set data.batch_size=16`
+    continues a 4-rank DDP run (data.batch_size 8: the same global batch) from its
+    checkpoint and finishes ok; DiLoCo on 4 -> 2 ranks is refused naming both layouts."""
+    tiny = ["--set", "run.steps=6", "--set", "checkpoint.every=4", "--set", "run.log_every=2",
+            "--set", "run.val_every=0", "--set", "run.val_sequences=8",
+            "--set", "model.seq_len=32", "--set", "checkpoint.final=false"]
+    first = commbench("run", "configs/ddp-tiny.yaml", *tiny, "--set",
+                      f"run.output_dir={tmp_path / 'ddp'}")
+    assert first.returncode == 0, first.stderr
+    run = only_run_dir(tmp_path / "ddp")
+    assert [p.name for _, p in run.state_dirs()] == ["state-step4"]
+    assert run.read_summary()["projected_robust"]  # the 4-rank run's: one per profile
+    resumed = commbench("run", "--resume", str(run.path), "--set", "run.steps=8", "--set",
+                        "parallel.world_size=2", "--set", "data.batch_size=16")
+    assert resumed.returncode == 0, resumed.stderr
+    summary = run.read_summary()
+    assert summary["status"] == "ok" and summary["resumed_from_step"] == 4
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    assert [r["step"] for r in run.read_metrics() if "loss" in r] == [2, 4, 6, 8]
+    assert not summary.get("projected_robust")  # left out: its stretches were the 4 ranks'
+    assert "world_size: 2" in run.config.read_text()
+
+    diloco = commbench("run", "configs/diloco-tiny.yaml", *tiny, "--set",
+                       "strategy.inner_steps=2", "--set", f"run.output_dir={tmp_path / 'dl'}")
+    assert diloco.returncode == 0, diloco.stderr
+    run = only_run_dir(tmp_path / "dl")
+    before = {p.name for _, p in run.state_dirs()}
+    refused = commbench("run", "--resume", str(run.path), "--set", "run.steps=8", "--set",
+                        "parallel.world_size=2", "--set", "data.batch_size=16")
+    assert refused.returncode == 2
+    assert "diloco on 4 ranks" in refused.stderr and "diloco on 2 ranks" in refused.stderr
+    assert {p.name for _, p in run.state_dirs()} == before == {"state-step4"}

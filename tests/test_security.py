@@ -7,7 +7,8 @@ commbench reads from one is untrusted. Nothing in it may execute or inject.
   HTML survives, no `javascript:` link forms); the HTML pages escape everything.
 - Pickles: every checkpoint is loaded with `torch.load(weights_only=True)`
   (bench/run/checkpoint.py `load_payload`): a crafted state-rank*.pt or final.pt whose pickle
-  would run code is refused, unread, by `run --resume`, `eval`, `export` and `report`.
+  would run code is refused, unread, by `run --resume`, `eval`, `export` and `report`; a
+  DCP checkpoint's .metadata only with DCP's metadata classes (bench/run/dcp_state.py).
 - Paths: a run directory whose files are symbolic links out of it, or records naming
   `..`, never make commbench write outside the directory it was asked to write.
 """
@@ -29,7 +30,7 @@ from bench.model import GPT, GPTConfig
 from bench.study.claims import run_claims
 from bench.study.report import build_report
 from bench.study.report.render import md_text, to_markdown
-from tests.test_bad_input import _snapshot, recorded_run
+from tests.test_bad_input import _snapshot, dcp_checkpoint, recorded_run
 from tests.test_claims import claim_data, fake_runner
 from tests.test_report import DDP_VAL, _save, _sweep, write_run
 
@@ -180,6 +181,30 @@ def test_resume_refuses_a_crafted_state_checkpoint_without_running_it(tmp_path, 
     assert _snapshot(tmp_path) == before
 
 
+def test_resume_refuses_a_crafted_dcp_metadata_without_running_it(tmp_path, capsys):
+    """torch.distributed.checkpoint reads a checkpoint's .metadata with plain pickle: a
+    received state-stepN/.metadata naming any object ran it. It is read first with only
+    DCP's metadata classes (bench/run/dcp_state.py `Reader`), by the launcher and the ranks."""
+    import pickle
+
+    marker = tmp_path / "executed"
+    files = dcp_checkpoint()
+    files["r/checkpoints/state-step2/.metadata"] = pickle.dumps(Planted(marker))
+    write_files(tmp_path, {**recorded_run(), **files})
+    before = _snapshot(tmp_path)
+    code = main(["run", "--resume", str(tmp_path / "r"), "--quiet"])
+    err = capsys.readouterr().err
+    assert not marker.exists(), "the crafted pickle ran"
+    assert code == 2, err
+    assert (f"{tmp_path}/r/checkpoints/state-step2/.metadata holds objects other than a "
+            "checkpoint's metadata (it names io.open") in err
+    assert _snapshot(tmp_path) == before
+    from bench.run import dcp_state  # the ranks' reader refuses it too
+    with pytest.raises(ValueError, match="holds objects other than"):
+        dcp_state.metadata_of(tmp_path / "r/checkpoints/state-step2")
+    assert not marker.exists()
+
+
 def test_eval_refuses_a_crafted_final_checkpoint_without_running_it(tmp_path, capsys):
     marker = tmp_path / "executed"
     run = crafted_eval_run(tmp_path, marker)
@@ -206,7 +231,10 @@ def test_report_of_a_directory_with_crafted_checkpoints_runs_nothing(tmp_path):
     for seed in (0, 1):
         path = write_run(sweep_dir, sweep, "ddp", "ddp", seed, DDP_VAL, 1.0)
         write_files(path, {"checkpoints/final.pt": crafted(marker, step=1),
-                           "checkpoints/state-rank0.pt": crafted(marker, step=1)})
+                           "checkpoints/state-rank0.pt": crafted(marker, step=1),
+                           "checkpoints/state-step1/.metadata": __import__("pickle").dumps(
+                               Planted(marker)),
+                           "checkpoints/state-step1/complete.json": '{"step": 1}'})
     build_report(_save(sweep_dir, sweep), tmp_path / "report")
     assert not marker.exists()
 

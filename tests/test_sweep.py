@@ -415,20 +415,34 @@ def resuming_runner(cfg, run_dir, progress=True, resume=False) -> dict:
     return fake_runner(cfg, run_dir, progress)
 
 
-def _stop(run_dir: Path, checkpoint_step: int | None, world_size: int = 2) -> None:
-    """Leave a run as a stop leaves it: interrupted, with every rank's state at a step."""
+def _stop(run_dir: Path, checkpoint_step: int | None, world_size: int = 2,
+          dcp: bool = False) -> None:
+    """Leave a run as a stop leaves it: interrupted, with every rank's state at a step
+    (`dcp`: a torch.distributed.checkpoint directory, else the older per-rank files)."""
+    import shutil
+
+    from tests.test_bad_input import dcp_checkpoint
 
     run = RunDir(run_dir)
     run.update_summary({"status": "failed", "interrupted": True, "error": "stopped by SIGTERM",
                         "steps": checkpoint_step, "attempts": [{"job_id": None}]})
     for stale in run.state_files():
         stale.unlink()
+    for _, stale in run.state_dirs():
+        shutil.rmtree(stale)
+    if checkpoint_step and dcp:
+        for name, content in dcp_checkpoint(checkpoint_step, world_size).items():
+            path = run.path / name.removeprefix("r/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content)
+        return
     for rank in range(world_size if checkpoint_step else 0):
         run.save_torch({"step": checkpoint_step}, run.state_checkpoint(rank))
 
 
+@pytest.mark.parametrize("dcp", [True, False], ids=["dcp", "per-rank"])
 def test_a_stopped_run_continues_from_its_checkpoint_in_its_own_directory(tmp_path, env,
-                                                                        capsys):
+                                                                        capsys, dcp):
     """Issue 25: a stopped run with every rank's checkpoint is resumed in place (the
     runner gets resume=True, as `commbench run --resume`); one without is trained from step
     0 after its record is moved aside, and the sweep says why; --status shows both."""
@@ -439,8 +453,8 @@ def test_a_stopped_run_continues_from_its_checkpoint_in_its_own_directory(tmp_pa
                                                            "c": {"optim.lr": 3e-3}}})
     first = run_sweep(path, runner=fake_runner, report=False)
     dirs = {o.run.variant: o.run_dir for o in first.outcomes}
-    _stop(dirs["a"], 20)
-    _stop(dirs["b"], None)
+    _stop(dirs["a"], 20, dcp=dcp)
+    _stop(dirs["b"], None, dcp=dcp)
     capsys.readouterr()
     rows = {r["variant"]: r for r in sweep_status(path)}
     assert rows["a"]["state"] == "stopped, resumes from step 20"

@@ -275,13 +275,22 @@ def check_run_dir(cfg: Config, run: RunDir) -> dict:
 
 def check_resume(cfg: Config, run: RunDir) -> dict:
     """What a resume may do (ValueError naming the keys otherwise); the header fields it adds:
-    resumed_from_step (0 = restarts) and steps_extended_from."""
+    resumed_from_step (0 = restarts) and steps_extended_from. Of the layout keys
+    (checkpoint.LAYOUT_KEYS) only what `checkpoint.layout_change_problem` allows may
+    change: torch DDP, unsharded, onto another world size with the global batch kept."""
     old = _recorded_config(run, "--resume")
     before, after = flatten(identity_dict(old)), flatten(identity_dict(cfg))
     changed = sorted(k for k in before.keys() | after.keys()
                      if k != "run.steps" and before.get(k) != after.get(k))
+    layout = checkpoint.layout_change_problem(old, cfg)  # world size, groups, rank batch
+    changed_layout = any(k in checkpoint.LAYOUT_KEYS for k in changed)
+    changed = [k for k in changed if k not in checkpoint.LAYOUT_KEYS]
+    diffs = ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
+    if layout is not None and changed_layout:
+        raise ValueError(f"--resume {run.path}: {layout}" + (
+            f". These keys differ too (recorded -> asked): {diffs}; only run.steps may grow"
+            if changed else ""))
     if changed:
-        diffs = ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
         raise ValueError(
             f"--resume {run.path}: a resume continues the same run, but these keys differ "
             f"from its config.yaml (recorded -> asked): {diffs}. Only run.steps may grow (and "

@@ -66,17 +66,36 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
 
     A DCP checkpoint (bench/run/dcp_state.py) wins over per-rank files (an older format):
     its latest complete directory's step; one of another world size only when its state is
-    replicated on every rank (else ValueError naming both)."""
-    found = dcp_state.latest(run)
+    replicated on every rank (else ValueError naming both). It must be this run's (its
+    complete.json's run key), its metadata must load safely and its files hold every item,
+    and the skeleton each rank will read must be that rank's of that step
+    (`dcp_state.check`); else ValueError naming the file."""
+    where = f"--resume {run.path}"
+    try:
+        found = dcp_state.latest(run)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}; delete that checkpoints/state-step* directory: the "
+                         "run then resumes from an earlier checkpoint if one is left, else "
+                         "restarts at step 0") from None
     if found is not None:
         path, info = found
+        key, words = run_key(run, without_layout=True)
+        if key and info.get("run") and info["run"] != key:
+            raise ValueError(f"{where}: checkpoint {path} belongs to another run (run key "
+                             f"{info['run']}: {info.get('layout_words')}), not this run's "
+                             f"({key}: {words})")
         saved = int(info.get("world_size", 0))
         if saved != world_size and not info.get("replicated"):
             raise ValueError(
-                f"--resume {run.path}: checkpoint {path} was written by "
+                f"{where}: checkpoint {path} was written by "
                 f"{dcp_state.describe(info.get('layout', {}))}, not {world_size} ranks; only a "
                 "state replicated on every rank (DDP, backend torch, unsharded) resumes onto "
                 "another world size")
+        try:
+            dcp_state.check(path, info, world_size)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}; delete {path}: the run then resumes from an "
+                             "earlier checkpoint if one is left, else restarts at step 0") from None
         return int(info["step"])
     per_rank: list[dict[int, Path]] = []
     problems, seen = [], False
@@ -109,7 +128,6 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
         return max(common)
     if not problems and not any(run.state_checkpoint(r).exists() for r in range(world_size)):
         return None  # the first save did not finish on every rank (a full disk): none saved
-    where = f"--resume {run.path}"
     if problems:
         raise ValueError(f"{where}: {problems[0]}; delete the run's checkpoints/state-rank* "
                          "files to restart it from step 0")

@@ -21,7 +21,12 @@ this rank's local shard, with the global shape and placements, rebuilt on the li
 
 Everything else a state holds (numbers, strings, None, lists, tuples, dicts with any such
 keys) is kept, with the tree's shape, in one JSON document per rank, stored as a uint8
-tensor (`rank{r}/skeleton`): every DCP item is a tensor, so loading runs no pickle.
+tensor (`rank{r}/skeleton`): every DCP item is a tensor, read with
+`torch.load(weights_only=True)`; DCP's own `.metadata` is a pickle, read first with only
+its classes (`Reader`), so loading a received checkpoint runs nothing. Each skeleton names
+its rank, step and run key (`identity`), and `check` (the launcher, before a resume changes
+anything) and `load` refuse a part copied or swapped between ranks, checkpoints or runs,
+and a torn or corrupt file, naming it.
 
 Resuming onto another layout: allowed when the saved and the current strategy state are
 both replicated on every rank (`world` scope: DDP with backend torch, unsharded, one
@@ -37,7 +42,9 @@ naming both layouts.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,44 +58,38 @@ from algorithms.base import Strategy
 from bench.run.files import write_text
 from bench.run.records import RunDir
 
-PREFIX = "state-step"
-COMPLETE = "complete.json"
-
-
 # ------------------------------------------------------------------ where on disk
-
-
-def directory(run: RunDir, step: int) -> Path:
-    """The checkpoint of `step` (a directory; complete when it holds complete.json)."""
-    return run.checkpoints / f"{PREFIX}{step}"
-
-
-def directories(run: RunDir) -> list[tuple[int, Path]]:
-    """Every state-stepN directory, complete or not, by step."""
-    if not run.checkpoints.is_dir():
-        return []
-    found = []
-    for path in run.checkpoints.glob(f"{PREFIX}*"):
-        suffix = path.name[len(PREFIX):]
-        if path.is_dir() and suffix.isdigit():
-            found.append((int(suffix), path))
-    return sorted(found)
+# (the names: bench/run/records.py RunDir.state_dir, state_dirs, STATE_COMPLETE)
 
 
 def marker(path: Path) -> dict | None:
-    """A checkpoint directory's complete.json, or None (a save that did not finish)."""
+    """A checkpoint directory's complete.json, or None when it has none (a save that did not
+    finish). ValueError naming the file when it is there but not one rank 0 wrote (not a
+    JSON object with an integer step and world size, or no DCP `.metadata` beside it)."""
+    file = path / RunDir.STATE_COMPLETE
     try:
-        info = json.loads((path / COMPLETE).read_text())
-    except (OSError, ValueError):
+        text = file.read_text()
+    except FileNotFoundError:
         return None
-    if not isinstance(info, dict) or not (path / ".metadata").exists():
-        return None
+    except OSError as err:
+        raise ValueError(f"checkpoint {file} cannot be read ({err.strerror})") from None
+    try:
+        info = json.loads(text)
+    except ValueError:
+        info = None
+    if not (isinstance(info, dict) and all(type(info.get(k)) is int and info[k] >= 0
+                                           for k in ("step", "world_size"))):
+        raise ValueError(f"checkpoint {file} is corrupt (not the JSON object with the step "
+                         "and world size that rank 0 writes once every rank saved)")
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"checkpoint {path} has a {RunDir.STATE_COMPLETE} but no .metadata: "
+                         "its torch.distributed.checkpoint files are incomplete")
     return info
 
 
 def latest(run: RunDir) -> tuple[Path, dict] | None:
     """The complete checkpoint of the highest step, with its complete.json; None if none."""
-    for _, path in reversed(directories(run)):
+    for _, path in reversed(run.state_dirs()):
         info = marker(path)
         if info is not None:
             return path, info
@@ -96,10 +97,126 @@ def latest(run: RunDir) -> tuple[Path, dict] | None:
 
 
 def remove_except(run: RunDir, keep: Path | None) -> None:
-    """Remove every state-stepN directory but `keep` (None: all of them)."""
-    for _, path in directories(run):
+    """Remove every state-stepN directory but `keep` (None: all of them); complete.json
+    first, so that one removed halfway (a crash) reads as unfinished, not as corrupt."""
+    for _, path in run.state_dirs():
         if path != keep:
+            (path / RunDir.STATE_COMPLETE).unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ reading safely
+
+
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+        "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"}, "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"}}
+"""What DCP's `.metadata` pickle may name (besides torch's dtypes): its own records."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+class Reader(FileSystemReader):
+    """DCP's FileSystemReader, except that `.metadata` (a pickle) is first read with only
+    the classes DCP's metadata are made of: run directories travel (tarballs, shared
+    filesystems), and a crafted .metadata naming any other object would run code when
+    unpickled; it is refused (pickle.UnpicklingError), never run. The tensors themselves
+    DCP reads with `torch.load(weights_only=True)`."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as file:
+            _MetadataUnpickler(file).load()
+        return super().read_metadata(*args, **kwargs)
+
+
+def metadata_of(path: Path):
+    """The checkpoint's DCP metadata, read safely (`Reader`); ValueError naming the file
+    when it is crafted, corrupt or truncated."""
+    try:
+        return Reader(path).read_metadata()
+    except pickle.UnpicklingError as err:
+        if "it names" not in str(err):
+            raise ValueError(f"checkpoint {path / '.metadata'} is corrupt or truncated "
+                             f"({err})") from None
+        raise ValueError(f"checkpoint {path / '.metadata'} holds objects other than a "
+                         f"checkpoint's metadata ({err}; not loaded: loading it could run "
+                         "code); it was not written by commbench") from None
+    except Exception as err:  # EOFError, a torn pickle, I/O
+        raise ValueError(f"checkpoint {path / '.metadata'} is corrupt or truncated "
+                         f"({type(err).__name__}: {err})") from None
+
+
+def check(path: Path, info: dict, world_size: int) -> None:
+    """What the launcher checks before a resume changes anything (cheap: no tensor but the
+    skeletons is read): the metadata load safely, every stored item lies within its file,
+    and the skeleton of every saved rank this world reads is that rank's of this step and
+    run (`skeleton`). ValueError naming the file otherwise."""
+    metadata = metadata_of(path)
+    sizes: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        file = path / item.relative_path
+        if item.relative_path not in sizes:
+            sizes[item.relative_path] = file.stat().st_size if file.is_file() else -1
+        if item.offset + item.length > sizes[item.relative_path]:
+            raise ValueError(f"checkpoint {file} is " + (
+                "missing" if sizes[item.relative_path] < 0 else "truncated") +
+                f" (its metadata place an item at bytes {item.offset}-"
+                f"{item.offset + item.length})")
+    saved = int(info["world_size"])
+    for source in sorted({r if r < saved else 0 for r in range(world_size)}):
+        skeleton(path, info, source, metadata)
+
+
+def _file_of(metadata, key: str) -> str:
+    return next((item.relative_path for index, item in metadata.storage_data.items()
+                 if index.fqn == key), ".metadata")
+
+
+def skeleton(path: Path, info: dict, source: int, metadata, group=None,
+             no_dist: bool = True) -> dict:
+    """Saved rank `source`'s skeleton (the JSON tree of its state; a collective on `group`
+    unless `no_dist`), checked to be that rank's, of the step and run complete.json names
+    (a file copied from another checkpoint, run or rank is refused). ValueError naming the
+    file otherwise."""
+    key = f"rank{source}/skeleton"
+    meta = metadata.state_dict_metadata.get(key)
+    if meta is None or not hasattr(meta, "size"):
+        raise ValueError(f"checkpoint {path} holds no {key} (rank {source}'s): not a "
+                         "commbench state, or not one of this world")
+    file = path / _file_of(metadata, key)
+    blob = {key: torch.empty(meta.size, dtype=torch.uint8)}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(blob, storage_reader=Reader(path), process_group=group, no_dist=no_dist)
+        tree = json.loads(bytes(blob[key].numpy()).decode())
+    except Exception as err:
+        reason = str(err).split(". ")[0].splitlines()[0] if str(err) else ""
+        raise ValueError(f"checkpoint {file} is corrupt or truncated ({type(err).__name__}"
+                         f": {reason[:300]})") from None
+    mine = tree.get("identity") if isinstance(tree, dict) else None
+    if not isinstance(tree, dict) or "strategy" not in tree or "own" not in tree:
+        raise ValueError(f"checkpoint {file}: {key} is not a commbench state's skeleton")
+    if isinstance(mine, dict):  # saved before skeletons carried one: not judged
+        wanted = {"rank": source, "step": info.get("step"), "run": info.get("run")}
+        if {k: mine.get(k) for k in wanted} != wanted:
+            raise ValueError(
+                f"checkpoint {file} holds rank {mine.get('rank')}'s state of step "
+                f"{mine.get('step')} of run {mine.get('run')}, not rank {source}'s of step "
+                f"{info.get('step')} of run {info.get('run')} ({RunDir.STATE_COMPLETE}): a "
+                "file copied or swapped between ranks, checkpoints or runs")
+    return tree
 
 
 # ------------------------------------------------------------------ layouts
@@ -145,7 +262,7 @@ def layout_problem(saved: dict, now: dict, saved_replicated: bool,
 
 def scopes_of(strategy: Strategy, state: dict) -> dict[str, str]:
     """Top-level state key -> scope: the strategy's `state_scopes`, else this rank's own."""
-    named = strategy.state_scopes() if hasattr(strategy, "state_scopes") else {}
+    named = strategy.state_scopes()
     own = f"rank{dist.get_rank()}"
     return {key: named.get(key, own) for key in state}
 
@@ -255,10 +372,11 @@ def save(run: RunDir, rank: int, step: int, strategy: Strategy, state: dict,
     tree = {"strategy": [[key, scopes[key], flatten(value, f"{scopes[key]}/strategy.{key}",
                                                     leaves)]
                          for key, value in state.items()],
-            "own": flatten(own, f"rank{rank}/own", leaves)}
+            "own": flatten(own, f"rank{rank}/own", leaves),
+            "identity": {"rank": rank, "step": step, "run": identity.get("run")}}
     leaves[f"rank{rank}/skeleton"] = torch.frombuffer(
         bytearray(json.dumps(tree).encode()), dtype=torch.uint8)
-    path = directory(run, step)
+    path = run.state_dir(step)
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)  # an unfinished save of the same step
         path.mkdir(parents=True)
@@ -270,7 +388,7 @@ def save(run: RunDir, rank: int, step: int, strategy: Strategy, state: dict,
     if rank == 0:
         info = {"step": step, "world_size": dist.get_world_size(), "layout": layout_of(strategy),
                 "replicated": all(everyone), **identity}
-        write_text(path / COMPLETE, json.dumps(info, indent=1) + "\n")
+        write_text(path / RunDir.STATE_COMPLETE, json.dumps(info, indent=1) + "\n")
         remove_except(run, path)  # the older checkpoints, now that this one is complete
         for stale in run.state_files():  # per-rank files of an older format
             stale.unlink()
@@ -290,14 +408,12 @@ def load(path: Path, info: dict, rank: int, strategy: Strategy, group=None) -> d
         raise RuntimeError(f"resume from {path}: {problem}")
     saved_world = int(info["world_size"])
     source = rank if rank < saved_world else 0
-    reader = FileSystemReader(path)
-    metadata = reader.read_metadata().state_dict_metadata
-    key = f"rank{source}/skeleton"
-    if key not in metadata:
-        raise RuntimeError(f"resume from {path}: it holds no {key}: not a commbench state")
-    blob = {key: torch.empty(metadata[key].size, dtype=torch.uint8)}
-    dcp.load(blob, storage_reader=reader, process_group=group)
-    tree = json.loads(bytes(blob[key].numpy()).decode())
+    try:
+        full = metadata_of(path)
+        tree = skeleton(path, info, source, full, group, no_dist=False)
+    except ValueError as err:
+        raise RuntimeError(f"resume: {err}") from None
+    metadata = full.state_dict_metadata
     wanted = [k for _, _, sub in tree["strategy"] for k in leaf_keys(sub)]
     wanted += leaf_keys(tree["own"])
     leaves = {}
@@ -306,7 +422,12 @@ def load(path: Path, info: dict, rank: int, strategy: Strategy, group=None) -> d
         if meta is None or not hasattr(meta, "size"):
             raise RuntimeError(f"resume from {path}: its metadata lack {k} (truncated?)")
         leaves[k] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(leaves, storage_reader=FileSystemReader(path), process_group=group)
+    try:
+        dcp.load(leaves, storage_reader=Reader(path), process_group=group)
+    except Exception as err:  # a torn or swapped .distcp file (a rank's own or another's)
+        reason = str(err).split(". ")[0].splitlines()[0] if str(err) else ""
+        raise RuntimeError(f"resume from {path}: its tensors cannot be read ({type(err).__name__}"
+                           f": {reason[:300]}); nothing was loaded") from None
     mesh = _mesh_of(live)
     del live
     strategy.load_state_dict({key: unflatten(sub, leaves, mesh)
@@ -320,3 +441,23 @@ def load(path: Path, info: dict, rank: int, strategy: Strategy, group=None) -> d
         # (bench/run/meter.py LoopState): not priceable on this one, so dropped
         loop.update(robust_stretches={}, robust_dropped=True)
     return own
+
+
+def read(path: Path, rank: int) -> dict[str, Any]:
+    """What saved rank `rank` holds in the complete checkpoint at `path`, read in one
+    process without a group (tests, inspection): {"strategy": its state_dict, "own": the
+    RNG, ledger and loop state}. Unsharded states only (a DTensor needs its mesh: `load`)."""
+    info = marker(path)
+    if info is None:
+        raise ValueError(f"checkpoint {path} is not complete (no {RunDir.STATE_COMPLETE})")
+    metadata = metadata_of(path)
+    tree = skeleton(path, info, rank, metadata)
+    items = metadata.state_dict_metadata
+    keys = [k for _, _, sub in tree["strategy"] for k in leaf_keys(sub)]
+    leaves = {k: torch.empty(items[k].size, dtype=items[k].properties.dtype)
+              for k in [*keys, *leaf_keys(tree["own"])]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(leaves, storage_reader=Reader(path), no_dist=True)
+    return {"strategy": {key: unflatten(sub, leaves, None) for key, _, sub in tree["strategy"]},
+            "own": unflatten(tree["own"], leaves, None)}

@@ -11,8 +11,8 @@ A run directory (`commbench run` prints its path) holds:
     eval.json       lm-eval results (after `commbench eval`)
     tracking.json   what each tracking sink already holds (bench/study/tracking/sync.py)
     .lock           held by the process writing the run (`RunDir.lock`); names it
-    checkpoints/    final.pt (evaluation model), state-rank{N}.pt (each rank's resumable
-                    state at the last `checkpoint.every` step; .pt.next while saving)
+    checkpoints/    final.pt (evaluation model), state-step{N}/ (the resumable state after
+                    step N: bench/run/dcp_state.py), state-rank{N}.pt (the format before)
     logs/           torchrun.log (every rank's output), error-rank{N}.txt, eval.log,
                     node{N}.json (a node's host and ranks), stop-request (bench/run/stop.py)
 
@@ -259,9 +259,7 @@ def holder_of(path: str | os.PathLike) -> dict | None:
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
-    except OSError:  # a directory or unreadable: not a lock anyone holds
+    except OSError:  # absent, a directory or unreadable: not a lock anyone holds
         return None
     try:  # any lock on another open file (this process's too) refuses this one
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -310,7 +308,7 @@ class RunDir:
         run = RunDir("results/ddp-tiny-1a2b3c4d")
         run.summary                       # .../summary.json
         run.update_summary({"status": "failed", "error": "..."})
-        run.save_torch(payload, run.state_checkpoint(rank=0))
+        run.save_torch(payload, run.final_checkpoint)
 
     The trainer, the launcher, lm-eval and the test fixtures (tests/fakes.py) go through
     this class, so a file name is spelled in one place.
@@ -318,6 +316,7 @@ class RunDir:
 
     FINAL_CHECKPOINT = Path("checkpoints") / "final.pt"
     """The evaluation model, relative to the run directory (what `commbench eval` loads)."""
+    STATE_COMPLETE = "complete.json"  # in a `state_dir` once every rank saved into it
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -345,17 +344,25 @@ class RunDir:
         """Whether this directory holds a run's records (config.yaml or summary.json)."""
         return self.config.is_file() or self.summary.is_file()
 
+    def state_dir(self, step: int) -> Path:
+        """The resumable state after `step` steps: a DCP directory (bench/run/dcp_state.py)."""
+        return self.checkpoints / f"state-step{step}"
+
+    def state_dirs(self) -> list[tuple[int, Path]]:
+        """(step, path) of every `state_dir`, complete or not, by step."""
+        found = [(p.name[len("state-step"):], p) for p in self.checkpoints.glob("state-step*")]
+        return sorted((int(step), p) for step, p in found if step.isdigit() and p.is_dir())
+
     def state_checkpoint(self, rank: int) -> Path:
-        """Rank `rank`'s resumable state (strategy, loop state, RNG, ledger)."""
+        """Rank `rank`'s state in the per-rank format before `state_dir` (still read)."""
         return self.checkpoints / f"state-rank{rank}.pt"
 
     def pending_state_checkpoint(self, rank: int) -> Path:
-        """Rank `rank`'s state being saved; it replaces state_checkpoint once every rank has
-        saved (bench/run/checkpoint.py: a stop mid-save never leaves the ranks mismatched)."""
+        """Rank `rank`'s per-rank state being saved (replaced state_checkpoint once saved)."""
         return self.checkpoints / f"state-rank{rank}.pt.next"
 
     def state_files(self) -> list[Path]:
-        """Every rank's state file, saved or being saved."""
+        """Every rank's per-rank state file, saved or being saved."""
         return sorted(self.checkpoints.glob("state-rank*.pt*"))
 
     def error_log(self, rank: int) -> Path:
@@ -434,8 +441,7 @@ class RunDir:
         """Create the directory and logs/, and drop error texts, finished marks, node
         records and the stop request of an earlier attempt."""
         self.logs.mkdir(parents=True, exist_ok=True)
-        for stale in [*self.error_logs(), *self.logs.glob("finished-rank*"),
-                      *self.node_records()]:
+        for stale in [*self.error_logs(), *self.logs.glob("finished-rank*"), *self.node_records()]:
             stale.unlink(missing_ok=True)  # the other nodes of the run drop them too
         self.stop_request.unlink(missing_ok=True)
 
