@@ -101,19 +101,12 @@ class Pipeline(PipelineStrategy):
     def traffic(cls, cfg, facts):
         """torch's schedules: `PipelineStrategy.traffic` (interleaved-1f1b: each chunk's
         crossings, priced on 1F1B's critical path of V*M passes as the run projections
-        price it). DeepSpeed's pipeline engine is refused: its collectives' groups are
-        not recorded (the message says why)."""
-        if cfg.strategy.backend != "torch":
-            raise ValueError(
-                "strategy.backend=deepspeed with a pipeline has no traffic description: its "
-                "engine's collectives (the stage gradients over the replicas, the tied "
-                "weight, the loss and norm scalars over a pipe) reach the ledger from "
-                "DeepSpeed's comms logger, which gives each op's name and bytes but not its "
-                "group, so they are recorded as collectives over the whole world "
-                "(algorithms/pipeline_deepspeed.py); a description equal to those records "
-                "would price them over the world, one with their real groups would not be "
-                "the run's ledger. commbench whatif prices strategy.backend=torch (the same "
-                "1F1B schedule)")
+        price it); DeepSpeed's engine: what algorithms/pipeline_deepspeed.py records
+        (`deepspeed_pipe_traffic`: its p2p one message a record, its own scalars)."""
+        if cfg.strategy.backend == "deepspeed":
+            from algorithms.pipeline_deepspeed import deepspeed_pipe_traffic
+
+            return deepspeed_pipe_traffic(cfg, facts)
         return super().traffic(cfg, facts)
 
     @classmethod

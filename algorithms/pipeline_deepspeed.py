@@ -13,21 +13,29 @@ DeepSpeed's traffic bypasses our Communicator. Its p2p sends and receives (activ
 gradients, shape metadata) are wrapped during the step (`deepspeed.runtime.pipe.p2p`) and
 recorded with their peer and their time on the device's clock (algorithms/ddp.py: CUDA
 events, since an NCCL send or receive returns to the host before it has happened); that
-time is the step's idle. Its collectives (data-parallel and tied all-reduces, the loss
-broadcast) come from its comms logger (without their group: priced as world-wide), as in
-algorithms/zero.py:
-- CPU (gloo): the logger stays on; each op is copied into the ledger after every step with
-  its own time, and their sum is the step's exposed collective time.
-- CUDA: the logger synchronises the device after every op, so it is on for the first step
-  only, to learn the step's ops and sizes; later steps replay them with `seconds = 0`. The
-  exposed collective time is then the engine's gradient reductions (ReduceGrads,
-  ReduceTiedGrads: after the last backward, not overlapped), bracketed by clock marks.
-  Not measured on CUDA: the final loss broadcast (one scalar).
+time is the step's idle. Its collectives are tapped where deepspeed.comm hands them to its
+backend (`CollectiveTap`: `cdb.all_reduce`, `cdb.broadcast`), so each is recorded with its
+group's ranks and a phase named after the engine instruction that ran it: "tied"
+(ReduceTiedGrads: the tied weight's gradient summed between the end stages), "dp"
+(ReduceGrads: the stage's gradients averaged over its replicas, flat buckets of up to
+5e8 elements), "clip" (OptimizerStep: the clipping norm summed over the pipe, then
+averaged over the stage's replicas), "loss" (the loss averaged over the last stage's
+replicas, broadcast down the pipe). Their seconds:
+- CPU (gloo): from DeepSpeed's comms logger, which stays on (algorithms/zero.py
+  `per_op_seconds`), matched call for call to the tapped ops (a logged op the tap did
+  not see stops the run: its group would be unknown); their sum is the step's exposed
+  collective time.
+- CUDA: the logger would synchronise the device after every op, so it is off; the ops
+  are recorded with `seconds = 0` and the exposed collective time is the engine's
+  gradient reductions (ReduceGrads, ReduceTiedGrads: after the last backward, not
+  overlapped), bracketed by clock marks. Not measured on CUDA: the clipping norms and
+  the loss's scalars.
 The engine owns the optimizer step (and clipping).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -35,6 +43,7 @@ import torch.distributed
 from torch import nn
 
 from algorithms.clocks import HostClock, clock_for
+from algorithms.comm import Group
 from algorithms.partition import split_layers
 
 
@@ -80,38 +89,53 @@ class DeepSpeedPipe:
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=strategy.optimizer, config=config,
             dist_init_required=False)
+        from deepspeed.comm.comm import comms_logger
+
         from algorithms.zero import reset_comms_log
 
         reset_comms_log()  # start-up broadcasts are not training traffic
         self.clock = clock_for(strategy.comm.device)
-        self.step_ops: list[tuple[str, int]] | None = None
-        """CUDA: the collectives (op, bytes) of one step, learnt on the first step."""
-        self.marks: list[tuple[object, object]] = []
-        """This step's p2p and (CUDA) gradient-reduction (start, end) clock marks."""
+        self.logged = isinstance(self.clock, HostClock)
+        """Whether the comms logger times the collectives (CPU; on CUDA it is off)."""
+        if not self.logged:
+            comms_logger.enabled = False  # no per-op device synchronise
+        self.tap = CollectiveTap()
         self.p2p: list[tuple[str, int, int, object, object]] = []
         """This step's p2p ops: (op, bytes, peer, start mark, end mark)."""
-        if not isinstance(self.clock, HostClock):
-            self._time_reductions()
+        self.reductions: list[tuple[object, object]] = []
+        """CUDA: this step's gradient reductions' (start, end) clock marks."""
+        self._name_instructions()
 
-    def _time_reductions(self) -> None:
-        """CUDA: bracket the engine's gradient reductions with clock marks (their exposed
-        time, the comms logger being off after the first step)."""
+    def _name_instructions(self) -> None:
+        """Run the engine's reduction and optimizer instructions (and its loss aggregation)
+        under their ledger phase; on CUDA bracket the gradient reductions with clock marks
+        (their exposed time)."""
         from deepspeed.runtime.pipe import schedule
 
-        engine, reductions = self.engine, []
+        engine, timed = self.engine, not self.logged
         instructions = dict(type(engine)._INSTRUCTION_MAP)  # the engine looks it up on self
-        for kind in (schedule.ReduceGrads, schedule.ReduceTiedGrads):
-            original = instructions[kind]
+        for kind, phase in ((schedule.ReduceTiedGrads, "tied"), (schedule.ReduceGrads, "dp"),
+                            (schedule.OptimizerStep, "clip")):
+            original, reduction = instructions[kind], kind is not schedule.OptimizerStep
 
-            def timed(engine_self, *args, _original=original, **kwargs):
-                start = self.clock.mark()
-                result = _original(engine_self, *args, **kwargs)
-                reductions.append((start, self.clock.mark()))
+            def named(engine_self, *args, _original=original, _phase=phase,
+                      _timed=timed and reduction, **kwargs):
+                start = self.clock.mark() if _timed else None
+                with self.tap.phase(_phase):
+                    result = _original(engine_self, *args, **kwargs)
+                if _timed:
+                    self.reductions.append((start, self.clock.mark()))
                 return result
 
-            instructions[kind] = timed
+            instructions[kind] = named
         engine._INSTRUCTION_MAP = instructions
-        self.reductions = reductions
+        aggregate = engine._aggregate_total_loss
+
+        def aggregate_loss(*args, **kwargs):
+            with self.tap.phase("loss"):
+                return aggregate(*args, **kwargs)
+
+        engine._aggregate_total_loss = aggregate_loss
 
     def run(self, batch) -> tuple[float | None, float]:
         from deepspeed.runtime.pipe import p2p
@@ -122,7 +146,8 @@ class DeepSpeedPipe:
         originals = p2p.send, p2p.recv
         p2p.send, p2p.recv = self.recorded(p2p, "send"), self.recorded(p2p, "recv")
         try:
-            loss = self.engine.train_batch(data_iter=data)
+            with self.tap.active():
+                loss = self.engine.train_batch(data_iter=data)
         finally:
             p2p.send, p2p.recv = originals
         self.clock.synchronize()  # the marks can be read from here on
@@ -154,37 +179,32 @@ class DeepSpeedPipe:
         return call
 
     def update(self) -> float:
-        """The engine already stepped; copy its collectives into the ledger and return
-        their exposed seconds (module docstring: logged on CPU, each with its own seconds,
-        algorithms/zero.py `per_op_seconds`; on CUDA learnt once, then replayed)."""
+        """The engine already stepped; record its collectives (tapped with their groups and
+        phases) and return their exposed seconds (module docstring: CPU, each op's own
+        logged seconds, algorithms/zero.py `per_op_seconds`; CUDA, the reductions' marks)."""
         from deepspeed.comm.comm import comms_logger
 
         from algorithms.zero import per_op_seconds, reset_comms_log
 
-        comm = self.strategy.comm
-        if isinstance(self.clock, HostClock):
-            ops = per_op_seconds(comms_logger.comms_dict)
-        else:
-            if self.step_ops is None:
-                self.step_ops = [(name, nbytes) for name, nbytes, _ in
-                                 per_op_seconds(comms_logger.comms_dict)
-                                 if name not in ("send", "recv")]
-                comms_logger.enabled = False  # no per-op device synchronise from here on
-            ops = [(name, nbytes, 0.0) for name, nbytes in self.step_ops]
-        total_s = 0.0
-        for name, nbytes, seconds in ops:
-            if name in ("send", "recv"):  # recorded with their peers in `run`
-                continue
-            comm.record(name, nbytes, seconds)
-            total_s += seconds
+        comm, ops = self.strategy.comm, self.tap.take()
+        seconds = [0.0] * len(ops)
+        if self.logged:
+            logged = [op for op in per_op_seconds(comms_logger.comms_dict)
+                      if op[0] not in ("send", "recv")]  # recorded with their peers in `run`
+            seconds = match_logged(ops, logged)
         reset_comms_log()
-        if not isinstance(self.clock, HostClock):
-            total_s = sum(self.clock.seconds(a, b) for a, b in self.reductions)
-            self.reductions.clear()
+        for (name, nbytes, ranks, phase), op_s in zip(ops, seconds, strict=True):
+            group = None if len(ranks) == comm.world_size else Group(ranks, None)
+            with comm.phase(phase):
+                comm.record(name, nbytes, op_s, group)
+        if self.logged:
+            return sum(seconds)
+        total_s = sum(self.clock.seconds(a, b) for a, b in self.reductions)
+        self.reductions.clear()
         return total_s
 
     def close(self) -> None:
-        if self.step_ops is not None:  # the logger is DeepSpeed's, global: switch it back
+        if not self.logged:  # the logger is DeepSpeed's, global: switch it back
             from deepspeed.comm.comm import comms_logger
 
             comms_logger.enabled = True
@@ -194,7 +214,177 @@ class DeepSpeedPipe:
         release_deepspeed_state()
 
 
+class CollectiveTap:
+    """The collectives deepspeed.comm hands its backend (`cdb`) while `active`: per call
+    (logged name, bytes as its comms logger counts them: the tensor's, ranks of its group,
+    the phase set by `phase`), in call order. The pipeline engine without ZeRO calls
+    `all_reduce` and `broadcast` only (its p2p goes through `send`/`recv`, recorded with
+    their peers); on CPU `match_logged` checks that against the logger's own list."""
+
+    OPS = {"all_reduce": ("tensor", "op", "group", "async_op"),
+           "broadcast": ("tensor", "src", "group", "async_op")}
+    """Each tapped op's parameters, in order (deepspeed/comm/torch.py `TorchBackend`; its
+    methods are wrapped without their signatures)."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, int, tuple[int, ...], str]] = []
+        self._phase = "train"
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    @contextlib.contextmanager
+    def active(self):
+        from deepspeed.comm import comm as ds_comm
+
+        backend = ds_comm.cdb
+        for name in self.OPS:
+            setattr(backend, name, self._tapped(name, getattr(backend, name)))
+        try:
+            yield
+        finally:
+            for name in self.OPS:
+                delattr(backend, name)  # the class's method again
+
+    def _tapped(self, name: str, original):
+        names = self.OPS[name]
+
+        def call(*args, **kwargs):
+            bound = {**dict(zip(names, args, strict=False)), **kwargs}
+            tensor, group = bound["tensor"], bound.get("group")
+            ranks = tuple(sorted(torch.distributed.get_process_group_ranks(group))) \
+                if group is not None else tuple(range(torch.distributed.get_world_size()))
+            self.ops.append((name, tensor.numel() * tensor.element_size(), ranks,
+                             self._phase))
+            return original(*args, **kwargs)
+
+        return call
+
+    def take(self) -> list[tuple[str, int, tuple[int, ...], str]]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+def match_logged(ops: list[tuple[str, int, tuple[int, ...], str]],
+                 logged: list[tuple[str, int, float]]) -> list[float]:
+    """Each tapped op's seconds from the comms logger's (name, bytes, seconds), which lists
+    one name's calls in call order: the k-th logged call of a name is the k-th tapped
+    one. A logged op the tap did not see (or bytes that differ) is an error: its group
+    would be unknown and the ledger would price it over the world."""
+    by_name: dict[str, list[tuple[int, float]]] = {}
+    for name, nbytes, seconds in logged:
+        by_name.setdefault(name, []).append((nbytes, seconds))
+    tapped: dict[str, list[int]] = {}
+    for name, nbytes, _, _ in ops:
+        tapped.setdefault(name, []).append(nbytes)
+    if {k: [n for n, _ in v] for k, v in by_name.items()} != tapped:
+        raise RuntimeError(
+            "DeepSpeed's pipeline engine ran collectives the ledger cannot give groups to: "
+            f"its comms logger saw {sorted((k, [n for n, _ in v]) for k, v in by_name.items())}"
+            f", the tap of {list(CollectiveTap.OPS)} saw {sorted(tapped.items())} "
+            "(algorithms/pipeline_deepspeed.py CollectiveTap)")
+    seen: dict[str, int] = {}
+    out = []
+    for name, _, _, _ in ops:
+        out.append(by_name[name][seen.get(name, 0)][1])
+        seen[name] = seen.get(name, 0) + 1
+    return out
+
+
 def _tied(module: nn.Module) -> torch.nn.Parameter:
     from algorithms.pipeline_base import _tied_parameter
 
     return _tied_parameter(module)
+
+
+# ---------------------------------------------------------------------- traffic (what-if)
+
+META_BYTES = 256 * 4
+"""The shape metadata a stage sends ahead of its first activations (deepspeed/runtime/pipe/
+engine.py `_send_tensor_meta`: TENSOR_META_SIZE int32s), once per engine."""
+
+
+def deepspeed_pipe_traffic(cfg, facts):
+    """What this wrapper records of DeepSpeed's pipeline engine in a step (module
+    docstring), rank = replica * S + stage: the schedule's p2p, each message its own
+    record (no batching into exchanges): to the next stage M activations sent and M
+    gradients received, from the previous one M activations received and M gradients
+    sent, plus in step 0 the `META_BYTES` of shape metadata each stage sends to the next;
+    then "tied": the tied weight's gradient over (first, last) of the replica; "dp": the
+    stage's gradients, every parameter it holds (the tied copy too), over its replicas (a
+    group of one without replicas: the engine still calls it) in flat buckets of up to
+    `algorithms.zero.BUCKET_ELEMENTS`, a bucket closing once past it
+    (`allreduce_no_retain`); "clip" (optim.grad_clip > 0): the norm's scalar summed over
+    the replica's stages, then averaged over the stage's replicas; "loss": the last stage
+    averages the loss's scalar over its replicas (only with replicas) and broadcasts two
+    scalars (8 bytes) to its pipe. A group that is the world is None, as recorded.
+    Compute shares and the critical path are the torch pipelines' (`pipeline_traffic`).
+    Checked against runs of 2 stages x 2 replicas, 2 stages and 3 stages
+    (tests/test_whatif.py); the bucket split past 5e8 elements follows DeepSpeed 0.19's
+    code, not a run."""
+    from dataclasses import replace
+
+    from algorithms.partition import bounds_of
+    from algorithms.traffic import Transfer, pipeline_traffic
+    from algorithms.zero import BUCKET_ELEMENTS
+
+    p = cfg.parallel
+    S, world, M = p.num_stages, p.world_size, p.num_microbatches
+    replicas, boundary = world // S, facts.boundary_bytes
+    base = pipeline_traffic(cfg.strategy, cfg, facts)
+    by_layer: dict[int, list[int]] = {}
+    for param in facts.params:  # the tied weight once, in its first layer
+        by_layer.setdefault(param.layer, []).append(param.nbytes // 4)
+    buckets = []
+    for a, b in bounds_of([n // 4 for n in facts.layer_bytes], S, p.partition):
+        numels = [n for i in range(a, b) for n in by_layer.get(i, [])]
+        if facts.tied_bytes and facts.tied_layers[-1] in range(a, b) \
+                and facts.tied_layers[0] not in range(a, b):
+            numels.append(facts.tied_bytes // 4)  # the head's copy, after its norm
+        stage, size = [], 0
+        for n in numels:
+            size += n
+            if size > BUCKET_ELEMENTS:
+                stage.append(size * 4)
+                size = 0
+        buckets.append((*stage, size * 4) if size else tuple(stage))
+    cache: dict[tuple[int, bool], list[Transfer]] = {}
+
+    def transfers(rank: int, step: int) -> list[Transfer]:
+        key = (rank, step == 0)
+        if key in cache:
+            return cache[key]
+        replica, stage = divmod(rank, S)
+        first, last = replica * S, replica * S + S - 1
+        pipe, dp = tuple(range(first, last + 1)), tuple(range(stage, world, S))
+        pipe, ends = (None, None) if replicas == 1 else (pipe, (first, last))  # the world
+        out = []
+        for peer, ahead in ((rank + 1, True), (rank - 1, False)):
+            if not first <= peer <= last:
+                continue
+            if step == 0:
+                out.append(Transfer("train", "send" if ahead else "recv", (META_BYTES,),
+                                    peers=(peer,)))
+            for kind in ("send", "recv"):
+                out += [Transfer("train", kind, (boundary,), peers=(peer,))] * M
+        if S > 1 and facts.tied_bytes and stage in (0, S - 1):
+            out.append(Transfer("tied", "all_reduce", (facts.tied_bytes,),
+                                ends if S == 2 else (first, last)))
+        out.append(Transfer("dp", "all_reduce", buckets[stage], dp))
+        if cfg.optim.grad_clip > 0:
+            out += [Transfer("clip", "all_reduce", (4,), pipe),
+                    Transfer("clip", "all_reduce", (4,), dp)]
+        if stage == S - 1 and replicas > 1:
+            out.append(Transfer("loss", "all_reduce", (4,), dp))
+        out.append(Transfer("loss", "broadcast", (8,), pipe))
+        cache[key] = out
+        return out
+
+    return replace(base, transfers=transfers, notes=[
+        *base.notes, "DeepSpeed's pipeline engine: its p2p one message per record (no "
+        "exchanges), its scalars (clipping norm, loss) as their own collectives"])

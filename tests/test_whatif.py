@@ -225,7 +225,7 @@ def run_settings(extra: list[str]) -> list[str]:
             "network.profiles=[nvlink, ib-400g]", *extra]
 
 
-def train(rank, world_size, run_dir, path, overrides):
+def train(rank, world_size, run_dir, path, overrides, peers=False):
     from bench.config import load_config
     from bench.run.train import TRAIN_PHASES, Trainer
 
@@ -233,6 +233,7 @@ def train(rank, world_size, run_dir, path, overrides):
     trainer = Trainer(cfg, Path(run_dir), torch.device("cpu"), "gloo", keep_records=True)
     summary = trainer.run()
     records = sorted((r.step, r.phase, r.op, r.nbytes, r.group_size)
+                     + ((r.peers or (),) if peers else ())
                      for r in trainer.ledger.records if r.phase in TRAIN_PHASES)
     return summary, records
 
@@ -241,21 +242,25 @@ def check_run(case, tmp_path):
     check_config(*settings(case), tmp_path)
 
 
-def check_config(path: str, overrides: list[str], tmp_path, world: int = 4) -> list:
+def check_config(path: str, overrides: list[str], tmp_path, world: int = 4,
+                 peers: bool = False) -> list:
     """Train `path` with `overrides` on `world` gloo ranks; each rank's ledger (training
-    phases) equals its traffic description record for record, and the what-if of the
-    run's own model, world, profiles and median compute is its recorded projection.
-    Returns each rank's (summary, records)."""
+    phases) equals its traffic description record for record (with `peers`, each
+    record's peers or subgroup too, not only its size), and the what-if of the run's own
+    model, world, profiles and median compute is its recorded projection. Returns each
+    rank's (summary, records)."""
     from bench.config import load_config
     from bench.study.whatif.engine import as_records, traffic_facts
 
-    results = run_distributed(train, world, str(tmp_path), path, overrides, timeout=240)
+    results = run_distributed(train, world, str(tmp_path), path, overrides, peers,
+                              timeout=240)
     cfg = load_config(path, overrides)
     traffic = strategy_of(cfg).traffic(cfg, traffic_facts(cfg))
     steps = cfg.run.steps
     for rank, (_, recorded) in enumerate(results):
         described = sorted(  # a step's order is not priced (FSDP2 interleaves its ops)
             (r.step, r.phase, r.op, r.nbytes, r.group_size)
+            + ((r.peers or (),) if peers else ())
             for step in range(steps) for t in traffic.transfers(rank, step)
             for r in as_records(t, rank, step, world, cfg.network.ranks_per_node or 1))
         assert described == recorded, f"rank {rank}"
@@ -304,3 +309,36 @@ def test_shipped_scenarios_validate(path):
     s = load_scenario(str(path))
     for name in s.methods:
         assert method_config(s, name).run.steps >= 1
+
+
+@pytest.mark.slow  # ~50 s each on a loaded 2-core machine
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world,extra", [
+    (4, []),  # 2 stages x 2 replicas: "dp" and the clipping norm's average over 2 ranks
+    (2, ["optim.grad_clip=0"]),  # one replica: "dp" over a group of one, no clipping
+    (3, ["parallel.num_stages=3", "model.n_layer=3"]),  # a middle stage, p2p both ways
+], ids=["replicas", "one-replica-no-clip", "three-stages"])
+def test_deepspeed_pipeline_run_equals_its_whatif(world, extra, tmp_path):
+    """DeepSpeed's pipeline engine (algorithms/pipeline_deepspeed.py): its ledger, every
+    collective with its group's ranks and phase (tied, dp, clip, loss) and every p2p
+    message its own record with its peer (the step-0 shape metadata too), equals
+    `deepspeed_pipe_traffic` record for record, and the what-if of the run is its
+    projected_robust."""
+    pytest.importorskip("deepspeed")
+    results = check_config("configs/deepspeed-pp-tiny.yaml", run_settings(
+        ["data.batch_size=4", f"parallel.world_size={world}", *extra]), tmp_path, world,
+        peers=True)
+    phases = {(phase, op, size) for _, records in results
+              for _, phase, op, _, size, _ in records if phase != "train"}
+    if world == 4:
+        assert phases == {("tied", "all_reduce", 2), ("dp", "all_reduce", 2),
+                          ("clip", "all_reduce", 2), ("loss", "all_reduce", 2),
+                          ("loss", "broadcast", 2)}
+    elif world == 2:
+        assert phases == {("tied", "all_reduce", 2), ("dp", "all_reduce", 1),
+                          ("loss", "broadcast", 2)}
+    else:  # the middle stage talks to both neighbours, the end stages to one
+        p2p = [{peers for _, phase, _, _, _, peers in records if phase == "train"}
+               for _, records in results]
+        assert p2p == [{(1,)}, {(0,), (2,)}, {(1,)}]
+        assert ("clip", "all_reduce", 3) in phases

@@ -11,12 +11,9 @@ the row's ledger. REFUSED lists what the what-if still cannot price, and why.
 
 import pytest
 
-PIPELINE = "strategy.backend=deepspeed with a pipeline"
-REFUSED = {
-    PIPELINE: "DeepSpeed's pipeline engine: its "
-    "collectives reach the ledger without their groups (algorithms/pipeline.py)",
-}
-"""Refusal message -> why it is still refused."""
+REFUSED: dict[str, str] = {}
+"""Refusal message -> why it is still refused: nothing since DeepSpeed's pipeline engine
+records its collectives' groups (algorithms/pipeline_deepspeed.py)."""
 DESCRIBED_STREAMING = {"diloco", "pier", "sparseloco", "noloco"}
 """Strategies whose streaming, overlapped and compressed rounds are priced
 (algorithms/outer_traffic.py), as far as each accepts them (SparseLoCo has its own codec,
@@ -32,7 +29,7 @@ def test_every_matrix_row_is_priced_or_refused_with_a_reason():
     from tests.strategies import ENTRIES
     from tests.test_matrix import cover
 
-    priced, refused, streaming = 0, [], set()
+    priced, refused, streaming, deepspeed_pipes = 0, [], set(), 0
     name_of = {row: entry.name for entry in ENTRIES for row in entry.matrix}
     for combo in cover(2).rows:
         cfg = from_dict(combo.config_dict())
@@ -45,7 +42,11 @@ def test_every_matrix_row_is_priced_or_refused_with_a_reason():
             continue
         assert traffic.steps == cfg.run.steps
         priced += 1
+        if cfg.strategy.name == "pipeline" and cfg.strategy.backend == "deepspeed":
+            deepspeed_pipes += 1
+            assert any(t.phase == "dp" for t in traffic.transfers(0, 1)), combo.named
         if combo.named["outer"] != "plain":
             streaming.add(name_of[combo.named["strategy"]])
     assert priced > len(refused)
+    assert deepspeed_pipes > 0  # priced now (it was the last refusal)
     assert DESCRIBED_STREAMING <= streaming  # each priced with some streaming option
