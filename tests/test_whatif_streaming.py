@@ -96,3 +96,21 @@ def test_an_fp4_exchange_sends_its_codes_and_scales():
     s16 = scenario(methods, "assume.exchange_dtype=bf16", "tokens=8192")
     assert priced(s16, "fp4", net()).total_s == pytest.approx(
         priced(s, "fp4", net()).total_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["diloco", "pier"])
+def test_a_phase_of_exactly_two_periods_counts_the_final_syncs_once(name):
+    """8 steps of H = 4 with P = 2 fragments (Pier: no lazy start): syncs after steps 2,
+    4, 6 and 8, and at the last step the fragment not synced there too: 5 exchanges. The
+    phase is exactly two periods long, so the steady-state period (steps 4-8) would hold
+    the last step and count its final syncs twice (3 exchanges x 8/4 = 6); it is priced
+    step by step instead."""
+    strategy = {"name": name, "inner_steps": H, "fragments": P}
+    if name == "pier":
+        strategy |= {"warmup_fraction": 0.0, "schedule": "constant"}
+    s = scenario({name: {"strategy": strategy}}, "tokens=4096", blocks=2)
+    for network, bandwidth in ((net(), B), (slow(), B / 1000)):
+        t = 2 * A + 4 * BLOCK / bandwidth
+        r = described(s, name, network)
+        assert r.steps == 8
+        assert r.total_s == pytest.approx(8 * C + 5 * t, rel=1e-12)

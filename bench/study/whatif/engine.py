@@ -17,8 +17,10 @@ which the traffic repeats every `period` steps (H for local-update methods). A l
 phase is priced over two periods aligned on the round grid: the first warms the link
 clocks, the second, scaled to the phase's length, is the phase (a phase of L steps
 counts L / period periods: a last, shorter round is priced as that fraction of a full
-one; `exact=True` prices every step instead: a measured run's own steps). Consecutive
-identical steps are priced twice (the first may pay slow start) and the second
+one; the run's last step, where a streaming run syncs every fragment, is not in the
+priced period, so those final syncs are left out). A phase of at most two periods after
+alignment is priced step by step, as is every step with `exact=True` (a measured run's).
+Consecutive identical steps are priced twice (the first may pay slow start) and the second
 repeated; ranks whose steps are the same up to the network's symmetry (same ops on
 groups of the same shape, on a profile without per-node links) are priced once.
 """
@@ -158,7 +160,9 @@ def plan(traffic: Traffic, compute: Compute, world: int, ranks_per_node: int,
             continue
         period = max(1, traffic.period)
         first = -(-start // period) * period
-        if exact or first + 2 * period > stop:
+        # the scaled period must not hold the phase's last step (its final syncs, e.g. every
+        # fragment's, happen once, not once a period): a phase that short is priced whole
+        if exact or first + 2 * period >= stop:
             windows.append([(start, stop, 1.0)])
         else:
             windows.append([(first, first + period, 0.0),
