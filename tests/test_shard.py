@@ -164,7 +164,8 @@ def test_combinations_fsdp_cannot_do_are_refused_with_a_reason(overrides, expect
 
 def test_resume_onto_another_world_size_is_refused(tmp_path):
     """A sharded run's checkpoint holds each rank's shards for its layout: `--resume` with
-    another parallel.world_size is refused before launch (the run's identity changed)."""
+    another parallel.world_size is refused before launch, naming both layouts and why
+    (only unsharded torch DDP resumes onto another world size)."""
     from bench.config import load_config, to_dict
     from bench.launch.run import check_resume
     from tests.fakes import write_fake_run
@@ -173,8 +174,13 @@ def test_resume_onto_another_world_size_is_refused(tmp_path):
     run = write_fake_run(tmp_path / "run", to_dict(cfg))
     other = load_config("configs/ddp-tiny.yaml", ["parallel.shard=fsdp",
                                                   "parallel.world_size=2"])
-    with pytest.raises(ValueError, match="parallel.world_size 4 -> 2"):
+    with pytest.raises(ValueError, match=r"parallel.world_size differ: .* ddp on 4 ranks .*"
+                                         r"ddp on 2 ranks .* parallel.shard none"):
         check_resume(other, run)
+    # the same global batch does not help: the shards are each rank's own
+    with pytest.raises(ValueError, match=r"only DDP with strategy.backend torch"):
+        check_resume(load_config("configs/ddp-tiny.yaml", [
+            "parallel.shard=fsdp", "parallel.world_size=2", "data.batch_size=16"]), run)
 
 
 class _FakeComm:
