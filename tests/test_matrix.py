@@ -440,12 +440,8 @@ def check(combo: Combination, found: dict) -> None:
     assert found["steps"] == 3 and found["tokens"] > 0, (named, found)
     assert found["loss_finite"] and math.isfinite(found["val"]), (named, found)
     assert found["final_pt"], named
-    traffic = found["traffic"]  # the what-if describes what the run sent, or says why not
-    if traffic is not None and traffic.startswith("refused: "):
-        # what the what-if cannot price yet (tests/test_whatif_matrix.py's REFUSED)
-        assert "strategy.backend=deepspeed with a pipeline" in traffic, (named, traffic)
-    else:
-        assert traffic is None, f"what-if traffic differs from the ledger: {named}: {traffic}"
+    traffic = found["traffic"]  # the what-if describes what the run sent (issue 48)
+    assert traffic is None, f"what-if traffic differs from the ledger: {named}: {traffic}"
     # a sharded run's projection says FSDP's collectives are priced with no overlap
     assert ("FSDP" in found["projection_model"]) == (named["parallel.shard"] == "fsdp"), named
     # one torch thread a rank (`_run_rows`): the thread's CPU time unless the wall is asked
