@@ -329,10 +329,11 @@ def outer_notes(cfg) -> list[str]:
     if p.shard == "fsdp":
         notes.append(FSDP_ASSUMPTION)
     elif p.group_size > 1:
-        notes.append(f"outer all-reduce: each of a replica's {p.group_size} ranks all-reduces "
-                     "the whole θ across its position's ranks (algorithms/outer.py), "
-                     f"{p.group_size} concurrent all-reduces of |θ| out of each replica; "
-                     "parallel.shard=fsdp sends |θ|/group_size each")
+        notes.append(f"outer exchange: each of a replica's {p.group_size} ranks sends the "
+                     "whole θ's round to its position's ranks in the other replicas "
+                     f"(algorithms/outer.py), {p.group_size} concurrent exchanges out of each "
+                     "replica (DiLoCo's all-reduce, or the rule's all-gather or peer "
+                     "exchange); parallel.shard=fsdp sends 1/group_size of it each")
     return notes
 
 
