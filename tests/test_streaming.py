@@ -16,7 +16,6 @@ schedule, the fragments, and the strategy against its restatement in tensor math
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
