@@ -64,3 +64,20 @@ def regression_batch(rank, step):
 
 def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def rule_strategy(cls, config, model, rank, world_size, total_steps, inner_lr=0.1):
+    """A local-update strategy `cls` on `model` with inner SGD at `inner_lr`, on the default
+    group (the outer-rule tests: tests/test_outer_rules.py, tests/test_demo.py)."""
+    from algorithms.base import TrainSetup
+    from algorithms.comm import Communicator
+
+    comm = Communicator(rank, world_size, "cpu")
+    setup = TrainSetup(model=model, comm=comm, total_steps=total_steps,
+                       make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=inner_lr))
+    return cls(config, setup)
+
+
+def global_flat(strategy) -> torch.Tensor:
+    """The strategy's global θ, flat."""
+    return torch.cat([g.detach().reshape(-1) for g in strategy.outer.global_params])

@@ -29,8 +29,7 @@ import torch.distributed as dist
 from scipy.fft import dct, dctn
 from torch import nn
 
-from algorithms.base import TrainSetup, strategy_class
-from algorithms.comm import Communicator
+from algorithms.base import strategy_class
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.memory import MemoryFacts
 from algorithms.outer_rules import rule_class
@@ -44,7 +43,7 @@ from algorithms.outer_rules.demo import (
     tensor_blocks,
 )
 from tests.distributed import run_distributed
-from tests.local_updates import flat
+from tests.local_updates import flat, global_flat, rule_strategy
 
 INNER_LR = 0.1
 
@@ -68,14 +67,7 @@ def batch(rank, step):
 
 
 def _strategy(cls, config, model, rank, world_size, total_steps):
-    comm = Communicator(rank, world_size, "cpu")
-    setup = TrainSetup(model=model, comm=comm, total_steps=total_steps,
-                       make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=INNER_LR))
-    return cls(config, setup)
-
-
-def _global(strategy) -> torch.Tensor:
-    return torch.cat([g.detach().reshape(-1) for g in strategy.outer.global_params])
+    return rule_strategy(cls, config, model, rank, world_size, total_steps, INNER_LR)
 
 
 # ------------------------------------------------------------------------ the codec
@@ -272,8 +264,8 @@ def _math(rank, world_size, rounds, inner_steps, k, beta, lr, wd):
         dist.all_gather(everyone, sent)
         theta = theta * (1 - lr * wd) - lr * torch.stack(everyone).mean(0).sign()
         torch.nn.utils.vector_to_parameters(theta.float().clone(), reference.parameters())
-        errors.append(max((_global(strategy).double() - theta).abs().max().item(),
-                          (strategy.outer.parts[0].rule.momentum.double() - m).abs().max()
+        errors.append(max((global_flat(strategy).double() - theta).abs().max().item(),
+                          (strategy.outer.parts[0].rule.accumulator.double() - m).abs().max()
                           .item()))
     return errors
 
@@ -301,7 +293,7 @@ def _resume(rank, world_size, inner_steps, rounds, stop):
     for step in range(stop, total):
         resumed.train_step(batch(rank, step))
     return ((flat(straight.model) - flat(resumed.model)).abs().max().item()
-            + (_global(straight) - _global(resumed)).abs().max().item())
+            + (global_flat(straight) - global_flat(resumed)).abs().max().item())
 
 
 @pytest.mark.timeout(90)

@@ -26,8 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from algorithms.base import TrainSetup
-from algorithms.comm import Communicator
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.gasloc import round_peers
 from algorithms.outer_rules import RULES, rule_class
@@ -35,7 +33,7 @@ from algorithms.outer_rules.demo import DeMoConfig
 from algorithms.outer_rules.noloco import NoLoCo, NoLoCoConfig
 from algorithms.outer_rules.sparseloco import ChunkCodec, SparseLoCo, SparseLoCoConfig
 from tests.distributed import run_distributed
-from tests.local_updates import Regression, flat, regression_batch
+from tests.local_updates import Regression, flat, global_flat, regression_batch, rule_strategy
 
 INNER_LR = 0.1
 
@@ -57,14 +55,7 @@ class TwoBlocks(nn.Module):
 
 
 def _strategy(cls, config, model, rank, world_size, total_steps):
-    comm = Communicator(rank, world_size, "cpu")
-    setup = TrainSetup(model=model, comm=comm, total_steps=total_steps,
-                       make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=INNER_LR))
-    return cls(config, setup)
-
-
-def _global(strategy) -> torch.Tensor:
-    return torch.cat([g.detach().reshape(-1) for g in strategy.outer.global_params])
+    return rule_strategy(cls, config, model, rank, world_size, total_steps, INNER_LR)
 
 
 # ------------------------------------------------------------------------ the registry
@@ -255,8 +246,8 @@ def _sparseloco_math(rank, world_size, rounds, inner_steps, chunk, k, beta, lr):
         dist.all_gather(everyone, sent)
         theta = theta - lr * torch.stack(everyone).sum(0) / world_size
         torch.nn.utils.vector_to_parameters(theta.clone(), reference.parameters())
-        errors.append(max((_global(strategy) - theta).abs().max().item(),
-                          (strategy.outer.parts[0].rule.error - error).abs().max().item()))
+        errors.append(max((global_flat(strategy) - theta).abs().max().item(),
+                          (strategy.outer.parts[0].rule.accumulator - error).abs().max().item()))
     return errors
 
 
@@ -295,7 +286,7 @@ def _noloco_math(rank, world_size, rounds, inner_steps, lr, mu, pull, seed):
         momentum = mu * momentum + delta + pull / lr * (phi - phi_mean)
         phi = phi - lr * momentum
         torch.nn.utils.vector_to_parameters(phi.clone(), reference.parameters())
-        errors.append((_global(strategy) - phi).abs().max().item())
+        errors.append((global_flat(strategy) - phi).abs().max().item())
         errors.append((flat(strategy.model) - phi).abs().max().item())
         spread.append(max((e[1] - everyone[0][1]).abs().max().item() for e in everyone))
     return errors, spread, strategy.metrics()["consensus"], flat(strategy.eval_model()), phi
@@ -350,7 +341,7 @@ def _resume(rank, world_size, name, kwargs, inner_steps, rounds, stop):
     for step in range(stop, total):
         resumed.train_step(regression_batch(rank, step))
     return ((flat(straight.model) - flat(resumed.model)).abs().max().item()
-            + (_global(straight) - _global(resumed)).abs().max().item())
+            + (global_flat(straight) - global_flat(resumed)).abs().max().item())
 
 
 @pytest.mark.timeout(120)

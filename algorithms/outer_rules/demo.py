@@ -32,6 +32,7 @@ import torch
 
 from algorithms.diloco import DiLoCo, DiLoCoConfig
 from algorithms.outer_rules import OuterRule, Sends
+from algorithms.outer_rules.sparseloco import CodedFeedback
 from algorithms.traffic import Transfer, cross_of
 
 MAX_CHUNK = 128
@@ -152,7 +153,7 @@ class DCTCodec:
         return out
 
 
-class DeMoRule(OuterRule):
+class DeMoRule(CodedFeedback, OuterRule):
     """The DeMo round on the global θ of one fragment (module docstring); one momentum m_i
     per replica. Not on shards: its blocks are the whole tensors' (a rank's shards would
     cut them elsewhere)."""
@@ -162,10 +163,10 @@ class DeMoRule(OuterRule):
     def __init__(self, params, momentum_decay: float = 0.999, chunk_size: int = 64,
                  topk_per_chunk: int = 32, sign: bool = True, weight_decay: float = 0.0):
         super().__init__(params)
-        self.momentum_decay, self.sign = momentum_decay, sign
+        self.decay, self.sign = momentum_decay, sign
         self.weight_decay = weight_decay
         self.codec = DCTCodec([p.shape for p in params], chunk_size, topk_per_chunk)
-        self.momentum: torch.Tensor | None = None
+        self.accumulator = None
         """m_i, on the replica's device; None before the first round."""
 
     @classmethod
@@ -206,20 +207,6 @@ class DeMoRule(OuterRule):
                              "2 or more replicas")
 
     @torch.no_grad()
-    def exchange(self, outer, group, launch):
-        flat = outer.pseudo_gradient(torch.float32)
-        m = flat if self.momentum is None else self.momentum.mul_(self.momentum_decay).add_(flat)
-        payload, sent = self.codec.encode(m)
-        self.momentum = m.sub_(sent)
-        return outer.comm.average_coded(payload, self.codec.decode, group, launch)
-
-    @torch.no_grad()
-    def warm_up(self, outer, group) -> None:
-        payload = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8,
-                              device=outer.params[0].device)
-        outer.comm.average_coded(payload, self.codec.decode, group, record=False)
-
-    @torch.no_grad()
     def step(self, delta: torch.Tensor, lr: float, momentum: float) -> None:
         update = delta.sign() if self.sign else delta
         offset = 0
@@ -232,11 +219,10 @@ class DeMoRule(OuterRule):
             offset += n
 
     def state_dict(self) -> dict:
-        return {"momentum": None if self.momentum is None else self.momentum.clone()}
+        return {"momentum": self.saved_accumulator()}
 
     def load_state_dict(self, state: dict) -> None:
-        m = state["momentum"]
-        self.momentum = None if m is None else m.to(self.params[0].device)
+        self.load_accumulator(state["momentum"])
 
 
 @dataclass

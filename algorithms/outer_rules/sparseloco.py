@@ -123,7 +123,39 @@ def _unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
     return ((packed.view(-1, 1) >> shifts) & 3).view(-1)[:count]
 
 
-class SparseLoCoRule(SGDRule):
+class CodedFeedback:
+    """A rule whose exchange is a per-replica accumulator sent through a codec (SparseLoCo's
+    error feedback e_i, DeMo's momentum m_i): a ← decay·a + Δ_i; the codec's payload of a is
+    sent and what it decodes to is removed from a (the rest waits for later rounds); the
+    replicas' payloads are decoded and averaged (one all-gather, `average_coded`). A rule
+    mixing it in sets `codec`, `decay` and `accumulator` (None before the first round)."""
+
+    codec: ChunkCodec  # or any codec with encode, decode and payload_bytes (DeMo's DCTCodec)
+    decay: float
+    accumulator: torch.Tensor | None
+
+    @torch.no_grad()
+    def exchange(self, outer, group, launch):
+        flat = outer.pseudo_gradient(torch.float32)
+        a = flat if self.accumulator is None else self.accumulator.mul_(self.decay).add_(flat)
+        payload, sent = self.codec.encode(a)
+        self.accumulator = a.sub_(sent)
+        return outer.comm.average_coded(payload, self.codec.decode, group, launch)
+
+    @torch.no_grad()
+    def warm_up(self, outer, group) -> None:
+        payload = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8,
+                              device=outer.params[0].device)
+        outer.comm.average_coded(payload, self.codec.decode, group, record=False)
+
+    def saved_accumulator(self) -> torch.Tensor | None:
+        return None if self.accumulator is None else self.accumulator.clone()
+
+    def load_accumulator(self, saved: torch.Tensor | None) -> None:
+        self.accumulator = None if saved is None else saved.to(self.params[0].device)
+
+
+class SparseLoCoRule(CodedFeedback, SGDRule):
     """The outer SGD step on the mean of the replicas' coded top-k of their error-feedback
     accumulators (module docstring); one accumulator e_i per fragment and replica.
 
@@ -137,10 +169,10 @@ class SparseLoCoRule(SGDRule):
                  error_decay: float = 0.95, chunk_size: int = 4096, topk_per_chunk: int = 64,
                  value_format: str = "2bit"):
         super().__init__(params, lr, momentum, nesterov)
-        self.error_decay = error_decay
+        self.decay = error_decay
         self.codec = ChunkCodec(sum(p.numel() for p in params), chunk_size, topk_per_chunk,
                                 value_format)
-        self.error: torch.Tensor | None = None
+        self.accumulator = None
         """e_i, on the replica's device; None before the first round."""
 
     @classmethod
@@ -170,28 +202,12 @@ class SparseLoCoRule(SGDRule):
             raise ValueError(f"strategy.outer_grad_dtype={config.outer_grad_dtype!r} with "
                              "sparseloco: its values travel as value_format says; use fp32")
 
-    @torch.no_grad()
-    def exchange(self, outer, group, launch):
-        flat = outer.pseudo_gradient(torch.float32)
-        accumulated = flat if self.error is None else self.error.mul_(self.error_decay).add_(flat)
-        payload, sent = self.codec.encode(accumulated)
-        self.error = accumulated.sub_(sent)
-        return outer.comm.average_coded(payload, self.codec.decode, group, launch)
-
-    @torch.no_grad()
-    def warm_up(self, outer, group) -> None:
-        payload = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8,
-                              device=outer.params[0].device)
-        outer.comm.average_coded(payload, self.codec.decode, group, record=False)
-
     def state_dict(self) -> dict:
-        return {"optimizer": super().state_dict(),
-                "error": None if self.error is None else self.error.clone()}
+        return {"optimizer": super().state_dict(), "error": self.saved_accumulator()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state["optimizer"])
-        error = state["error"]
-        self.error = None if error is None else error.to(self.params[0].device)
+        self.load_accumulator(state["error"])
 
 
 @dataclass
