@@ -79,11 +79,9 @@ def verify_states(run: RunDir, world_size: int) -> int | None:
                          "restarts at step 0") from None
     if found is not None:
         path, info = found
-        key, words = run_key(run, without_layout=True)
-        if key and info.get("run") and info["run"] != key:
-            raise ValueError(f"{where}: checkpoint {path} belongs to another run (run key "
-                             f"{info['run']}: {info.get('layout_words')}), not this run's "
-                             f"({key}: {words})")
+        foreign = another_runs(run, path, info)
+        if foreign:
+            raise ValueError(f"{where}: {foreign}")
         saved = int(info.get("world_size", 0))
         if saved != world_size and not info.get("replicated"):
             raise ValueError(
@@ -213,6 +211,16 @@ def layout_change_problem(old: Config, new: Config) -> str | None:
     if new.data.batch_size * new.parallel.world_size != before:
         return head + (f"the global batch must stay {before} (the data position is the step): "
                        f"set data.batch_size to {before} / parallel.world_size")
+    return None
+
+
+def another_runs(run: RunDir, path, info: dict) -> str | None:
+    """Why the complete checkpoint `path` (its complete.json `info`) is not `run`'s, or
+    None: its run key (the config without the layout keys) is another run's."""
+    key, words = run_key(run, without_layout=True)
+    if key and info.get("run") and info["run"] != key:
+        return (f"checkpoint {path} belongs to another run (run key {info['run']}: "
+                f"{info.get('layout_words')}), not this run's ({key}: {words})")
     return None
 
 
@@ -362,11 +370,9 @@ def load_state(run: RunDir, rank: int, strategy: Strategy,
                            f"{'found' if found else 'none'}): is the run directory shared?")
     if found is not None:
         path, info = found
-        key, words = run_key(run, without_layout=True)
-        if key and info.get("run") and info["run"] != key:
-            raise RuntimeError(f"resume: checkpoint {path} belongs to another run (run key "
-                               f"{info['run']}: {info.get('layout_words')}), not this run's "
-                               f"({key}: {words})")
+        foreign = another_runs(run, path, info)
+        if foreign:
+            raise RuntimeError(f"resume: {foreign}")
         own = dcp_state.load(path, info, rank, strategy, group)
         set_rng_states(own, strategy.comm.device)
         if "ledger" in own:
