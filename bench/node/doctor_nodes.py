@@ -185,28 +185,23 @@ def bandwidth(device, world: int, repeats: int = 5) -> str:
     import torch
     import torch.distributed as dist
 
+    from bench.env import synchronize
+
     cells = []
     for mib in SIZES_MIB[device.type]:
         t = torch.ones(mib * 2**20 // 4, device=device)
         best = float("inf")
         for i in range(repeats + 1):
-            _sync(device)
+            synchronize(device)
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(t)
-            _sync(device)
+            synchronize(device)
             if i:  # the first is the warm-up
                 best = min(best, time.perf_counter() - start)
         bus = 2 * (world - 1) / world * mib * 2**20 / best
         cells.append(f"{mib} MiB {bus / 1e9:.2f} GB/s")
     return "all_reduce bus bandwidth " + ", ".join(cells)
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":
